@@ -1,0 +1,5 @@
+"""flashflow: Triton kernels for transformer inference that move as few bytes as the hardware allows."""
+from flashflow.ops.attention import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
+
+__version__ = "0.1.0"
+__all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "__version__"]

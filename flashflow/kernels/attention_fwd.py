@@ -1,0 +1,246 @@
+"""Flash attention forward: Triton kernels.
+
+Tiling
+------
+One program owns a ``BLOCK_M × head_dim`` tile of queries of one (batch, head) and streams the
+keys/values of the matching KV head in ``BLOCK_N`` rows at a time, keeping the running row max
+``m``, row sum ``l`` and the un-normalised output ``acc`` in registers (online softmax). Scores
+live only as a ``BLOCK_M × BLOCK_N`` register tile; nothing of size S×S touches memory.
+
+The key range of a query block is split into at most three loops so that the hot loop does no
+masking at all: blocks left of the window (masked), blocks fully inside every row's allowed range
+(unmasked), and the diagonal / window edge / ragged end (masked). Non-causal attention over a
+multiple of ``BLOCK_N`` keys runs only the unmasked loop.
+
+Loads come in two flavours selected by ``USE_TMA`` (a constexpr, one kernel body):
+  * TMA: per-program device-side tensor descriptors over one (sequence, head) slice, so the copy
+    engine zero-fills past the end of a sequence and clips stores at it (Hopper and newer).
+  * pointers: masked ``tl.load``/``tl.store`` with arbitrary strides (Ampere/Ada, interpreter).
+
+Cost per (batch, head): FLOPs = 4·Sq·Sk·d (halved for causal), bytes ≥ 2·(Sq + 2·Sk)·d (bf16),
+so at Sq = Sk = 4096, d = 128 the arithmetic intensity is ~1400 FLOP/B: matrix-unit bound.
+
+The kernel uses base-2 exponentials: scores are pre-multiplied by ``softmax_scale·log2(e)`` and
+the log-sum-exp is converted back to natural log in the epilogue.
+"""
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _tanh(x):
+    # tanh through exp2 so that the interpreter and every GPU generation share one code path.
+    e = tl.math.exp2(x * 2.8853900817779268)  # exp(2x)
+    return 1.0 - 2.0 / (e + 1.0)
+
+
+@triton.jit
+def _scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, diag_offset,
+            window_left, window_right, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+            HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
+            HAS_RIGHT: tl.constexpr):
+    """Scores of one tile in the log2 domain: log2(e)·(softcap(q·kᵀ·scale) + bias), masked to -inf."""
+    s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        # softcap·tanh(qk·scale/softcap); qk_scale_log2 carries scale/softcap here, see launcher
+        s = _tanh(s * qk_scale_log2) * (softcap * 1.4426950408889634)
+    else:
+        s = s * qk_scale_log2
+    if HAS_BIAS:
+        b = tl.load(bias_ptrs, mask=offs_n[None, :] < seqlen_k, other=0.0).to(tl.float32)
+        s += b * 1.4426950408889634
+    if MASKED:
+        allowed = offs_n[None, :] < seqlen_k
+        diag = offs_m[:, None] + diag_offset
+        if HAS_RIGHT:
+            allowed &= offs_n[None, :] <= diag + window_right
+        if HAS_LEFT:
+            allowed &= offs_n[None, :] >= diag - window_left
+        s = tl.where(allowed, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _online_softmax_step(acc, l_i, m_i, s, v, SAFE: tl.constexpr):
+    """Fold one tile of log2-domain scores ``s`` and its values ``v`` into (acc, l, m)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if SAFE:
+        # rows that have seen only masked keys keep m = -inf: shift by 0 so exp2 gives 0, not NaN
+        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new_safe = m_new
+    p = tl.math.exp2(s - m_new_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_new_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, k_desc, v_desc, stride_kn, stride_vn, offs_m,
+             offs_d, bias_ptrs, stride_bias_n, qk_scale_log2, softcap, seqlen_k, diag_offset,
+             window_left, window_right,
+             BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
+             HAS_RIGHT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        offs_n = start_n + offs_nb
+        if USE_TMA:
+            k = k_desc.load([start_n, 0])
+            v = v_desc.load([start_n, 0])
+        else:
+            k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :]
+            v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :]
+            if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+                kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+            else:
+                k = tl.load(k_ptrs)
+                v = tl.load(v_ptrs)
+        s = _scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n, qk_scale_log2,
+                    softcap, seqlen_k, diag_offset, window_left, window_right, DOT_PRECISION,
+                    MASKED, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, MASKED or HAS_BIAS)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_fwd_kernel(
+    Q, K, V, O, LSE, BIAS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    stride_bb, stride_bh, stride_bm, stride_bn,
+    seqlen_q, seqlen_k, kv_group, num_m_blocks,
+    qk_scale_log2, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+):
+    """Grid: (m-blocks, q heads, batch). Program (m, h, b) writes O[b, m-block, h, :] and its LSE.
+
+    Causal programs are dispatched heaviest-first (``HEAVY_FIRST``: the m-blocks near the end of
+    the sequence see the most keys), so the short ones fill the last wave instead of a long one
+    trailing alone.
+    """
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    if HEAVY_FIRST:
+        pid_m = num_m_blocks - 1 - pid_m
+    kv_head = head // kv_group
+
+    if IS_VARLEN:
+        q_start = tl.load(CU_SEQLENS_Q + batch)
+        seqlen_q = tl.load(CU_SEQLENS_Q + batch + 1) - q_start
+        k_start = tl.load(CU_SEQLENS_K + batch)
+        seqlen_k = tl.load(CU_SEQLENS_K + batch + 1) - k_start
+    else:
+        q_start = 0
+        k_start = 0
+    m_start = pid_m * BLOCK_M
+    if m_start >= seqlen_q:
+        return
+
+    # 64-bit offsets: batch·stride overflows int32 for long sequences
+    q_base = Q + batch.to(tl.int64) * stride_qb + q_start.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + k_start.to(tl.int64) * stride_ks + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + k_start.to(tl.int64) * stride_vs + kv_head.to(tl.int64) * stride_vh
+    o_base = O + batch.to(tl.int64) * stride_ob + q_start.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+
+    if USE_TMA:
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
+                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        q = q_desc.load([m_start, 0])
+    else:
+        q_desc = None
+        k_desc = None
+        v_desc = None
+        q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+
+    if HAS_BIAS:
+        bias_ptrs = (BIAS + batch.to(tl.int64) * stride_bb + head.to(tl.int64) * stride_bh
+                     + tl.minimum(offs_m, seqlen_q - 1)[:, None].to(tl.int64) * stride_bm
+                     + tl.arange(0, BLOCK_N)[None, :] * stride_bn)
+    else:
+        bias_ptrs = BIAS
+
+    # Key range of this query block (see the module docstring for the three loops).
+    diag_offset = seqlen_k - seqlen_q
+    m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = tl.maximum(m_start + diag_offset - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
+        right_edge = tl.minimum(m_start + diag_offset + window_right + 1, seqlen_k)
+        full_hi = (tl.maximum(right_edge, 0) // BLOCK_N) * BLOCK_N
+    if HAS_BIAS:
+        # an arbitrary mask can cut anywhere: every tile takes the masked path
+        full_lo = hi
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+
+    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, lo, mid_lo, k_base, v_base, k_desc, v_desc,
+                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
+                             qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, DOT_PRECISION,
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False)
+    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, k_desc, v_desc,
+                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
+                             qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, DOT_PRECISION,
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE)
+    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, k_desc, v_desc,
+                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
+                             qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, DOT_PRECISION,
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False)
+
+    # Epilogue: normalise; rows with no allowed key (l = 0) give 0 and lse = -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    if RETURN_LSE:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        l_ptrs = (LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+                  + (q_start + offs_m).to(tl.int64) * stride_ls)
+        tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
+    if USE_TMA:
+        o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM_PAD])
+        o_desc.store([m_start, 0], out.to(O.dtype.element_ty))
+    else:
+        o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty),
+                 mask=o_mask)

@@ -1,0 +1,402 @@
+"""Flash attention forward: validation, config choice, launch, custom-op registration.
+
+Public entry points (re-exported by ``flashflow``):
+
+* :func:`flash_attn_func` — FlashAttention layout ``(batch, seqlen, heads, head_dim)``.
+* :func:`flash_attn_varlen_func` — packed ragged batches ``(total_tokens, heads, head_dim)``.
+* :func:`scaled_dot_product_attention` — SDPA layout ``(batch, heads, seqlen, head_dim)`` and
+  semantics (top-left causal, boolean or additive ``attn_mask``, ``enable_gqa``).
+
+All three go through one ``torch.library`` custom op, ``flashflow::attention_fwd``, so that
+``torch.compile(fullgraph=True)`` traces through them and CUDA graphs capture them.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+
+from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel
+from flashflow.tuning import AttentionConfig, attention_fwd_config, gpu_family, interpreting
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+# --------------------------------------------------------------------------------------------
+# validation (shape/dtype only: safe under torch.compile tracing)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t, rank: int, form: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} {form}, got shape {tuple(t.shape)}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+def _check_common(q, k, v, head_axis: int) -> None:
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    if q.device.type != "cuda" and not interpreting():
+        raise ValueError(
+            f"flashflow attention runs on CUDA tensors; got q on {q.device}. "
+            "Move the tensors to the GPU (or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)."
+        )
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"q, k, v must share head_dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+    heads, kv_heads = q.shape[head_axis], k.shape[head_axis]
+    if v.shape[head_axis] != kv_heads:
+        raise ValueError(f"k and v must have the same number of heads, got {kv_heads} and {v.shape[head_axis]}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(
+            f"heads of q ({heads}) must be a multiple of heads of k/v ({kv_heads}) (GQA/MQA)"
+        )
+
+
+def _check_window(window_size) -> tuple[int, int]:
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {window_size!r}")
+    return left, right
+
+
+def _check_softcap(softcap) -> float:
+    softcap = float(softcap)
+    if softcap < 0 or not math.isfinite(softcap):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    return softcap
+
+
+# --------------------------------------------------------------------------------------------
+# launch
+# --------------------------------------------------------------------------------------------
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_tma_allocator() -> None:
+    """Device-side tensor descriptors need a small global scratch buffer per launch."""
+    global _ALLOCATOR_SET
+    if not _ALLOCATOR_SET:
+        def alloc(size: int, alignment: int, stream):
+            return torch.empty(size, dtype=torch.int8, device="cuda")
+
+        triton.set_allocator(alloc)
+        _ALLOCATOR_SET = True
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """The copy engine needs 16-byte aligned bases and strides (besides the unit last stride)."""
+    for t in tensors:
+        es = t.element_size()
+        if t.data_ptr() % 16:
+            return False
+        if any((s * es) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def pick_config(q: torch.Tensor, causal: bool) -> AttentionConfig:
+    head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
+    return attention_fwd_config(head_dim_pad, causal, gpu_family(q.device))
+
+
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    # The kernels index head_dim with unit stride; anything else is copied (rare: a permuted
+    # head_dim axis). All other strides are passed through untouched.
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    bias: Optional[torch.Tensor] = None,
+    cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
+    max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+    softmax_scale: float, window_left: Optional[int] = None, window_right: Optional[int] = None,
+    softcap: float = 0.0, return_lse: bool = True, heavy_first: bool = False,
+    config: Optional[AttentionConfig] = None, out: Optional[torch.Tensor] = None,
+):
+    """Launch the forward kernel on validated tensors in FlashAttention layout.
+
+    Dense: q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``; out ``(b, sq, h, d)``, lse ``(b, h, sq)``.
+    Varlen (``cu_seqlens_q`` given): q ``(tq, h, d)``, k/v ``(tk, hk, d)``; lse ``(h, tq)``.
+    ``window_left/right = None`` means unbounded on that side; the diagonal is bottom-right
+    aligned. ``bias`` is an additive float32 score bias broadcastable to ``(b, h, sq, sk)`` as
+    a 4-D strided view (stride 0 on broadcast axes); -inf entries mask.
+    """
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    varlen = cu_seqlens_q is not None
+    head_dim = q.shape[-1]
+    if varlen:
+        batch = cu_seqlens_q.numel() - 1
+        _, heads, _ = q.shape
+        kv_heads = k.shape[1]
+        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+        sq_b = sq_s = sq_h = 0
+        sq_s, sq_h = q.stride(0), q.stride(1)
+        sk_s, sk_h = k.stride(0), k.stride(1)
+        sv_s, sv_h = v.stride(0), v.stride(1)
+        sq_b = sk_b = sv_b = 0
+    else:
+        batch, seqlen_q, heads, _ = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        sq_b, sq_s, sq_h = q.stride(0), q.stride(1), q.stride(2)
+        sk_b, sk_s, sk_h = k.stride(0), k.stride(1), k.stride(2)
+        sv_b, sv_s, sv_h = v.stride(0), v.stride(1), v.stride(2)
+
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if varlen:
+        lse = torch.empty((heads, q.shape[0]) if return_lse else (0,), dtype=torch.float32, device=q.device)
+        l_strides = (0, lse.stride(0), 1) if return_lse else (0, 0, 0)
+        so_b, so_s, so_h = 0, out.stride(0), out.stride(1)
+    else:
+        lse = torch.empty((batch, heads, seqlen_q) if return_lse else (0,), dtype=torch.float32, device=q.device)
+        l_strides = lse.stride() if return_lse else (0, 0, 0)
+        so_b, so_s, so_h = out.stride(0), out.stride(1), out.stride(2)
+    if q.numel() == 0 or batch == 0 or seqlen_q == 0:
+        return out, lse
+
+    cfg = config or pick_config(q, causal=window_right is not None)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    use_tma = cfg.use_tma and _tma_ok(q, k, v, out)
+    if use_tma and q.device.type == "cuda":
+        _ensure_tma_allocator()
+
+    has_softcap = softcap > 0
+    qk_scale_log2 = softmax_scale / softcap if has_softcap else softmax_scale * LOG2E
+    num_m_blocks = triton.cdiv(seqlen_q, cfg.BLOCK_M)
+    grid = (num_m_blocks, heads, batch)
+    bias_t = bias if bias is not None else q
+    b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    dummy = cu_seqlens_q if varlen else q
+    extra = {}
+    if cfg.maxnreg:
+        extra["maxnreg"] = cfg.maxnreg
+    attention_fwd_kernel[grid](
+        q, k, v, out, lse, bias_t,
+        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
+        l_strides[0], l_strides[1], l_strides[2],
+        b_strides[0], b_strides[1], b_strides[2], b_strides[3],
+        seqlen_q, seqlen_k, heads // kv_heads, num_m_blocks,
+        qk_scale_log2, softcap, window_left or 0, window_right or 0,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+        IS_VARLEN=varlen, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
+        HAS_SOFTCAP=has_softcap, HAS_BIAS=bias is not None, RETURN_LSE=return_lse,
+        HEAVY_FIRST=heavy_first, USE_TMA=use_tma,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        WARP_SPECIALIZE=cfg.warp_specialize,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+    )
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# custom op: one registered op serves all three public entry points
+# --------------------------------------------------------------------------------------------
+
+
+def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
+    """Value checks need the numbers on the host; skipped while a CUDA graph is being captured."""
+    if cu_seqlens_q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
+                                     ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
+        vals = cu.tolist()
+        if vals[0] != 0:
+            raise ValueError(f"{name} must start at 0, got {vals[0]}")
+        if any(b < a for a, b in zip(vals, vals[1:])):
+            raise ValueError(f"{name} must be non-decreasing, got {vals}")
+        if vals[-1] != total:
+            raise ValueError(f"{name}[-1] must equal the packed token count {total}, got {vals[-1]}")
+        longest = max((b - a for a, b in zip(vals, vals[1:])), default=0)
+        if longest > max_len:
+            name_max = "max_seqlen_q" if name.endswith("q") else "max_seqlen_k"
+            raise ValueError(f"{name_max}={max_len} is smaller than the longest sequence ({longest})")
+
+
+@torch.library.custom_op("flashflow::attention_fwd", mutates_args=())
+def _attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
+    has_left: bool, window_left: int, has_right: bool, window_right: int,
+    softcap: float, return_lse: bool, heavy_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if cu_seqlens_q is not None:
+        _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    return attention_forward(
+        q, k, v, bias=bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+        window_left=window_left if has_left else None, window_right=window_right if has_right else None,
+        softcap=softcap, return_lse=return_lse, heavy_first=heavy_first,
+    )
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+      has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first):
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not return_lse:
+        lse_shape = (0,)
+    elif cu_seqlens_q is not None:
+        lse_shape = (q.shape[1], q.shape[0])
+    else:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
+    left, right = _check_window(window_size)
+    if causal:
+        right = 0
+    return left >= 0, max(left, 0), right >= 0, max(right, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    return_lse=False):
+    """Exact attention, FlashAttention layout.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)``; k, v: ``(batch, seqlen_k, kv_heads, head_dim)``
+            with ``heads % kv_heads == 0`` (GQA/MQA). fp16, bf16 (fp32 also accepted).
+        softmax_scale: defaults to ``1/sqrt(head_dim)``.
+        causal: mask aligned to the bottom-right corner of the score matrix (FlashAttention's rule,
+            matters when ``seqlen_q != seqlen_k``).
+        window_size: ``(left, right)`` sliding window, -1 = unbounded.
+        softcap: if > 0, scores become ``softcap·tanh(scores/softcap)`` before the softmax.
+        return_lse: also return the log-sum-exp, float32 ``(batch, heads, seqlen_q)``.
+    Returns:
+        ``out`` of q's shape and dtype, or ``(out, lse)``. Rows with no allowed key give 0
+        (and lse = -inf).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 4, "(batch, seqlen, heads, head_dim)")
+    _check_common(q, k, v, head_axis=2)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k, v must share batch, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must share seqlen_k, got {k.shape[1]} and {v.shape[1]}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = _attention_fwd_op(q, k, v, None, None, None, 0, 0, scale,
+                                 *_window_args(causal, window_size), _check_softcap(softcap),
+                                 bool(return_lse), bool(causal))
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                           return_lse=False):
+    """Exact attention over a packed ragged batch (FlashAttention's varlen API).
+
+    q ``(total_q, heads, head_dim)``, k/v ``(total_k, kv_heads, head_dim)``; sequence ``b`` is
+    ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``. ``cu_seqlens_*`` are int32 ``(batch + 1,)``.
+    Returns out ``(total_q, heads, head_dim)`` and, with ``return_lse``, lse ``(heads, total_q)``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
+    _check_common(q, k, v, head_axis=1)
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k and v must share total_k, got {k.shape[0]} and {v.shape[0]}")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype != torch.int32:
+            raise TypeError(f"{name} must be a 1-D int32 tensor (batch + 1,), got "
+                            f"{getattr(cu, 'dtype', type(cu).__name__)} {tuple(getattr(cu, 'shape', ()))}")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {cu.device}")
+        if cu.numel() < 2:
+            raise ValueError(f"{name} must hold batch + 1 >= 2 offsets, got {cu.numel()}")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
+                         f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
+    if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
+        raise ValueError(f"max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}, {max_seqlen_k}")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    out, lse = _attention_fwd_op(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                                 int(max_seqlen_q), int(max_seqlen_k), scale,
+                                 *_window_args(causal, window_size), _check_softcap(softcap),
+                                 bool(return_lse), bool(causal))
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                                 scale=None, enable_gqa=False):
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (inference forward).
+
+    Layout ``(batch, heads, seqlen, head_dim)`` (3-D ``(heads, seqlen, head_dim)`` also taken).
+    ``is_causal`` is aligned top-left as in PyTorch. ``attn_mask`` may be boolean (True = attend)
+    or additive float, broadcastable to ``(batch, heads, seqlen_q, seqlen_k)``. Unlike PyTorch,
+    a fully masked row gives 0, not NaN.
+    """
+    if dropout_p != 0.0:
+        raise ValueError(f"dropout_p must be 0.0 (flashflow attention is inference-only), got {dropout_p}")
+    squeeze = False
+    if isinstance(query, torch.Tensor) and query.dim() == 3:
+        query, key, value = query[None], key[None] if key.dim() == 3 else key, value[None] if value.dim() == 3 else value
+        if attn_mask is not None and attn_mask.dim() == 3:
+            attn_mask = attn_mask[None]
+        squeeze = True
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        _check_tensor(name, t, 4, "(batch, heads, seqlen, head_dim)")
+    if not enable_gqa and key.shape[1] != query.shape[1]:
+        raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
+                         "pass enable_gqa=True for grouped-query attention")
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    _check_common(q, k, v, head_axis=2)
+    if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
+        raise ValueError(f"query, key, value must share batch, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"key and value must share seqlen, got {k.shape[1]} and {v.shape[1]}")
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k = k.shape[1]
+    if is_causal and attn_mask is not None:
+        raise ValueError("pass either attn_mask or is_causal=True, not both (as PyTorch requires)")
+    bias = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask must be a tensor, got {type(attn_mask).__name__}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask must be on {q.device}, got {attn_mask.device}")
+        target = (batch, heads, seqlen_q, seqlen_k)
+        try:
+            expanded = attn_mask.expand(target) if attn_mask.dim() <= 4 else None
+        except RuntimeError:
+            expanded = None
+        if expanded is None:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"(batch, heads, seqlen_q, seqlen_k) = {target}")
+        if attn_mask.dtype == torch.bool:
+            bias = torch.zeros(attn_mask.shape, dtype=torch.float32, device=q.device)
+            bias = bias.masked_fill(~attn_mask, float("-inf")).expand(target)
+        elif attn_mask.is_floating_point():
+            bias = expanded
+        else:
+            raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
+    softmax_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    # PyTorch's causal mask keeps j <= i (top-left); the kernel's diagonal is bottom-right,
+    # i.e. j <= i + (seqlen_k - seqlen_q) + right, so shift the right edge back.
+    has_right = bool(is_causal)
+    right = seqlen_q - seqlen_k if is_causal else 0
+    out, _ = _attention_fwd_op(q, k, v, bias, None, None, 0, 0, softmax_scale,
+                               False, 0, has_right, right, 0.0, False, bool(is_causal))
+    out = out.transpose(1, 2)
+    return out[0] if squeeze else out

@@ -1,0 +1,59 @@
+"""Kernel configs per (GPU family, shape class), read from the JSON tables in this folder."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+_HERE = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False
+    warp_specialize: bool = False
+    maxnreg: int | None = None
+
+    def replace(self, **kw) -> "AttentionConfig":
+        return replace(self, **kw)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _table(name: str) -> dict:
+    with open(_HERE / f"{name}.json") as f:
+        return json.load(f)
+
+
+def gpu_family(device) -> str:
+    """'interpreter', 'sm90' (Hopper and newer) or 'sm80' (Ampere/Ada and anything older)."""
+    if interpreting() or device.type != "cuda":
+        return "interpreter"
+    import torch
+
+    major, _ = torch.cuda.get_device_capability(device)
+    return "sm90" if major >= 9 else "sm80"
+
+
+def family_entries(name: str, family: str) -> list[dict]:
+    return _table(name)[family]
+
+
+def attention_fwd_config(head_dim_pad: int, causal: bool, family: str) -> AttentionConfig:
+    for entry in _table("attention_fwd")[family]:
+        if head_dim_pad <= entry["head_dim_max"] and entry["causal"] in (None, causal):
+            kw = {k: entry[k] for k in AttentionConfig.__dataclass_fields__ if k in entry}
+            return AttentionConfig(**kw)
+    raise ValueError(f"no attention config for head_dim {head_dim_pad} on {family}")
