@@ -54,7 +54,10 @@ def main():
         configs = []
         for item in args.configs.split(";"):
             p = [int(x) for x in item.split(",")]
-            configs.append(AttentionConfig(p[0], p[1], p[2], p[3], bool(p[4]), bool(p[5]), p[6] if len(p) > 6 else None))
+            # BM,BN,warps,stages,load(0 ptr/1 device desc/2 host desc),ws,tail[,maxnreg]
+            configs.append(AttentionConfig(p[0], p[1], p[2], p[3], use_tma=p[4] > 0, host_desc=p[4] == 2,
+                                           warp_specialize=bool(p[5]), tail_split=bool(p[6]),
+                                           maxnreg=p[7] if len(p) > 7 else None))
     else:
         configs = [AttentionConfig(bm, bn, w, s, tma, ws)
                    for bm, bn, w, s, tma, ws in [
@@ -83,7 +86,10 @@ def main():
                 row["tflops"][name] = None
                 print(f"{name} failed at {row['shape']}: {str(e)[:100]}", file=sys.stderr)
         for cfg in configs:
-            key = f"{cfg.BLOCK_M}x{cfg.BLOCK_N}w{cfg.num_warps}s{cfg.num_stages}{'T' if cfg.use_tma else 'P'}{'ws' if cfg.warp_specialize else ''}{'r%d' % cfg.maxnreg if cfg.maxnreg else ''}"
+            mode = ("H" if cfg.host_desc else "D") if cfg.use_tma else "P"
+            key = (f"{cfg.BLOCK_M}x{cfg.BLOCK_N}w{cfg.num_warps}s{cfg.num_stages}{mode}"
+                   f"{'ws' if cfg.warp_specialize else ''}{'t' if cfg.tail_split else ''}"
+                   f"{'r%d' % cfg.maxnreg if cfg.maxnreg else ''}")
             try:
                 fn = lambda cfg=cfg: attention_forward(q, k, v, softmax_scale=d ** -0.5,
                                                        window_right=0 if causal else None,

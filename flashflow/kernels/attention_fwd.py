@@ -12,16 +12,28 @@ masking at all: blocks left of the window (masked), blocks fully inside every ro
 (unmasked), and the diagonal / window edge / ragged end (masked). Non-causal attention over a
 multiple of ``BLOCK_N`` keys runs only the unmasked loop.
 
-Loads come in two flavours selected by ``USE_TMA`` (a constexpr, one kernel body):
-  * TMA: per-program device-side tensor descriptors over one (sequence, head) slice, so the copy
-    engine zero-fills past the end of a sequence and clips stores at it (Hopper and newer).
-  * pointers: masked ``tl.load``/``tl.store`` with arbitrary strides (Ampere/Ada, interpreter).
+Loads (``LOAD_MODE``, a constexpr; one kernel body):
+  * 0 pointers: masked ``tl.load``/``tl.store`` with arbitrary strides (Ampere/Ada, interpreter).
+  * 1 device descriptors: per-program TMA descriptors over one (sequence, head) slice, so the copy
+    engine zero-fills past the end of a sequence and clips stores at it (varlen, odd head_dim).
+  * 2 host descriptors: TMA descriptors built once on the host over a 2-D view of the whole
+    tensor (rows = tokens of all sequences); nothing is built per program. Rows past a sequence's
+    end belong to the next sequence: K/V columns there are masked in the scores, Q rows there are
+    never stored (partial output tiles are stored through pointers).
 
-Cost per (batch, head): FLOPs = 4·Sq·Sk·d (halved for causal), bytes ≥ 2·(Sq + 2·Sk)·d (bf16),
-so at Sq = Sk = 4096, d = 128 the arithmetic intensity is ~1400 FLOP/B: matrix-unit bound.
+Tail split
+----------
+With a 1-D grid of ``num_full`` whole tiles followed by ``TAIL_SPLITS`` pieces of each of the last
+few tiles, a launch whose tile count leaves the last wave mostly empty (e.g. 816 tiles on 132 SMs:
+6.2 waves) ends after a fraction of a wave instead of a whole one. Each piece covers a slice of
+the key range and writes its un-normalised partial (acc, m, l) in fp32; ``attention_merge_kernel``
+combines the pieces (the flash-decoding merge).
 
-The kernel uses base-2 exponentials: scores are pre-multiplied by ``softmax_scale·log2(e)`` and
-the log-sum-exp is converted back to natural log in the epilogue.
+Cost per (batch, head): FLOPs = 4·Sq·Sk·d (halved for causal), bytes ≥ 2·(2·Sq + 2·Sk)·d (bf16),
+so at Sq = Sk = 4096, d = 128 the arithmetic intensity is ~1000 FLOP/B: matrix-unit bound.
+
+Scores are kept in the base-2 domain (pre-multiplied by ``softmax_scale·log2(e)``) so that the
+exponentials are ``exp2``; the log-sum-exp is converted back to natural log in the epilogue.
 """
 import triton
 import triton.language as tl
@@ -37,107 +49,128 @@ def _tanh(x):
 
 
 @triton.jit
-def _scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, diag_offset,
-            window_left, window_right, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
-            HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
-            HAS_RIGHT: tl.constexpr):
-    """Scores of one tile in the log2 domain: log2(e)·(softcap(q·kᵀ·scale) + bias), masked to -inf."""
+def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, diag_offset,
+                   window_left, window_right, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """log2(e)·(softcap(q·kᵀ·scale) + bias), -inf outside the sequence, the window and the diagonal."""
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
-        # softcap·tanh(qk·scale/softcap); qk_scale_log2 carries scale/softcap here, see launcher
+        # softcap·tanh(qk·scale/softcap); the launcher passes scale/softcap as qk_scale_log2 here
         s = _tanh(s * qk_scale_log2) * (softcap * 1.4426950408889634)
     else:
         s = s * qk_scale_log2
     if HAS_BIAS:
         b = tl.load(bias_ptrs, mask=offs_n[None, :] < seqlen_k, other=0.0).to(tl.float32)
         s += b * 1.4426950408889634
-    if MASKED:
-        allowed = offs_n[None, :] < seqlen_k
-        diag = offs_m[:, None] + diag_offset
-        if HAS_RIGHT:
-            allowed &= offs_n[None, :] <= diag + window_right
-        if HAS_LEFT:
-            allowed &= offs_n[None, :] >= diag - window_left
-        s = tl.where(allowed, s, float("-inf"))
-    return s
+    allowed = offs_n[None, :] < seqlen_k
+    diag = offs_m[:, None] + diag_offset
+    if HAS_RIGHT:
+        allowed &= offs_n[None, :] <= diag + window_right
+    if HAS_LEFT:
+        allowed &= offs_n[None, :] >= diag - window_left
+    return tl.where(allowed, s, float("-inf"))
 
 
 @triton.jit
-def _online_softmax_step(acc, l_i, m_i, s, v, SAFE: tl.constexpr):
-    """Fold one tile of log2-domain scores ``s`` and its values ``v`` into (acc, l, m)."""
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    if SAFE:
-        # rows that have seen only masked keys keep m = -inf: shift by 0 so exp2 gives 0, not NaN
-        m_new_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+def _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, stride_vn, seqlen_k,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
+             LOAD_MODE: tl.constexpr):
+    if LOAD_MODE == 2:
+        k = KD.load([k_row0 + start_n, k_col0])
+        v = VD.load([k_row0 + start_n, k_col0])
+    elif LOAD_MODE == 1:
+        k = KD.load([start_n, 0])
+        v = VD.load([start_n, 0])
     else:
-        m_new_safe = m_new
-    p = tl.math.exp2(s - m_new_safe[:, None])
-    alpha = tl.math.exp2(m_i - m_new_safe)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, m_new
+        k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :]
+        v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :]
+        if MASKED or HEAD_DIM != HEAD_DIM_PAD:
+            kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+    return k, v
 
 
 @triton.jit
-def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, k_desc, v_desc, stride_kn, stride_vn, offs_m,
+def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, stride_vn, offs_m,
              offs_d, bias_ptrs, stride_bias_n, qk_scale_log2, softcap, seqlen_k, diag_offset,
              window_left, window_right,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-             MASKED: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             MASKED: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
              HAS_RIGHT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+    """Fold key blocks [lo, hi) into (acc, l, m). ``MASKED=False`` is the hot loop: no masks,
+    scale folded into one FMA with the max subtraction."""
     offs_nb = tl.arange(0, BLOCK_N)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_nb
-        if USE_TMA:
-            k = k_desc.load([start_n, 0])
-            v = v_desc.load([start_n, 0])
-        else:
-            k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :]
-            v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :]
-            if MASKED or HEAD_DIM != HEAD_DIM_PAD:
-                kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
-                k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-                v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        k, v = _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, stride_vn,
+                        seqlen_k, HEAD_DIM, HEAD_DIM_PAD, MASKED, LOAD_MODE)
+        if MASKED or HAS_SOFTCAP:
+            if MASKED:
+                s = _masked_scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n,
+                                   qk_scale_log2, softcap, seqlen_k, diag_offset, window_left,
+                                   window_right, DOT_PRECISION, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT,
+                                   HAS_RIGHT)
             else:
-                k = tl.load(k_ptrs)
-                v = tl.load(v_ptrs)
-        s = _scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n, qk_scale_log2,
-                    softcap, seqlen_k, diag_offset, window_left, window_right, DOT_PRECISION,
-                    MASKED, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT)
-        acc, l_i, m_i = _online_softmax_step(acc, l_i, m_i, s, v, MASKED or HAS_BIAS)
+                s = tl.dot(q, k.T, input_precision=DOT_PRECISION)
+                s = _tanh(s * qk_scale_log2) * (softcap * 1.4426950408889634)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # rows that have seen only masked keys keep m = -inf: shift by 0 so exp2 gives 0, not NaN
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_shift[:, None])
+            alpha = tl.math.exp2(m_i - m_shift)
+        else:
+            qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
+            p = tl.math.exp2(qk * qk_scale_log2 - m_new[:, None])  # one FMA per score
+            alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, O, LSE, BIAS, CU_SEQLENS_Q, CU_SEQLENS_K,
+    Q, K, V, O, LSE, BIAS, CU_SEQLENS_Q, CU_SEQLENS_K, QD, KD, VD, OD, WS_ACC, WS_ML,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
     stride_bb, stride_bh, stride_bm, stride_bn,
-    seqlen_q, seqlen_k, kv_group, num_m_blocks,
+    q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, o_row_b, o_row_h, o_col_h,
+    seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_full,
     qk_scale_log2, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, RETURN_LSE: tl.constexpr,
-    HEAVY_FIRST: tl.constexpr, USE_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    HEAVY_FIRST: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, TAIL_SPLITS: tl.constexpr,
 ):
-    """Grid: (m-blocks, q heads, batch). Program (m, h, b) writes O[b, m-block, h, :] and its LSE.
+    """1-D grid over tiles, m-block fastest, then head, then batch (programs that run together
+    share K/V in L2). Tiles ``>= num_full`` are cut into ``TAIL_SPLITS`` key-range pieces.
 
     Causal programs are dispatched heaviest-first (``HEAVY_FIRST``: the m-blocks near the end of
-    the sequence see the most keys), so the short ones fill the last wave instead of a long one
-    trailing alone.
+    the sequence see the most keys), so the short ones fill the last wave.
     """
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2)
+    pid = tl.program_id(0)
+    tile = pid
+    if TAIL_SPLITS > 1:
+        is_piece = pid >= num_full
+        piece = tl.maximum(pid - num_full, 0)
+        tile = tl.where(is_piece, num_full + piece // TAIL_SPLITS, pid)
+        split = piece % TAIL_SPLITS
+    pid_m = tile % num_m_blocks
+    head = (tile // num_m_blocks) % heads
+    batch = tile // (num_m_blocks * heads)
     if HEAVY_FIRST:
         pid_m = num_m_blocks - 1 - pid_m
     kv_head = head // kv_group
@@ -163,18 +196,23 @@ def attention_fwd_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
 
-    if USE_TMA:
+    k_row0 = batch * k_row_b + kv_head * k_row_h
+    k_col0 = kv_head * k_col_h
+    if LOAD_MODE == 2:
+        kd = KD
+        vd = VD
+        q = QD.load([batch * q_row_b + head * q_row_h + m_start, head * q_col_h])
+    elif LOAD_MODE == 1:
         q_desc = tl.make_tensor_descriptor(q_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_qs, 1],
                                            block_shape=[BLOCK_M, HEAD_DIM_PAD])
-        k_desc = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
-        v_desc = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
-                                           block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        kd = tl.make_tensor_descriptor(k_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_ks, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM_PAD])
+        vd = tl.make_tensor_descriptor(v_base, shape=[seqlen_k, HEAD_DIM], strides=[stride_vs, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM_PAD])
         q = q_desc.load([m_start, 0])
     else:
-        q_desc = None
-        k_desc = None
-        v_desc = None
+        kd = KD
+        vd = VD
         q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
         q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
 
@@ -204,6 +242,10 @@ def attention_fwd_kernel(
     if HAS_BIAS:
         # an arbitrary mask can cut anywhere: every tile takes the masked path
         full_lo = hi
+    if TAIL_SPLITS > 1:
+        chunk = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), TAIL_SPLITS) * BLOCK_N
+        lo = tl.where(is_piece, tl.maximum(lo, split * chunk), lo)
+        hi = tl.where(is_piece, tl.minimum(hi, split * chunk + chunk), hi)
     mid_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
     mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
 
@@ -211,36 +253,92 @@ def attention_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
-    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, lo, mid_lo, k_base, v_base, k_desc, v_desc,
+    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, lo, mid_lo, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, DOT_PRECISION,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False)
-    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, k_desc, v_desc,
+    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, USE_TMA, DOT_PRECISION,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE)
-    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, k_desc, v_desc,
+    acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, USE_TMA, DOT_PRECISION,
+                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False)
+
+    if TAIL_SPLITS > 1:
+        if is_piece:
+            # partial result of one key slice: un-normalised, merged by attention_merge_kernel
+            offs_r = tl.arange(0, BLOCK_M)
+            ws = WS_ACC + piece.to(tl.int64) * (BLOCK_M * HEAD_DIM_PAD)
+            tl.store(ws + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc)
+            tl.store(WS_ML + piece.to(tl.int64) * (2 * BLOCK_M) + offs_r, m_i)
+            tl.store(WS_ML + piece.to(tl.int64) * (2 * BLOCK_M) + BLOCK_M + offs_r, l_i)
+            return
 
     # Epilogue: normalise; rows with no allowed key (l = 0) give 0 and lse = -inf.
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
     if RETURN_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
         l_ptrs = (LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
                   + (q_start + offs_m).to(tl.int64) * stride_ls)
         tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
-    if USE_TMA:
+    if LOAD_MODE == 1:
         o_desc = tl.make_tensor_descriptor(o_base, shape=[seqlen_q, HEAD_DIM], strides=[stride_os, 1],
                                            block_shape=[BLOCK_M, HEAD_DIM_PAD])
-        o_desc.store([m_start, 0], out.to(O.dtype.element_ty))
+        o_desc.store([m_start, 0], out)
+    elif LOAD_MODE == 2 and m_start + BLOCK_M <= seqlen_q:
+        OD.store([batch * o_row_b + head * o_row_h + m_start, head * o_col_h], out)
     else:
         o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=o_mask)
+        tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out, mask=o_mask)
+
+
+@triton.jit
+def attention_merge_kernel(
+    O, LSE, WS_ACC, WS_ML,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+    seqlen_q, heads, num_m_blocks, first_tile,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLITS: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Merge the key-slice partials of one split tile: out = Σ 2^(m_j−m)·acc_j / Σ 2^(m_j−m)·l_j.
+
+    Reads SPLITS·BLOCK_M·head_dim fp32 and writes BLOCK_M·head_dim outputs per program.
+    """
+    t = tl.program_id(0)
+    tile = first_tile + t
+    pid_m = tile % num_m_blocks
+    head = (tile // num_m_blocks) % heads
+    batch = tile // (num_m_blocks * heads)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(SPLITS):
+        m_tot = tl.maximum(m_tot, tl.load(WS_ML + (t * SPLITS + j) * (2 * BLOCK_M) + offs_r))
+    m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+    l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    for j in tl.static_range(SPLITS):
+        piece = t * SPLITS + j
+        w = tl.math.exp2(tl.load(WS_ML + piece * (2 * BLOCK_M) + offs_r) - m_shift)
+        l_tot += w * tl.load(WS_ML + piece * (2 * BLOCK_M) + BLOCK_M + offs_r)
+        a = tl.load(WS_ACC + piece.to(tl.int64) * (BLOCK_M * HEAD_DIM_PAD)
+                    + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :])
+        acc += w[:, None] * a
+    empty = l_tot == 0.0
+    l_safe = tl.where(empty, 1.0, l_tot)
+    offs_m = pid_m * BLOCK_M + offs_r
+    o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
+    o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
+    if RETURN_LSE:
+        lse = tl.where(empty, float("-inf"), (m_tot + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
+                 + offs_m.to(tl.int64) * stride_ls, lse, mask=offs_m < seqlen_q)

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import triton
 
-from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel
+from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel, attention_merge_kernel
 from flashflow.tuning import AttentionConfig, attention_fwd_config, gpu_family, interpreting
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,6 +108,47 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
+def _rows_view(t: torch.Tensor):
+    """2-D (rows, cols) view of a (b, s, h, d) tensor for a host-built TMA descriptor.
+
+    Returns (row_b, row_h, col_h, n_rows, n_cols, row_stride) such that token s of (b, h) is row
+    ``b·row_b + h·row_h + s`` at column ``h·col_h``; None if the strides allow neither layout.
+    Token-major ``(b, s, h, d)`` storage (FlashAttention's) and head-major ``(b, h, s, d)``
+    storage (SDPA's, seen through a transpose) both qualify.
+    """
+    b, s, h, d = t.shape
+    sb, ss, sh, _ = t.stride()
+    if (b == 1 or sb == s * ss) and (h == 1 or sh >= d):
+        return s, 0, sh, b * s, (h - 1) * sh + d, ss
+    if (h == 1 or sh == s * ss) and (b == 1 or sb == h * sh):
+        return h * s, s, 0, b * h * s, d, ss
+    return None
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def tail_splits(total_tiles: int, num_sms: int, kv_blocks: int, max_splits: int = 16) -> int:
+    """How many key-range pieces to cut each tile of the last partial wave into (1 = none).
+
+    With ``rem = total % num_sms`` tiles left for the last wave, cutting each into
+    ``num_sms // rem`` pieces lets that wave finish in ~1/splits of a tile's time. Worth it only
+    when the wave is at most half full and each piece keeps >= 2 key blocks.
+    """
+    rem = total_tiles % num_sms
+    if rem == 0 or rem > num_sms // 2:
+        return 1
+    splits = min(num_sms // rem, kv_blocks // 2, max_splits)
+    return splits if splits >= 2 else 1
+
+
 def pick_config(q: torch.Tensor, causal: bool) -> AttentionConfig:
     head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
     return attention_fwd_config(head_dim_pad, causal, gpu_family(q.device))
@@ -127,14 +168,16 @@ def attention_forward(
     softmax_scale: float, window_left: Optional[int] = None, window_right: Optional[int] = None,
     softcap: float = 0.0, return_lse: bool = True, heavy_first: bool = False,
     config: Optional[AttentionConfig] = None, out: Optional[torch.Tensor] = None,
+    num_sms: Optional[int] = None,
 ):
     """Launch the forward kernel on validated tensors in FlashAttention layout.
 
     Dense: q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``; out ``(b, sq, h, d)``, lse ``(b, h, sq)``.
     Varlen (``cu_seqlens_q`` given): q ``(tq, h, d)``, k/v ``(tk, hk, d)``; lse ``(h, tq)``.
     ``window_left/right = None`` means unbounded on that side; the diagonal is bottom-right
-    aligned. ``bias`` is an additive float32 score bias broadcastable to ``(b, h, sq, sk)`` as
-    a 4-D strided view (stride 0 on broadcast axes); -inf entries mask.
+    aligned. ``bias`` is an additive float score bias broadcastable to ``(b, h, sq, sk)`` as
+    a 4-D strided view (stride 0 on broadcast axes); -inf entries mask. ``num_sms`` overrides
+    the SM count used for the tail split (tests use it on the CPU).
     """
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     varlen = cu_seqlens_q is not None
@@ -144,11 +187,10 @@ def attention_forward(
         _, heads, _ = q.shape
         kv_heads = k.shape[1]
         seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        sq_b = sq_s = sq_h = 0
+        sq_b = sk_b = sv_b = 0
         sq_s, sq_h = q.stride(0), q.stride(1)
         sk_s, sk_h = k.stride(0), k.stride(1)
         sv_s, sv_h = v.stride(0), v.stride(1)
-        sq_b = sk_b = sv_b = 0
     else:
         batch, seqlen_q, heads, _ = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
@@ -171,14 +213,46 @@ def attention_forward(
 
     cfg = config or pick_config(q, causal=window_right is not None)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-    use_tma = cfg.use_tma and _tma_ok(q, k, v, out)
-    if use_tma and q.device.type == "cuda":
-        _ensure_tma_allocator()
+
+    # load path: host descriptors > device descriptors > pointers
+    load_mode = 0
+    descs = (None, None, None, None)
+    rows = (0,) * 9
+    if cfg.use_tma and _tma_ok(q, k, v, out):
+        load_mode = 1
+        views = None if (varlen or head_dim != head_dim_pad or not cfg.host_desc) else \
+            [_rows_view(t) for t in (q, k, v, out)]
+        if views and all(views) and views[1][:3] == views[2][:3]:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            load_mode = 2
+            blocks = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N, cfg.BLOCK_M)
+            descs = tuple(TensorDescriptor(t, [vw[3], vw[4]], [vw[5], 1], [bm, head_dim_pad])
+                          for t, vw, bm in zip((q, k, v, out), views, blocks))
+            rows = views[0][:3] + views[1][:3] + views[3][:3]
+        if q.device.type == "cuda":
+            _ensure_tma_allocator()
 
     has_softcap = softcap > 0
     qk_scale_log2 = softmax_scale / softcap if has_softcap else softmax_scale * LOG2E
     num_m_blocks = triton.cdiv(seqlen_q, cfg.BLOCK_M)
-    grid = (num_m_blocks, heads, batch)
+    total = num_m_blocks * heads * batch
+    splits = 1
+    plain = not (varlen or heavy_first or bias is not None or window_left is not None or window_right is not None)
+    if cfg.tail_split and plain:
+        if num_sms is None and q.device.type == "cuda":
+            num_sms = _sm_count(q.device)
+        if num_sms:
+            splits = tail_splits(total, num_sms, triton.cdiv(seqlen_k, cfg.BLOCK_N))
+    if splits > 1:
+        num_full = total - total % num_sms
+        n_pieces = (total - num_full) * splits
+        ws_acc = torch.empty((n_pieces, cfg.BLOCK_M, head_dim_pad), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((n_pieces, 2, cfg.BLOCK_M), dtype=torch.float32, device=q.device)
+        grid = (num_full + n_pieces,)
+    else:
+        num_full, ws_acc, ws_ml = total, q, q
+        grid = (total,)
     bias_t = bias if bias is not None else q
     b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
     dummy = cu_seqlens_q if varlen else q
@@ -188,20 +262,29 @@ def attention_forward(
     attention_fwd_kernel[grid](
         q, k, v, out, lse, bias_t,
         cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
+        *descs, ws_acc, ws_ml,
         sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
         l_strides[0], l_strides[1], l_strides[2],
         b_strides[0], b_strides[1], b_strides[2], b_strides[3],
-        seqlen_q, seqlen_k, heads // kv_heads, num_m_blocks,
+        *rows,
+        seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_full,
         qk_scale_log2, softcap, window_left or 0, window_right or 0,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         IS_VARLEN=varlen, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
         HAS_SOFTCAP=has_softcap, HAS_BIAS=bias is not None, RETURN_LSE=return_lse,
-        HEAVY_FIRST=heavy_first, USE_TMA=use_tma,
+        HEAVY_FIRST=heavy_first, LOAD_MODE=load_mode,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        WARP_SPECIALIZE=cfg.warp_specialize,
+        WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
+    if splits > 1:
+        attention_merge_kernel[(total - num_full,)](
+            out, lse, ws_acc, ws_ml, so_b, so_s, so_h, l_strides[0], l_strides[1], l_strides[2],
+            seqlen_q, heads, num_m_blocks, num_full,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M, SPLITS=splits,
+            RETURN_LSE=return_lse, num_warps=4,
+        )
     return out, lse
 
 

@@ -16,9 +16,11 @@ class AttentionConfig:
     BLOCK_N: int
     num_warps: int
     num_stages: int
-    use_tma: bool = False
+    use_tma: bool = False          # TMA loads (Hopper+); else pointer loads
+    host_desc: bool = True         # with TMA: host-built descriptors when the layout allows
     warp_specialize: bool = False
     maxnreg: int | None = None
+    tail_split: bool = True        # split the last partial wave's tiles along the keys
 
     def replace(self, **kw) -> "AttentionConfig":
         return replace(self, **kw)

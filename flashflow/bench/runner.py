@@ -1,0 +1,414 @@
+"""Time a suite's providers on the GPU, and write the results as a table, JSON and a plot.
+
+A result is one JSON-able dict: the environment it was measured in plus one row per shape::
+
+    {"shape": {...}, "panel": "d=128 causal", "flops": 1.1e12,
+     "results": {"flashflow": {"ms": 2.1, "tflops": 523.0, "error": null}, ...},
+     "ratios": {"flashflow/sdpa-cudnn": 0.97, ...},   # TFLOP/s of ours ÷ the anchor's
+     "pct_of_ceiling": 66.6,                          # ours, % of MATMUL_CEILING_TFLOPS
+     "check": {"against": "sdpa-cudnn", "rel_err": 0.003}}
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# Dense bf16 matmul ceiling, measured on the lent H100 (80GB HBM3, 132 SMs) with an
+# 8192³ torch.matmul on random data. Attention cannot beat it: the percentage says how much
+# of the tensor cores' rate the softmax, masking and memory traffic leave us.
+MATMUL_CEILING_TFLOPS = 785.0
+
+# Ours vs an anchor, relative Frobenius error of the outputs; bf16 rounding alone gives ~4e-3.
+CHECK_TOLERANCE = 2e-2
+
+SCHEMA_VERSION = 1
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+
+
+def _short_error(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def time_provider(make, shape, inputs, warmup_ms: int, rep_ms: int):
+    """(result dict, output or None). An exception, e.g. an unsupported head_dim, is recorded."""
+    import torch
+    import triton.testing
+
+    try:
+        fn = make(shape, *inputs)
+        # The explicit first call compiles, autotunes, and raises for unsupported shapes
+        # before do_bench starts counting.
+        out = fn()
+        torch.cuda.synchronize()
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    except Exception as e:  # noqa: BLE001 — any provider failure becomes a null entry
+        if isinstance(e, torch.cuda.OutOfMemoryError):
+            torch.cuda.empty_cache()
+        return {"ms": None, "tflops": None, "error": _short_error(e)}, None
+    return {"ms": ms, "tflops": shape.flops / ms * 1e-9, "error": None}, out
+
+
+def _rel_err(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def _summarize(row: dict, outputs: dict, ours: str, anchors: list[str]) -> None:
+    """Adds ratios, the ceiling percentage and the output check to a row."""
+    res = row["results"]
+    ours_tf = res.get(ours, {}).get("tflops")
+    row["ratios"] = {}
+    for a in anchors:
+        anchor_tf = res[a]["tflops"]
+        row["ratios"][f"{ours}/{a}"] = ours_tf / anchor_tf if ours_tf and anchor_tf else None
+    row["pct_of_ceiling"] = 100 * ours_tf / MATMUL_CEILING_TFLOPS if ours_tf else None
+    row["check"] = None
+    ref_name = next((a for a in anchors if a in outputs), None)
+    if ours in outputs and ref_name is not None:
+        err = _rel_err(outputs[ours], outputs[ref_name])
+        row["check"] = {"against": ref_name, "rel_err": err}
+        if not err <= CHECK_TOLERANCE:  # also catches NaN
+            log.warning("%s differs from %s by %.2e (> %.0e) at %s", ours, ref_name, err,
+                        CHECK_TOLERANCE, row["shape"])
+
+
+def run_suite(suite, shapes, providers: list[str], dtype, warmup_ms: int = 25,
+              rep_ms: int = 100, progress: bool = True) -> list[dict]:
+    """Times every provider on every shape, all on the same inputs; returns the rows."""
+    import torch
+
+    anchors = [p for p in providers if p != suite.ours]
+    rows = []
+    bar = progress_bar(len(shapes) * len(providers), enabled=progress)
+    try:
+        for shape in shapes:
+            inputs = suite.make_inputs(shape, dtype, "cuda")
+            row = {"shape": shape.as_dict(), "panel": shape.panel, "flops": shape.flops,
+                   "results": {}}
+            outputs = {}
+            for name in providers:
+                bar.describe(f"{shape.label} · {name}")
+                row["results"][name], out = time_provider(suite.providers[name], shape, inputs,
+                                                          warmup_ms, rep_ms)
+                # keep ours and the first anchor that ran: all the check needs
+                if out is not None and (name == suite.ours or not set(anchors) & set(outputs)):
+                    outputs[name] = out
+                err = row["results"][name]["error"]
+                if err:
+                    log.info("%s failed at %s: %s", name, shape.label, err)
+                bar.update()
+            _summarize(row, outputs, suite.ours, anchors)
+            rows.append(row)
+            del inputs, outputs
+            torch.cuda.empty_cache()
+    finally:
+        bar.close()
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# progress
+# --------------------------------------------------------------------------------------------
+
+
+class _StderrBar:
+    """The few tqdm calls we use, for machines without tqdm: one self-overwriting stderr line."""
+
+    def __init__(self, total: int):
+        self.total, self.n, self.text = total, 0, ""
+
+    def describe(self, text: str) -> None:
+        self.text = text
+        self._draw()
+
+    def update(self) -> None:
+        self.n += 1
+        self._draw()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    def _draw(self) -> None:
+        width = 30
+        filled = width * self.n // max(self.total, 1)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} "
+                         f"{self.text[:50]:<50}")
+        sys.stderr.flush()
+
+
+class _TqdmBar:
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+
+    def describe(self, text: str) -> None:
+        self.bar.set_description_str(text, refresh=False)
+
+    def update(self) -> None:
+        self.bar.update(1)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+class _NoBar:
+    def describe(self, text): pass
+    def update(self): pass
+    def close(self): pass
+
+
+def progress_bar(total: int, enabled: bool = True):
+    if not enabled:
+        return _NoBar()
+    try:
+        return _TqdmBar(total)
+    except ImportError:
+        return _StderrBar(total)
+
+
+# --------------------------------------------------------------------------------------------
+# environment and JSON
+# --------------------------------------------------------------------------------------------
+
+
+def git_commit() -> tuple[str | None, bool | None]:
+    """(commit, dirty) of the checkout flashflow is imported from, or (None, None)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None, None
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                cwd=here, capture_output=True, text=True, timeout=10)
+        return head.stdout.strip(), bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+
+
+def environment(now: datetime | None = None) -> dict:
+    """Where and with what a result was measured (needs CUDA)."""
+    import torch
+    import triton
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    commit, dirty = git_commit()
+    now = now or datetime.now(timezone.utc)
+    return {
+        "device": props.name,
+        "sm_count": props.multi_processor_count,
+        "capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "python": platform.python_version(),
+        "date": now.isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "git_dirty": dirty,
+    }
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'nvidia-h100-80gb-hbm3' (safe in file names)."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def write_json(result: dict, out_dir) -> tuple[Path, Path]:
+    """Writes ``<suite>-<device>-<UTC stamp>.json`` and the stable ``<suite>-<device>.json``.
+
+    The stamped file keeps the history; the stable one is what docs and diffs point at.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    date = datetime.fromisoformat(result["date"])
+    stem = f"{result['suite']}-{device_slug(result['device'])}"
+    stamped = out_dir / f"{stem}-{date.strftime('%Y%m%d-%H%M%S')}.json"
+    stable = out_dir / f"{stem}.json"
+    stamped.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    shutil.copyfile(stamped, stable)
+    return stamped, stable
+
+
+REQUIRED_KEYS = ("schema_version", "suite", "dtype", "device", "sm_count", "torch", "triton",
+                 "cuda", "python", "date", "git_commit", "providers", "ours",
+                 "ceiling_tflops", "rows")
+
+
+def read_json(path) -> dict:
+    result = json.loads(Path(path).read_text())
+    missing = [k for k in REQUIRED_KEYS if k not in result]
+    if missing:
+        raise ValueError(f"{path} is not a flashflow bench result: missing {', '.join(missing)}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# tables
+# --------------------------------------------------------------------------------------------
+
+_SHAPE_HEADERS = {"name": "shape", "batch": "b", "heads": "h", "seqlen_q": "sq",
+                  "seqlen_k": "sk", "head_dim": "d", "causal": "causal"}
+
+
+def _fmt(value, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "-"
+    return format(value, spec)
+
+
+def _providers_of(rows: list[dict]) -> list[str]:
+    seen = {}
+    for row in rows:
+        seen.update(dict.fromkeys(row["results"]))
+    return list(seen)
+
+
+def table_cells(rows: list[dict]) -> tuple[list[tuple[str, str]], list[list[str]], int]:
+    """Headers as (group, column) pairs, cell rows, and how many leading columns are text.
+
+    Shared by both renderers: the plain table puts the group on a line of its own above its
+    columns, Markdown joins the two.
+    """
+    if not rows:
+        return [], [], 0
+    shape_keys = list(rows[0]["shape"])
+    providers = _providers_of(rows)
+    ratio_keys = list(dict.fromkeys(k for row in rows for k in row.get("ratios", {})))
+    headers = [("", _SHAPE_HEADERS.get(k, k)) for k in shape_keys]
+    for p in providers:
+        headers += [(p, "ms"), (p, "TF/s")]
+    for k in ratio_keys:
+        ours, anchor = k.split("/", 1)
+        headers.append((f"{ours} ÷", anchor))
+    headers += [("% of", f"{MATMUL_CEILING_TFLOPS:.0f}"), ("rel err", "vs anchor")]
+    body = []
+    for row in rows:
+        cells = []
+        for k in shape_keys:
+            v = row["shape"][k]
+            cells.append(("causal" if v else "-") if isinstance(v, bool) else str(v))
+        for p in providers:
+            res = row["results"].get(p, {})
+            cells += [_fmt(res.get("ms"), ".3f"), _fmt(res.get("tflops"), ".0f")]
+        cells += [_fmt(row.get("ratios", {}).get(k), ".2f") for k in ratio_keys]
+        cells.append(_fmt(row.get("pct_of_ceiling"), ".0f"))
+        cells.append(_fmt((row.get("check") or {}).get("rel_err"), ".1e"))
+        body.append(cells)
+    return headers, body, 1
+
+
+def text_table(rows: list[dict]) -> str:
+    """Plain aligned table: text columns left, numbers right, groups spanning their columns."""
+    headers, body, n_text = table_cells(rows)
+    if not headers:
+        return "(no rows)"
+    widths = [max(len(r[i]) for r in [[h for _, h in headers]] + body)
+              for i in range(len(headers))]
+    spans = []  # (group, first column, last column)
+    for i, (group, _) in enumerate(headers):
+        if spans and spans[-1][0] == group and group:
+            spans[-1][2] = i
+        else:
+            spans.append([group, i, i])
+    for group, first, last in spans:  # widen a span's last column until its group fits
+        span_width = sum(widths[first:last + 1]) + 2 * (last - first)
+        widths[last] += max(0, len(group) - span_width)
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < n_text else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    top = "  ".join(group.center(sum(widths[first:last + 1]) + 2 * (last - first))
+                    for group, first, last in spans).rstrip()
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([top, line([h for _, h in headers]), rule] + [line(r) for r in body])
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The rows as a GitHub Markdown table, numbers right-aligned, for pasting into docs."""
+    headers, body, n_text = table_cells(rows)
+    if not headers:
+        return ""
+    names = [f"{group} {col}".strip() for group, col in headers]
+    align = [":--" if i < n_text else "--:" for i in range(len(headers))]
+
+    def line(cells):
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    return "\n".join([line(names), line(align)] + [line(r) for r in body])
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """One line per (provider, error message) with the number of shapes it hit."""
+    counts: dict[tuple[str, str], int] = {}
+    for row in rows:
+        for p, res in row["results"].items():
+            if res.get("error"):
+                counts[(p, res["error"])] = counts.get((p, res["error"]), 0) + 1
+    return [f"{p} failed on {n} shape(s): {err}" for (p, err), n in counts.items()]
+
+
+# --------------------------------------------------------------------------------------------
+# plot
+# --------------------------------------------------------------------------------------------
+
+
+def plot(rows: list[dict], x_key: str, title: str, path) -> Path | None:
+    """TFLOP/s vs ``x_key``, one line per provider, one panel per row["panel"].
+
+    Returns the PNG's path, or None when matplotlib is not installed.
+    """
+    try:
+        from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
+    except ImportError:
+        return None
+    panels = list(dict.fromkeys(row["panel"] for row in rows))
+    providers = _providers_of(rows)
+    ncols = min(4, len(panels))
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(4.2 * ncols, 3.4 * nrows), layout="constrained")
+    axes = fig.subplots(nrows, ncols, squeeze=False).ravel()
+    for ax, panel in zip(axes, panels):
+        panel_rows = sorted((r for r in rows if r["panel"] == panel),
+                            key=lambda r: r["shape"][x_key])
+        for p in providers:
+            pts = [(r["shape"][x_key], r["results"][p]["tflops"]) for r in panel_rows
+                   if r["results"].get(p, {}).get("tflops") is not None]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=p)
+        xs = [r["shape"][x_key] for r in panel_rows]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs], rotation=45 if len(xs) > 4 else 0)
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_title(panel)
+        ax.set_xlabel(x_key)
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    axes[0].legend(loc="lower right", fontsize="small")
+    fig.suptitle(title)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return path

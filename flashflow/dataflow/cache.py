@@ -1,0 +1,123 @@
+"""Caches of a fixed size in bytes, fed one access at a time.
+
+Blocks have sizes (edge tiles are smaller), so capacity is counted in bytes: a miss inserts the
+block and evicts until it fits; a block larger than the whole cache is never kept.
+
+Two replacement policies:
+- ``LRUCache``: least recently used, what GPU L2s approximate.
+- ``BeladyCache``: evicts the block whose next use is furthest in the future, and does not keep
+  an incoming block that is needed later than everything it would displace. With equal block
+  sizes this is Belady's optimal policy (the fewest misses any cache of that size can have);
+  with mixed sizes it is the usual furthest-next-use heuristic, not a proven optimum. It needs
+  the whole future trace, which the model knows because timing does not depend on hits.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Hashable
+
+NEVER = float("inf")
+
+
+class LRUCache:
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: OrderedDict[Hashable, int] = OrderedDict()
+
+    def access(self, key: Hashable, size: int, next_use: float = NEVER) -> bool:
+        """Touch ``key``; return True on a hit. A miss brings the block in (if it fits).
+        ``next_use`` is ignored (the signature is shared with BeladyCache)."""
+        blocks = self._blocks
+        if key in blocks:
+            blocks.move_to_end(key)
+            return True
+        if size <= self.capacity:
+            blocks[key] = size
+            self.used += size
+            while self.used > self.capacity:
+                _, evicted = blocks.popitem(last=False)
+                self.used -= evicted
+        return False
+
+    def __contains__(self, key) -> bool:
+        return key in self._blocks
+
+    def contents(self) -> list:
+        """Keys held, least recently used first."""
+        return list(self._blocks)
+
+    def state(self) -> tuple:
+        """Everything that decides future hits: a hashable snapshot for searches."""
+        return tuple(self._blocks)
+
+    def copy(self) -> "LRUCache":
+        other = LRUCache(self.capacity)
+        other.used = self.used
+        other._blocks = self._blocks.copy()
+        return other
+
+
+class BeladyCache:
+    def __init__(self, capacity: int):
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
+        self.capacity = capacity
+        self.used = 0
+        self._blocks: dict[Hashable, tuple[int, float]] = {}   # key -> (size, next use)
+        self._heap: list[tuple[float, int, Hashable]] = []      # (-next use, tiebreak, key)
+        self._tiebreak = 0
+
+    def _push(self, key, next_use):
+        self._tiebreak += 1
+        heapq.heappush(self._heap, (-next_use, self._tiebreak, key))
+
+    def _furthest(self):
+        """Key held whose next use is furthest; stale heap entries are dropped lazily."""
+        heap = self._heap
+        while heap:
+            neg_next, _, key = heap[0]
+            entry = self._blocks.get(key)
+            if entry is not None and entry[1] == -neg_next:
+                return key, -neg_next
+            heapq.heappop(heap)
+        return None, None
+
+    def access(self, key: Hashable, size: int, next_use: float = NEVER) -> bool:
+        blocks = self._blocks
+        if key in blocks:
+            blocks[key] = (blocks[key][0], next_use)
+            self._push(key, next_use)
+            return True
+        if size > self.capacity or next_use == NEVER:
+            return False  # never used again: keeping it can only displace something useful
+        while self.used + size > self.capacity:
+            victim, victim_next = self._furthest()
+            if victim_next < next_use:
+                return False  # everything held is needed sooner than the newcomer: bypass
+            self.used -= blocks.pop(victim)[0]
+            heapq.heappop(self._heap)
+        blocks[key] = (size, next_use)
+        self.used += size
+        self._push(key, next_use)
+        return False
+
+    def __contains__(self, key) -> bool:
+        return key in self._blocks
+
+    def contents(self) -> list:
+        """Keys held, soonest next use first."""
+        return sorted(self._blocks, key=lambda k: self._blocks[k][1])
+
+
+POLICIES = {"lru": LRUCache, "belady": BeladyCache}
+
+
+def make_cache(policy: str, capacity: int):
+    try:
+        return POLICIES[policy](capacity)
+    except KeyError:
+        raise ValueError(f"policy must be one of {sorted(POLICIES)}, got {policy!r}") from None

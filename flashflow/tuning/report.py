@@ -1,0 +1,216 @@
+"""`flashflow info`: the shipped attention configs and what the compiler made of each.
+
+On a CUDA GPU every config of the GPU's family is compiled and launched once on a small input;
+the kernels it launched are read back from Triton's JIT cache for their registers per thread,
+spills and shared memory. Without a GPU only the configs are listed.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from pathlib import Path
+
+from flashflow.tuning import AttentionConfig, gpu_family, interpreting
+
+_TABLE = Path(__file__).with_name("attention_fwd.json")
+
+# A representative launch: several query tiles per head, so the main loop is the one that runs.
+_BATCH, _SEQLEN, _HEADS = 1, 1024, 4
+
+NO_GPU = ("No CUDA GPU found: registers per thread, spills and shared memory come from compiling "
+          "for a GPU, so only the shipped configs are listed.")
+
+
+def shipped_configs(family: str | None = None) -> list[dict]:
+    """Entries of attention_fwd.json in table order, each with its family; all families if None."""
+    table = json.loads(_TABLE.read_text())
+    families = [f for f in table if not f.startswith("_")] if family is None else [family]
+    unknown = [f for f in families if f not in table]
+    if unknown:
+        raise ValueError(f"family must be one of {', '.join(f for f in table if not f.startswith('_'))}, "
+                         f"got {unknown[0]!r}")
+    return [{"family": f, **entry} for f in families for entry in table[f]]
+
+
+def _config(entry: dict) -> AttentionConfig:
+    return AttentionConfig(**{k: entry[k] for k in AttentionConfig.__dataclass_fields__ if k in entry})
+
+
+def _config_row(entry: dict, causal) -> dict:
+    return {"family": entry["family"], "head_dim_max": entry["head_dim_max"], "causal": causal,
+            **_config(entry).as_dict()}
+
+
+@contextlib.contextmanager
+def _launches():
+    """Collects (kernel name, CUfunction handle) of every Triton launch inside the block.
+
+    The handle identifies the compiled kernel that really ran, whether it was compiled now or
+    found in the cache, without depending on the kernel's constexpr names.
+    """
+    from triton import knobs
+
+    seen: list[tuple[str, int]] = []
+
+    def hook(metadata):
+        data = metadata.get()
+        seen.append((data["name"], data["function"]))
+
+    chain = knobs.runtime.launch_enter_hook
+    if hasattr(chain, "add"):  # Triton 3.6: a chain of hooks, others may be installed
+        chain.add(hook)
+        try:
+            yield seen
+        finally:
+            chain.remove(hook)
+    else:  # older Triton: one hook slot
+        knobs.runtime.launch_enter_hook = hook
+        try:
+            yield seen
+        finally:
+            knobs.runtime.launch_enter_hook = chain
+
+
+def _jit_functions():
+    """Every @triton.jit function of the loaded flashflow.kernels modules (autotuners unwrapped)."""
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("flashflow.kernels.") or module is None:
+            continue
+        for obj in vars(module).values():
+            while not hasattr(obj, "device_caches") and hasattr(obj, "fn"):
+                obj = obj.fn
+            if hasattr(obj, "device_caches"):
+                yield obj
+
+
+def _compiled_kernel(handle: int):
+    for fn in _jit_functions():
+        for kernel_cache, *_ in list(fn.device_caches.values()):
+            for kernel in list(kernel_cache.values()):
+                if getattr(kernel, "function", None) == handle:
+                    return kernel
+    return None
+
+
+def _resources(cfg: AttentionConfig, head_dim: int, causal: bool) -> list[dict]:
+    """Launch the forward once with ``cfg``; one dict per kernel the launch ran."""
+    import torch
+
+    from flashflow.ops.attention import attention_forward
+
+    q, k, v = (torch.randn(_BATCH, _SEQLEN, _HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    with _launches() as seen:
+        attention_forward(q, k, v, softmax_scale=head_dim ** -0.5,
+                          window_right=0 if causal else None, heavy_first=causal, config=cfg)
+        torch.cuda.synchronize()
+    found = []
+    for name, handle in dict.fromkeys(seen):
+        kernel = _compiled_kernel(handle)
+        if kernel is None:
+            found.append({"kernel": name, "error": "launched, but not found in the JIT caches of "
+                                                   "flashflow.kernels"})
+        else:
+            found.append({"kernel": name, "n_regs": kernel.n_regs, "n_spills": kernel.n_spills,
+                          "shared": kernel.metadata.shared})
+    return found
+
+
+def kernel_resource_report(family: str | None = None) -> list[dict]:
+    """One dict per (shipped config, causal, launched kernel) with ``n_regs``, ``n_spills`` and
+    ``shared`` (bytes of shared memory) from compiling on the current CUDA GPU.
+
+    ``family`` defaults to the GPU's. Without a CUDA GPU (or under the interpreter) nothing is
+    compiled: one dict per config (all families by default) with those three set to None.
+    A config that fails to compile or launch gets its message under ``error``.
+    """
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not interpreting()
+    if not on_gpu:
+        return [{**_config_row(e, e["causal"]), "kernel": None, "n_regs": None, "n_spills": None,
+                 "shared": None, "error": None} for e in shipped_configs(family)]
+    family = family or gpu_family(torch.device("cuda", torch.cuda.current_device()))
+    rows = []
+    for entry in shipped_configs(family):
+        for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
+            base = {**_config_row(entry, causal), "kernel": None, "n_regs": None,
+                    "n_spills": None, "shared": None, "error": None}
+            try:
+                kernels = _resources(_config(entry), entry["head_dim_max"], causal)
+            except Exception as e:  # noqa: BLE001 — e.g. out of shared memory: report, go on
+                rows.append({**base, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+                continue
+            rows += [{**base, **k} for k in kernels] or [{**base, "error": "no kernel launched"}]
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+_HEADERS = {"head_dim_max": "d<=", "BLOCK_M": "BM", "BLOCK_N": "BN", "num_warps": "warps",
+            "num_stages": "stages", "use_tma": "tma", "warp_specialize": "ws",
+            "n_regs": "regs", "n_spills": "spills", "shared": "smem B"}
+_RESOURCES = ("kernel", "n_regs", "n_spills", "shared")
+
+
+def _cell(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return str(value)
+
+
+def format_table(rows: list[dict], with_resources: bool) -> str:
+    keys = [k for k in rows[0] if k != "error" and (with_resources or k not in _RESOURCES)]
+    headers = [_HEADERS.get(k, k) for k in keys]
+    body = [[_cell(r[k]) for k in keys] for r in rows]
+    widths = [max(len(line[i]) for line in [headers] + body) for i in range(len(keys))]
+
+    def line(cells):
+        return "  ".join(c.ljust(w) if k in ("family", "kernel") else c.rjust(w)
+                         for c, w, k in zip(cells, widths, keys)).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)] + [line(b) for b in body]
+    out += [f"error ({r['family']} d<={r['head_dim_max']} causal={r['causal']}): {r['error']}"
+            for r in rows if r.get("error")]
+    return "\n".join(out)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "info", help="shipped kernel configs with their registers, spills and shared memory",
+        description=__doc__.split("\n")[0])
+    p.add_argument("--family", default=None,
+                   help="config family to report (default: the GPU's; every family without one)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    import triton
+
+    on_gpu = torch.cuda.is_available() and not interpreting()
+    try:
+        rows = kernel_resource_report(args.family)
+    except ValueError as e:
+        print(f"flashflow info: {e}", file=sys.stderr)
+        return 2
+    device = torch.cuda.get_device_name() if on_gpu else None
+    if args.json:
+        print(json.dumps({"device": device, "triton": triton.__version__, "torch": torch.__version__,
+                          "compiled": on_gpu, "rows": rows}, indent=1))
+        return 0
+    if on_gpu:
+        print(f"attention forward configs for {rows[0]['family'] if rows else args.family} on "
+              f"{device} (triton {triton.__version__}), compiled for a "
+              f"{_BATCH}x{_SEQLEN}x{_HEADS}xd bf16 input:\n")
+    else:
+        print(NO_GPU + "\n")
+    print(format_table(rows, with_resources=on_gpu) if rows else "(no configs)")
+    return 0

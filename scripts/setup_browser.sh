@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the browser test of the dataflow explorer needs: Debian's Chromium and the
+# Python `playwright` package. Idempotent: each part is skipped when already present.
+# Playwright's own browser download (`playwright install`) is never used: the test points
+# playwright at /usr/bin/chromium instead.
+#
+# Usage: scripts/setup_browser.sh [PYTHON]   (PYTHON defaults to $PY, then python3)
+set -euo pipefail
+
+PY="${1:-${PY:-python3}}"
+PLAYWRIGHT_VERSION="${PLAYWRIGHT_VERSION:-1.65.2}"
+
+if [ ! -x /usr/bin/chromium ]; then
+    SUDO=""
+    if [ "$(id -u)" != 0 ]; then
+        SUDO="sudo"
+    fi
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -q
+    $SUDO apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core
+fi
+
+if ! "$PY" -c "import playwright.sync_api" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "playwright==${PLAYWRIGHT_VERSION}"
+fi
+
+/usr/bin/chromium --version
+"$PY" -c "import importlib.metadata as m; print('playwright', m.version('playwright'))"
