@@ -127,26 +127,34 @@ def run_suite(suite, shapes, providers: list[str], dtype, warmup_ms: int = 25,
 
 
 class _StderrBar:
-    """The few tqdm calls we use, for machines without tqdm: one self-overwriting stderr line."""
+    """The few tqdm calls we use, for machines without tqdm. On a terminal one line redraws
+    itself; in a log (stderr not a terminal) a plain line is written every tenth of the way."""
 
     def __init__(self, total: int):
-        self.total, self.n, self.text = total, 0, ""
+        self.total, self.n, self.text = max(total, 1), 0, ""
+        self.tty = sys.stderr.isatty()
 
     def describe(self, text: str) -> None:
         self.text = text
-        self._draw()
+        if self.tty:
+            self._draw()
 
     def update(self) -> None:
         self.n += 1
-        self._draw()
+        if self.tty:
+            self._draw()
+        elif self.n * 10 // self.total != (self.n - 1) * 10 // self.total:
+            sys.stderr.write(f"{self.n}/{self.total} done ({self.text})\n")
+            sys.stderr.flush()
 
     def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
+        if self.tty:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
 
     def _draw(self) -> None:
         width = 30
-        filled = width * self.n // max(self.total, 1)
+        filled = width * self.n // self.total
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} "
                          f"{self.text[:50]:<50}")
         sys.stderr.flush()
@@ -156,7 +164,9 @@ class _TqdmBar:
     def __init__(self, total: int):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total, file=sys.stderr, mininterval=0.5, dynamic_ncols=True)
+        # in a log (not a terminal) every redraw is kept: redraw rarely there
+        self.bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True,
+                        mininterval=0.5 if sys.stderr.isatty() else 30)
 
     def describe(self, text: str) -> None:
         self.bar.set_description_str(text, refresh=False)
@@ -231,6 +241,17 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
 
 
+def _finite(obj):
+    """NaN/inf become null: strict JSON has no spelling for them (the warning log names them)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_json(result: dict, out_dir) -> tuple[Path, Path]:
     """Writes ``<suite>-<device>-<UTC stamp>.json`` and the stable ``<suite>-<device>.json``.
 
@@ -242,7 +263,7 @@ def write_json(result: dict, out_dir) -> tuple[Path, Path]:
     stem = f"{result['suite']}-{device_slug(result['device'])}"
     stamped = out_dir / f"{stem}-{date.strftime('%Y%m%d-%H%M%S')}.json"
     stable = out_dir / f"{stem}.json"
-    stamped.write_text(json.dumps(result, indent=1, allow_nan=False) + "\n")
+    stamped.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
     shutil.copyfile(stamped, stable)
     return stamped, stable
 
@@ -298,13 +319,13 @@ def table_cells(rows: list[dict]) -> tuple[list[tuple[str, str]], list[list[str]
     for k in ratio_keys:
         ours, anchor = k.split("/", 1)
         headers.append((f"{ours} ÷", anchor))
-    headers += [("% of", f"{MATMUL_CEILING_TFLOPS:.0f}"), ("rel err", "vs anchor")]
+    headers += [("% of", f"{MATMUL_CEILING_TFLOPS:.0f}"), ("rel", "err")]
     body = []
     for row in rows:
         cells = []
         for k in shape_keys:
             v = row["shape"][k]
-            cells.append(("causal" if v else "-") if isinstance(v, bool) else str(v))
+            cells.append(("yes" if v else "no") if isinstance(v, bool) else str(v))
         for p in providers:
             res = row["results"].get(p, {})
             cells += [_fmt(res.get("ms"), ".3f"), _fmt(res.get("tflops"), ".0f")]
@@ -389,12 +410,13 @@ def plot(rows: list[dict], x_key: str, title: str, path) -> Path | None:
     for ax, panel in zip(axes, panels):
         panel_rows = sorted((r for r in rows if r["panel"] == panel),
                             key=lambda r: r["shape"][x_key])
-        for p in providers:
+        for i, p in enumerate(providers):
             pts = [(r["shape"][x_key], r["results"][p]["tflops"]) for r in panel_rows
                    if r["results"].get(p, {}).get("tflops") is not None]
             if pts:
                 xs, ys = zip(*pts)
-                ax.plot(xs, ys, marker="o", label=p)
+                # one colour per provider in every panel, also where another provider failed
+                ax.plot(xs, ys, marker="o", color=f"C{i}", label=p)
         xs = [r["shape"][x_key] for r in panel_rows]
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs], rotation=45 if len(xs) > 4 else 0)

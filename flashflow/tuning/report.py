@@ -38,9 +38,9 @@ def _config(entry: dict) -> AttentionConfig:
     return AttentionConfig(**{k: entry[k] for k in AttentionConfig.__dataclass_fields__ if k in entry})
 
 
-def _config_row(entry: dict, causal) -> dict:
+def _config_row(entry: dict, causal, variant) -> dict:
     return {"family": entry["family"], "head_dim_max": entry["head_dim_max"], "causal": causal,
-            **_config(entry).as_dict()}
+            "variant": variant, **_config(entry).as_dict()}
 
 
 @contextlib.contextmanager
@@ -94,7 +94,7 @@ def _compiled_kernel(handle: int):
     return None
 
 
-def _resources(cfg: AttentionConfig, head_dim: int, causal: bool) -> list[dict]:
+def _resources(cfg: AttentionConfig, head_dim: int, causal: bool, **launch) -> list[dict]:
     """Launch the forward once with ``cfg``; one dict per kernel the launch ran."""
     import torch
 
@@ -103,8 +103,8 @@ def _resources(cfg: AttentionConfig, head_dim: int, causal: bool) -> list[dict]:
     q, k, v = (torch.randn(_BATCH, _SEQLEN, _HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
                for _ in range(3))
     with _launches() as seen:
-        attention_forward(q, k, v, softmax_scale=head_dim ** -0.5,
-                          window_right=0 if causal else None, heavy_first=causal, config=cfg)
+        attention_forward(q, k, v, softmax_scale=head_dim ** -0.5, window_right=0 if causal else None,
+                          heavy_first=causal, config=cfg, **launch)
         torch.cuda.synchronize()
     found = []
     for name, handle in dict.fromkeys(seen):
@@ -118,9 +118,25 @@ def _resources(cfg: AttentionConfig, head_dim: int, causal: bool) -> list[dict]:
     return found
 
 
+def _variants(cfg: AttentionConfig, causal: bool):
+    """(name, config, extra launch arguments) of each code path a config ships.
+
+    The tail split compiles its own variant of the forward kernel plus a merge kernel, and
+    whether it runs depends on the SM count; both paths are forced here so both are reported.
+    """
+    if not getattr(cfg, "tail_split", False):
+        yield "main", cfg, {}
+        return
+    yield "main", cfg.replace(tail_split=False), {}
+    if not causal:  # the ops split only plain (unmasked, non-varlen) launches
+        tiles = -(-_SEQLEN // cfg.BLOCK_M) * _HEADS * _BATCH
+        # with twice as many SMs as tiles, the single wave is half empty: the ops split it
+        yield "tail split", cfg, {"num_sms": 2 * tiles}
+
+
 def kernel_resource_report(family: str | None = None) -> list[dict]:
-    """One dict per (shipped config, causal, launched kernel) with ``n_regs``, ``n_spills`` and
-    ``shared`` (bytes of shared memory) from compiling on the current CUDA GPU.
+    """One dict per (shipped config, causal, code path, launched kernel) with ``n_regs``,
+    ``n_spills`` and ``shared`` (bytes of shared memory) from compiling on the current CUDA GPU.
 
     ``family`` defaults to the GPU's. Without a CUDA GPU (or under the interpreter) nothing is
     compiled: one dict per config (all families by default) with those three set to None.
@@ -128,22 +144,22 @@ def kernel_resource_report(family: str | None = None) -> list[dict]:
     """
     import torch
 
-    on_gpu = torch.cuda.is_available() and not interpreting()
-    if not on_gpu:
-        return [{**_config_row(e, e["causal"]), "kernel": None, "n_regs": None, "n_spills": None,
-                 "shared": None, "error": None} for e in shipped_configs(family)]
+    empty = {"kernel": None, "n_regs": None, "n_spills": None, "shared": None, "error": None}
+    if not torch.cuda.is_available() or interpreting():
+        return [{**_config_row(e, e["causal"], None), **empty}
+                for e in shipped_configs(family)]
     family = family or gpu_family(torch.device("cuda", torch.cuda.current_device()))
     rows = []
     for entry in shipped_configs(family):
         for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
-            base = {**_config_row(entry, causal), "kernel": None, "n_regs": None,
-                    "n_spills": None, "shared": None, "error": None}
-            try:
-                kernels = _resources(_config(entry), entry["head_dim_max"], causal)
-            except Exception as e:  # noqa: BLE001 — e.g. out of shared memory: report, go on
-                rows.append({**base, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
-                continue
-            rows += [{**base, **k} for k in kernels] or [{**base, "error": "no kernel launched"}]
+            for variant, cfg, launch in _variants(_config(entry), causal):
+                base = {**_config_row(entry, causal, variant), **empty}
+                try:
+                    kernels = _resources(cfg, entry["head_dim_max"], causal, **launch)
+                except Exception as e:  # noqa: BLE001 — e.g. out of shared memory: report, go on
+                    rows.append({**base, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
+                    continue
+                rows += [{**base, **k} for k in kernels] or [{**base, "error": "no kernel launched"}]
     return rows
 
 
@@ -154,7 +170,7 @@ def kernel_resource_report(family: str | None = None) -> list[dict]:
 _HEADERS = {"head_dim_max": "d<=", "BLOCK_M": "BM", "BLOCK_N": "BN", "num_warps": "warps",
             "num_stages": "stages", "use_tma": "tma", "warp_specialize": "ws",
             "n_regs": "regs", "n_spills": "spills", "shared": "smem B"}
-_RESOURCES = ("kernel", "n_regs", "n_spills", "shared")
+_RESOURCES = ("variant", "kernel", "n_regs", "n_spills", "shared")
 
 
 def _cell(value) -> str:
@@ -168,15 +184,18 @@ def _cell(value) -> str:
 def format_table(rows: list[dict], with_resources: bool) -> str:
     keys = [k for k in rows[0] if k != "error" and (with_resources or k not in _RESOURCES)]
     headers = [_HEADERS.get(k, k) for k in keys]
-    body = [[_cell(r[k]) for k in keys] for r in rows]
+    # a causal of None is a config shared by causal and non-causal inputs
+    body = [[("any" if r[k] is None and k == "causal" else _cell(r[k])) for k in keys]
+            for r in rows]
     widths = [max(len(line[i]) for line in [headers] + body) for i in range(len(keys))]
 
     def line(cells):
-        return "  ".join(c.ljust(w) if k in ("family", "kernel") else c.rjust(w)
+        return "  ".join(c.ljust(w) if k in ("family", "variant", "kernel") else c.rjust(w)
                          for c, w, k in zip(cells, widths, keys)).rstrip()
 
     out = [line(headers), "  ".join("-" * w for w in widths)] + [line(b) for b in body]
-    out += [f"error ({r['family']} d<={r['head_dim_max']} causal={r['causal']}): {r['error']}"
+    out += [f"error ({r['family']} d<={r['head_dim_max']} causal={r['causal']} {r['variant']}): "
+            f"{r['error']}"
             for r in rows if r.get("error")]
     return "\n".join(out)
 

@@ -1,0 +1,218 @@
+"""An SM array running jobs (output tiles) through a shared cache.
+
+Rules, the one implementation every other module uses:
+
+- Time advances in *K-steps*: one K-step of one tile reads one block of each operand and takes
+  one unit of time, the same for every job. Hits and misses do not change timing (a modelling
+  choice that keeps the schedule independent of the cache, so the whole trace is known before
+  the cache runs and Belady's policy can look ahead).
+- ``num_slots`` jobs run at once (SMs × resident tiles per SM). Free slots take the next jobs
+  *in issue order*, as a hardware block scheduler or an atomic ticket counter hands them out.
+  With equal-length jobs this gives waves of ``num_slots`` tiles.
+- A job's K-step may wait for other jobs to be complete (a chain's GEMM1 waits on GEMM0);
+  a waiting job holds its slot. A dependency issued after the waiting jobs can deadlock the
+  machine, which :class:`DeadlockError` reports.
+- All reads of one time step are concurrent: duplicates merge into one request (an L2 merges
+  concurrent misses to a line) and they reach the cache in sorted key order, so the order of
+  tiles *inside* a wave carries no meaning.
+- A finished job's writes happen at the end of its last step: ``writes`` go through the cache
+  (write-allocate, for data a later job reads back), ``store_bytes`` stream to DRAM unkept.
+  Every written byte reaches DRAM once, so writes cost the same in every order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from flashflow.dataflow.cache import NEVER, make_cache
+
+Block = tuple[Hashable, int]  # (key, size in bytes)
+
+
+class DeadlockError(RuntimeError):
+    """Every running job waits on a job that cannot run: the issue order is not a valid ticket
+    order for this many slots."""
+
+
+@dataclass(frozen=True)
+class Job:
+    name: Hashable
+    steps: tuple[tuple[Block, ...], ...]           # blocks read at each K-step
+    writes: tuple[Block, ...] = ()                 # written through the cache when done
+    store_bytes: int = 0                           # written straight to DRAM when done
+    waits: tuple[tuple[int, ...], ...] = ()        # per K-step: indices of jobs to finish first
+
+
+@dataclass
+class TimeStep:
+    time: int
+    reads: list[Block]
+    writes: list[Block]
+    finished: list[int]      # indices of jobs that finish at the end of this step
+    store_bytes: int = 0
+
+
+@dataclass
+class Schedule:
+    steps: list[TimeStep]
+    num_slots: int
+    busy: int = 0            # slot-steps doing work
+    stalled: int = 0         # slot-steps held by a job waiting on a dependency
+    finish_time: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def makespan(self) -> int:
+        return len(self.steps)
+
+    @property
+    def utilization(self) -> float:
+        total = self.makespan * self.num_slots
+        return self.busy / total if total else 0.0
+
+
+def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
+    """Run ``jobs`` in issue order on ``num_slots`` slots; return what is accessed when."""
+    if num_slots <= 0:
+        raise ValueError(f"num_slots must be positive, got {num_slots!r}")
+    slots: list[list[int] | None] = [None] * num_slots   # [job index, next K-step]
+    finish_time: dict[int, int] = {}
+    next_job = 0
+    steps: list[TimeStep] = []
+    busy = stalled = 0
+    t = 0
+    while next_job < len(jobs) or any(s is not None for s in slots):
+        for i in range(num_slots):
+            if slots[i] is None and next_job < len(jobs):
+                slots[i] = [next_job, 0]
+                next_job += 1
+        reads: set = set()
+        sizes: dict = {}
+        finished: list[int] = []
+        progressed = False
+        for slot in slots:
+            if slot is None:
+                continue
+            j, k = slot
+            job = jobs[j]
+            if k < len(job.waits) and any(finish_time.get(d, t) >= t for d in job.waits[k]):
+                stalled += 1
+                continue
+            progressed = True
+            busy += 1
+            for key, size in job.steps[k]:
+                reads.add(key)
+                sizes[key] = size
+            slot[1] = k + 1
+            if slot[1] == len(job.steps):
+                finished.append(j)
+        if not progressed:
+            waiting = [jobs[s[0]].name for s in slots if s is not None]
+            raise DeadlockError(f"at time {t} every slot waits on an unfinished job "
+                                f"(running: {waiting}); issue dependencies first or use "
+                                f"more slots")
+        writes: dict = {}
+        store = 0
+        for j in finished:
+            finish_time[j] = t
+            for key, size in jobs[j].writes:
+                writes[key] = size
+            store += jobs[j].store_bytes
+        for i, slot in enumerate(slots):
+            if slot is not None and slot[0] in finish_time:
+                slots[i] = None
+        steps.append(TimeStep(t, [(k, sizes[k]) for k in sorted(reads)],
+                              [(k, writes[k]) for k in sorted(writes)], sorted(finished), store))
+        t += 1
+    return Schedule(steps, num_slots, busy, stalled, finish_time)
+
+
+@dataclass
+class StepRecord:
+    """State after one time step at which some job finished (a wave, for a plain GEMM)."""
+
+    time: int
+    finished: list[Hashable]     # names of the jobs that finished
+    reads: int                   # block reads since the previous record
+    misses: int
+    read_bytes: int              # DRAM bytes read since the previous record
+    cum_read_bytes: int
+    cum_write_bytes: int
+    cache: list[Hashable]        # keys held, in the cache's own order
+
+    @property
+    def cum_dram_bytes(self) -> int:
+        return self.cum_read_bytes + self.cum_write_bytes
+
+
+@dataclass
+class Traffic:
+    """DRAM traffic of one run. ``hits``/``misses`` count block reads only."""
+
+    read_bytes: int
+    write_bytes: int
+    hits: int
+    misses: int
+    makespan: int
+    utilization: float
+    steps: list[StepRecord] | None = None
+
+    @property
+    def dram_bytes(self) -> int:
+        return self.read_bytes + self.write_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+
+def _next_uses(sched: Schedule) -> list[float]:
+    """For every access of the trace, in order, the position of the next access to its key."""
+    keys = [key for step in sched.steps for key, _ in (*step.reads, *step.writes)]
+    nxt: list[float] = [NEVER] * len(keys)
+    last: dict = {}
+    for i in range(len(keys) - 1, -1, -1):
+        nxt[i] = last.get(keys[i], NEVER)
+        last[keys[i]] = i
+    return nxt
+
+
+def replay(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str = "lru",
+           record: bool = False) -> Traffic:
+    """Feed the schedule's accesses through a cache; count DRAM bytes."""
+    cache = make_cache(policy, cache_bytes)
+    nxt = _next_uses(sched) if policy == "belady" else None
+    pos = 0
+    hits = misses = 0
+    read_bytes = write_bytes = 0
+    records: list[StepRecord] | None = [] if record else None
+    since_reads = since_misses = since_bytes = 0
+    for step in sched.steps:
+        for key, size in step.reads:
+            hit = cache.access(key, size, nxt[pos] if nxt else NEVER)
+            pos += 1
+            if hit:
+                hits += 1
+            else:
+                misses += 1
+                read_bytes += size
+                since_misses += 1
+                since_bytes += size
+            since_reads += 1
+        for key, size in step.writes:
+            cache.access(key, size, nxt[pos] if nxt else NEVER)
+            pos += 1
+            write_bytes += size
+        write_bytes += step.store_bytes
+        if records is not None and step.finished:
+            records.append(StepRecord(step.time, [jobs[j].name for j in step.finished],
+                                      since_reads, since_misses, since_bytes, read_bytes,
+                                      write_bytes, cache.contents()))
+            since_reads = since_misses = since_bytes = 0
+    return Traffic(read_bytes, write_bytes, hits, misses, sched.makespan, sched.utilization,
+                   records)
+
+
+def run(jobs: Sequence[Job], num_slots: int, cache_bytes: int, policy: str = "lru",
+        record: bool = False) -> Traffic:
+    return replay(schedule(jobs, num_slots), jobs, cache_bytes, policy, record)
