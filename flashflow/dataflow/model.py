@@ -36,16 +36,27 @@ class Hardware:
 H100 = Hardware(num_sms=132, l2_bytes=50 * 1024 * 1024)
 
 
-def tile_job(shape: GemmShape, m: int, n: int) -> Job:
-    steps = tuple(((("A", m, k), shape.a_block_bytes(m, k)),
-                   (("B", n, k), shape.b_block_bytes(k, n)))
-                  for k in range(shape.k_steps))
-    return Job(name=(m, n), steps=steps, store_bytes=shape.c_tile_bytes(m, n))
+def _a_panel(shape: GemmShape, m: int) -> list:
+    return [(("A", m, k), shape.a_block_bytes(m, k)) for k in range(shape.k_steps)]
+
+
+def _b_panel(shape: GemmShape, n: int) -> list:
+    return [(("B", n, k), shape.b_block_bytes(k, n)) for k in range(shape.k_steps)]
+
+
+def tile_job(shape: GemmShape, m: int, n: int, a_panel=None, b_panel=None) -> Job:
+    """Tile (m, n): K-step k reads A's block (m, k) and B's block (k, n)."""
+    a_panel = a_panel or _a_panel(shape, m)
+    b_panel = b_panel or _b_panel(shape, n)
+    return Job(name=(m, n), steps=tuple(zip(a_panel, b_panel)),
+               store_bytes=shape.c_tile_bytes(m, n))
 
 
 def gemm_jobs(shape: GemmShape, order: Iterable) -> list[Job]:
     tiles = _orders.validate(order, shape.tiles_m, shape.tiles_n)
-    return [tile_job(shape, m, n) for m, n in tiles]
+    a = {m: _a_panel(shape, m) for m in {m for m, _ in tiles}}   # shared by a row's tiles
+    b = {n: _b_panel(shape, n) for n in {n for _, n in tiles}}
+    return [tile_job(shape, m, n, a[m], b[n]) for m, n in tiles]
 
 
 def simulate(shape: GemmShape, order: Iterable, cache_bytes: int, num_sms: int = 1,

@@ -1,0 +1,277 @@
+"""`flashflow dataflow ...`: tables and plots of the tile-order / cache-traffic model.
+
+    flashflow dataflow table  --M 4096 --N 4096 --K 4096            # orders vs DRAM bytes
+    flashflow dataflow sweep  --M 4096 --N 4096 --K 4096 --png t.png # traffic vs cache size
+    flashflow dataflow search --M 512 --N 512 --K 512 --block-m 128 --block-n 128 --cache 256KiB --sms 1
+    flashflow dataflow waves  --M 4096 --n-max 16384 --png w.png    # tail / stair-step curve
+    flashflow dataflow chain  --M 4096 --hidden 4096 --intermediate 14336
+
+Defaults are an H100 (132 SMs, 50 MiB of L2) running bf16 with 128×128×64 tiles. Sizes take
+K, M, G suffixes in powers of 1024 (50M = 50 MiB). PNG output needs matplotlib; without it the
+text output is printed and a note says why no PNG was written.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from flashflow.dataflow import bounds as _bounds
+from flashflow.dataflow import chain as _chain
+from flashflow.dataflow import orders as _orders
+from flashflow.dataflow import plots as _plots
+from flashflow.dataflow import search as _search
+from flashflow.dataflow import waves as _waves
+from flashflow.dataflow.model import H100, compare_orders, simulate
+from flashflow.dataflow.shape import GemmShape
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'50M', '50MiB', '256KB', '4096' -> bytes (suffixes are powers of 1024)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:I?B)?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"size must look like 4096, 256K or 50MiB, got {text!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _table(headers: list[str], rows: list[list]) -> str:
+    cells = [headers] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                       enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _shape(args) -> GemmShape:
+    return GemmShape(args.M, args.N, args.K, args.block_m, args.block_n, args.block_k,
+                     args.elem_bytes)
+
+
+def _add_shape(p, M=4096, N=4096, K=4096):
+    p.add_argument("--M", type=int, default=M)
+    p.add_argument("--N", type=int, default=N)
+    p.add_argument("--K", type=int, default=K)
+    _add_tiles(p)
+
+
+def _add_tiles(p):
+    p.add_argument("--block-m", type=int, default=128)
+    p.add_argument("--block-n", type=int, default=128)
+    p.add_argument("--block-k", type=int, default=64)
+    p.add_argument("--elem-bytes", type=int, default=2, help="bytes per element (bf16: 2)")
+
+
+def _add_machine(p, cache=True):
+    p.add_argument("--sms", type=int, default=H100.num_sms,
+                   help="tiles running at once (SMs x resident tiles per SM)")
+    if cache:
+        p.add_argument("--cache", type=parse_size, default=H100.l2_bytes, help="L2 size")
+        p.add_argument("--policy", choices=("lru", "belady", "both"), default="lru")
+
+
+def _png(path, draw) -> None:
+    if not path:
+        return
+    try:
+        draw(path)
+        print(f"wrote {path}")
+    except _plots.PlottingUnavailable as e:
+        print(f"note: no PNG written to {path}: {e}", file=sys.stderr)
+
+
+def cmd_table(args) -> int:
+    shape = _shape(args)
+    specs = args.orders.split(",") if args.orders else None
+    policies = ("lru", "belady") if args.policy == "both" else (args.policy,)
+    b = _bounds.bounds(shape, args.cache)
+    print(f"GEMM {shape.M}x{shape.N}x{shape.K}, tiles {shape.block_m}x{shape.block_n}x"
+          f"{shape.block_k} ({shape.tiles_m}x{shape.tiles_n} grid, {shape.k_steps} K-steps), "
+          f"{args.sms} SMs, cache {fmt_bytes(args.cache)}")
+    print(f"compulsory reads {fmt_bytes(b.compulsory_read_bytes)}, writes "
+          f"{fmt_bytes(b.compulsory_write_bytes)}; red-blue pebble bound "
+          f"{fmt_bytes(b.pebble_bytes)} (2MNK/sqrt(S))")
+    extra = {}
+    if args.anneal:
+        res = _search.anneal(shape, args.cache, args.sms, policies[0], iterations=args.anneal,
+                             seed=args.seed, block_k=args.search_block_k)
+        extra[f"anneal(seed={args.seed})"] = res.order
+    headers = ["order"]
+    for p in policies:
+        headers += [f"read ({p})", "x compulsory", "hit rate"]
+    results = {p: compare_orders(shape, args.cache, args.sms, p, specs, extra) for p in policies}
+    rows = []
+    for i, row in enumerate(results[policies[0]]):
+        line = [row.spec]
+        for p in policies:
+            t = results[p][i].traffic
+            line += [fmt_bytes(t.read_bytes), f"{t.read_bytes / b.compulsory_read_bytes:.2f}",
+                     f"{t.hit_rate:.3f}"]
+        rows.append(line)
+    print(_table(headers, rows))
+
+    def draw(path):
+        panels = {r.spec: (_orders.make_order(r.spec, shape.tiles_m, shape.tiles_n)
+                           if r.spec in {x.spec for x in results[policies[0]]} and
+                           r.spec not in extra else extra[r.spec])
+                  for r in results[policies[0]]}
+        _plots.order_heatmap(path, shape.tiles_m, shape.tiles_n, panels)
+    _png(args.png, draw)
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    shape = _shape(args)
+    specs = args.orders.split(",") if args.orders else _orders.default_specs(shape.tiles_m,
+                                                                             shape.tiles_n)
+    sizes = []
+    size = args.min_cache
+    while size <= args.max_cache:
+        sizes.append(size)
+        size *= 2
+    policy = "lru" if args.policy == "both" else args.policy
+    series = {s: [] for s in specs}
+    for c in sizes:
+        for row in compare_orders(shape, c, args.sms, policy, specs):
+            series[row.spec].append(row.traffic.read_bytes)
+    lower = [_bounds.bounds(shape, c).read_lower_bound for c in sizes]
+    print(_table(["cache"] + specs + ["lower bound"],
+                 [[fmt_bytes(c)] + [fmt_bytes(series[s][i]) for s in specs] +
+                  [fmt_bytes(lower[i])] for i, c in enumerate(sizes)]))
+    _png(args.png, lambda p: _plots.traffic_vs_cache(
+        p, sizes, series, lower, f"{shape.M}x{shape.N}x{shape.K}, {args.sms} SMs ({policy})"))
+    return 0
+
+
+def cmd_search(args) -> int:
+    shape = _shape(args)
+    policy = "lru" if args.policy == "both" else args.policy
+    grid = (shape.tiles_m, shape.tiles_n)
+    panels = {}
+    if shape.num_tiles <= _search.MAX_EXHAUSTIVE_TILES and not args.anneal:
+        if policy != "lru":
+            print("note: exhaustive search prunes with LRU states; searching under LRU",
+                  file=sys.stderr)
+        r = _search.exhaustive(shape, args.cache, args.sms)
+        print(f"exhaustive over a {grid[0]}x{grid[1]} grid: {r.explored} nodes explored, "
+              f"{r.complete} complete orders reached, of {r.total_orders} without pruning")
+        print(f"best : {fmt_bytes(r.best_read_bytes)} read  {r.best_order}")
+        print(f"worst: {fmt_bytes(r.worst_read_bytes)} read  {r.worst_order}")
+        panels = {"best": r.best_order, "worst": r.worst_order}
+    else:
+        r = _search.anneal(shape, args.cache, args.sms, policy, iterations=args.iterations,
+                           seed=args.seed, block_k=args.search_block_k)
+        full = f" ({fmt_bytes(r.full_read_bytes)} at block_k={shape.block_k})" \
+            if r.full_read_bytes is not None else ""
+        print(f"anneal (seed {r.seed}, {r.iterations} iterations, {r.accepted} accepted): "
+              f"{r.start_spec} {fmt_bytes(r.start_read_bytes)} -> {fmt_bytes(r.read_bytes)}"
+              f"{full}")
+        if shape.num_tiles <= 64:
+            print(f"order: {r.order}")
+        panels = {f"anneal seed {r.seed}": r.order,
+                  r.start_spec: _orders.make_order(r.start_spec, *grid)}
+    _png(args.png, lambda p: _plots.order_heatmap(p, grid[0], grid[1], panels))
+    return 0
+
+
+def cmd_waves(args) -> int:
+    step = args.n_step or args.block_n
+    points = _waves.stair_steps(args.M, range(step, args.n_max + 1, step), args.block_m,
+                                args.block_n, args.sms, args.tiles_per_sm)
+    print(_table(["N", "tiles", "waves", "last wave", "time", "ideal"],
+                 [[p.N, p.tiles, p.waves, f"{p.last_wave_utilization:.0%}", f"{p.time:.0f}",
+                   f"{p.ideal_time:.2f}"] for p in points]))
+    _png(args.png, lambda path: _plots.stair_steps(
+        path, [p.N for p in points], [p.time for p in points], [p.ideal_time for p in points],
+        f"M={args.M}, {args.block_m}x{args.block_n} tiles, "
+        f"{args.sms * args.tiles_per_sm} slots"))
+    return 0
+
+
+def cmd_chain(args) -> int:
+    s = _chain.FfnShape(args.M, args.hidden, args.intermediate, args.block_m, args.block_n,
+                        args.block_k, args.elem_bytes, gated=not args.ungated)
+    policy = "lru" if args.policy == "both" else args.policy
+    print(f"FFN M={s.M} hidden={s.hidden} intermediate={s.intermediate}: GEMM0 "
+          f"{s.row_blocks}x{s.tiles_n0} tiles, GEMM1 {s.row_blocks}x{s.tiles_n1}; {args.sms} SMs, "
+          f"cache {fmt_bytes(args.cache)}")
+    rows = []
+    for deps in ("rowblock", "tile"):
+        for r in _chain.compare_policies(s, args.cache, args.sms, deps, args.policies.split(","),
+                                         policy):
+            if r.deadlocked:
+                rows.append([r.policy, deps, "deadlock", "", "", "", ""])
+                continue
+            t = r.traffic
+            rows.append([r.policy, deps, fmt_bytes(t.read_bytes), fmt_bytes(t.write_bytes),
+                         f"{t.hit_rate:.3f}", t.makespan, f"{t.utilization:.0%}"])
+    print(_table(["policy", "deps", "read", "write", "hit rate", "time (K-steps)",
+                  "SM busy"], rows))
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("dataflow", help="tile-order / cache-traffic model",
+                              description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="dataflow_command", required=True)
+
+    t = sub.add_parser("table", help="named orders and their DRAM traffic")
+    _add_shape(t)
+    _add_machine(t)
+    t.add_argument("--orders", help="comma-separated specs, e.g. row_major,grouped_m:8")
+    t.add_argument("--anneal", type=int, default=0, metavar="ITERS",
+                   help="add an annealed order found in ITERS iterations")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--search-block-k", type=int, default=None,
+                   help="coarser K-step for the annealing's evaluations")
+    t.add_argument("--png", help="write heat maps of the orders to this PNG")
+    t.set_defaults(func=cmd_table)
+
+    s = sub.add_parser("sweep", help="traffic vs cache size")
+    _add_shape(s)
+    _add_machine(s)
+    s.add_argument("--orders")
+    s.add_argument("--min-cache", type=parse_size, default=parse_size("1M"))
+    s.add_argument("--max-cache", type=parse_size, default=parse_size("128M"))
+    s.add_argument("--png")
+    s.set_defaults(func=cmd_sweep)
+
+    q = sub.add_parser("search", help="best order: exhaustive (<= 16 tiles) or annealing")
+    _add_shape(q, 512, 512, 512)
+    _add_machine(q)
+    q.add_argument("--anneal", action="store_true", help="anneal even on a small grid")
+    q.add_argument("--iterations", type=int, default=2000)
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--search-block-k", type=int, default=None)
+    q.add_argument("--png")
+    q.set_defaults(func=cmd_search)
+
+    w = sub.add_parser("waves", help="waves, last-wave utilization, stair-step latency")
+    w.add_argument("--M", type=int, default=4096)
+    w.add_argument("--n-max", type=int, default=16384)
+    w.add_argument("--n-step", type=int, default=None, help="default: block_n")
+    w.add_argument("--block-m", type=int, default=128)
+    w.add_argument("--block-n", type=int, default=128)
+    w.add_argument("--tiles-per-sm", type=int, default=1)
+    _add_machine(w, cache=False)
+    w.add_argument("--png")
+    w.set_defaults(func=cmd_waves)
+
+    c = sub.add_parser("chain", help="GEMM0 -> GEMM1 (fused FFN) scheduling policies")
+    c.add_argument("--M", type=int, default=4096)
+    c.add_argument("--hidden", type=int, default=4096)
+    c.add_argument("--intermediate", type=int, default=14336)
+    c.add_argument("--ungated", action="store_true", help="W_gate_up is one matrix, not two")
+    c.add_argument("--policies", default="sequential,rowblock,halfrow,multirow:2")
+    _add_tiles(c)
+    _add_machine(c)
+    c.set_defaults(func=cmd_chain)

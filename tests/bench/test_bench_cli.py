@@ -1,0 +1,239 @@
+"""`flashflow bench` on a CPU machine, and the pieces of the benchmark that need no GPU."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton.testing
+
+from flashflow import cli
+from flashflow.bench import runner
+from flashflow.bench.cli import NO_GPU
+from flashflow.bench.suites import SUITES, AttentionShape, Suite, attention_flops, attention_shapes
+
+ROOT = Path(__file__).resolve().parents[2]
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without a GPU")
+
+
+# ---------------------------------------------------------------------------- FLOPs and suite
+
+
+def test_flops_count_two_matmuls_and_halve_for_causal():
+    # q·kᵀ and p·v: 2·sq·sk·d multiply-adds each → 4·b·h·sq·sk·d
+    assert attention_flops(2, 3, 5, 7, 11, causal=False) == 4 * 2 * 3 * 5 * 7 * 11
+    assert attention_flops(2, 3, 5, 7, 11, causal=True) == 2 * 2 * 3 * 5 * 7 * 11
+    shape = AttentionShape("x", 1, 24, 4352, 4352, 128, False)
+    assert shape.flops == 4 * 24 * 4352**2 * 128
+
+
+def test_attention_suite_holds_qwen_image_and_the_flashattention_sweep():
+    shapes = attention_shapes()
+    qwen = {(s.batch, s.heads, s.seqlen_q, s.seqlen_k, s.head_dim, s.causal)
+            for s in shapes if s.name.startswith("qwen-image")}
+    assert qwen == {(1, 24, 4352, 4352, 128, False), (1, 24, 8448, 8448, 128, False)}
+    sweep = [s for s in shapes if s.name == "fa-sweep"]
+    assert all(s.batch * s.seqlen_q == 16384 and s.heads * s.head_dim == 2048 for s in sweep)
+    points = {(s.seqlen_q, s.head_dim, s.causal) for s in sweep}
+    assert points == {(n, d, c) for n in (512, 1024, 2048, 4096, 8192, 16384)
+                      for d in (64, 128, 256) for c in (False, True)}
+    assert len(sweep) == len(points) and len(shapes) == len(sweep) + 2
+
+
+def test_quick_suite_is_a_few_of_the_full_shapes():
+    quick, full = attention_shapes(quick=True), attention_shapes()
+    assert 0 < len(quick) <= 8 and set(quick) <= set(full)
+    assert {s.causal for s in quick} == {False, True}
+
+
+# ---------------------------------------------------------------------------- runner, faked GPU
+
+
+def _fake_suite():
+    def inputs(shape, dtype, device):
+        return (torch.ones(4, 4),)
+
+    def ours(shape, x):
+        return lambda: x * 1.01
+
+    def broken(shape, x):
+        raise RuntimeError("No available kernel.\nsecond line")
+
+    def anchor(shape, x):
+        return lambda: x
+
+    return Suite("attention", attention_shapes, inputs,
+                 {"flashflow": ours, "sdpa-cudnn": broken, "sdpa-flash": anchor},
+                 ours="flashflow", x_key="seqlen_q")
+
+
+def test_run_suite_times_every_provider_and_records_failures_as_null(monkeypatch):
+    times = {1.01: 1.0, 1.0: 2.0}  # ours takes 1 ms, the anchor 2 ms
+
+    def fake_do_bench(fn, warmup, rep, return_mode):
+        assert return_mode == "median"
+        return times[round(fn()[0, 0].item(), 2)]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_do_bench)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    shape = AttentionShape("fa-sweep", 2, 4, 64, 64, 32, True)
+    suite = _fake_suite()
+    (row,) = runner.run_suite(suite, [shape], list(suite.providers), torch.bfloat16,
+                              progress=False)
+
+    assert row["results"]["sdpa-cudnn"] == {
+        "ms": None, "tflops": None, "error": "RuntimeError: No available kernel."}
+    ours, anchor = row["results"]["flashflow"], row["results"]["sdpa-flash"]
+    assert ours["ms"] == 1.0 and anchor["ms"] == 2.0
+    assert ours["tflops"] == pytest.approx(shape.flops / 1e-3 / 1e12)
+    assert row["ratios"] == {"flashflow/sdpa-cudnn": None,
+                             "flashflow/sdpa-flash": pytest.approx(2.0)}
+    assert row["pct_of_ceiling"] == pytest.approx(100 * ours["tflops"] / runner.MATMUL_CEILING_TFLOPS)
+    assert row["check"]["against"] == "sdpa-flash"
+    assert row["check"]["rel_err"] == pytest.approx(0.01, rel=1e-3)
+    assert runner.failures([row]) == ["sdpa-cudnn failed on 1 shape(s): RuntimeError: No available kernel."]
+
+
+# ---------------------------------------------------------------------------- JSON and tables
+
+
+def _synthetic_rows():
+    rows = []
+    for shape, ms in ((AttentionShape("qwen-image-1024px", 1, 24, 4352, 4352, 128, False), 2.0),
+                      (AttentionShape("fa-sweep", 8, 16, 2048, 2048, 128, True), 0.5)):
+        tf = shape.flops / ms * 1e-9
+        rows.append({
+            "shape": shape.as_dict(), "panel": shape.panel, "flops": shape.flops,
+            "results": {"flashflow": {"ms": ms, "tflops": tf, "error": None},
+                        "sdpa-cudnn": {"ms": ms * 1.25, "tflops": tf / 1.25, "error": None},
+                        "sdpa-flash": {"ms": None, "tflops": None, "error": "RuntimeError: no"}},
+            "ratios": {"flashflow/sdpa-cudnn": 1.25, "flashflow/sdpa-flash": None},
+            "pct_of_ceiling": 100 * tf / runner.MATMUL_CEILING_TFLOPS,
+            "check": {"against": "sdpa-cudnn", "rel_err": 3.1e-3},
+        })
+    return rows
+
+
+def _synthetic_result(rows):
+    return {"schema_version": runner.SCHEMA_VERSION, "suite": "attention", "dtype": "bf16",
+            "device": "NVIDIA H100 80GB HBM3", "sm_count": 132, "capability": "9.0",
+            "torch": "2.11.0", "triton": "3.6.0", "cuda": "13.0", "cudnn": 91000,
+            "python": "3.12.3", "date": "2026-11-22T16:05:09+00:00", "git_commit": "abc",
+            "git_dirty": False, "providers": ["flashflow", "sdpa-cudnn", "sdpa-flash"],
+            "ours": "flashflow", "ceiling_tflops": runner.MATMUL_CEILING_TFLOPS, "rows": rows}
+
+
+def test_json_writer_names_files_by_suite_device_and_time_and_round_trips(tmp_path):
+    rows = _synthetic_rows()
+    rows[0]["check"]["rel_err"] = float("nan")  # strict JSON has no NaN: written as null
+    stamped, stable = runner.write_json(_synthetic_result(rows), tmp_path / "results")
+
+    assert stamped.name == "attention-nvidia-h100-80gb-hbm3-20261122-160509.json"
+    assert stable.name == "attention-nvidia-h100-80gb-hbm3.json"
+    assert stamped.read_text() == stable.read_text()
+    back = runner.read_json(stable)
+    assert set(runner.REQUIRED_KEYS) <= set(back)
+    assert back["rows"][0]["check"]["rel_err"] is None
+    rows[0]["check"]["rel_err"] = None
+    assert back == json.loads(json.dumps(_synthetic_result(rows)))
+
+
+def test_read_json_rejects_a_file_that_is_not_a_bench_result(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"rows": []}))
+    with pytest.raises(ValueError, match="missing schema_version"):
+        runner.read_json(path)
+
+
+def test_device_slug_is_safe_in_file_names():
+    assert runner.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert runner.device_slug("  A/B (x) ") == "a-b-x"
+
+
+def test_markdown_table_renders_one_line_per_row_with_numbers_right_aligned():
+    rows = _synthetic_rows()
+    lines = runner.markdown_table(rows).splitlines()
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+
+    assert len(lines) == 2 + len(rows)
+    header, align, first, second = cells
+    assert all(len(c) == len(header) for c in cells)
+    assert header[:7] == ["shape", "b", "h", "sq", "sk", "d", "causal"]
+    assert align[0] == ":--" and set(align[1:]) == {"--:"}
+    col = dict(zip(header, first))
+    assert col["shape"] == "qwen-image-1024px" and col["causal"] == "no"
+    assert col["flashflow ms"] == "2.000"
+    assert float(col["flashflow TF/s"]) == pytest.approx(rows[0]["results"]["flashflow"]["tflops"], abs=0.5)
+    assert col["flashflow ÷ sdpa-cudnn"] == "1.25"
+    assert col["sdpa-flash ms"] == col["flashflow ÷ sdpa-flash"] == "-"  # a failed provider
+    assert col["rel err"] == "3.1e-03"
+    assert dict(zip(header, second))["causal"] == "yes"
+
+
+def test_text_table_is_aligned():
+    lines = runner.text_table(_synthetic_rows()).splitlines()
+    assert len({len(line) for line in lines[1:]}) == 1  # the header's top line is stripped
+    assert "flashflow" in lines[0] and lines[2].startswith("---")
+
+
+def test_from_json_prints_the_markdown_table_of_a_saved_result(tmp_path, capsys):
+    rows = _synthetic_rows()
+    _, stable = runner.write_json(_synthetic_result(rows), tmp_path)
+    assert cli.main(["bench", "--from-json", str(stable), "--markdown"]) == 0
+    assert capsys.readouterr().out == runner.markdown_table(rows) + "\n"
+
+
+def test_unknown_provider_is_refused(capsys):
+    assert cli.main(["bench", "--providers", "flashflow,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+def test_plot_has_one_panel_per_head_dim_and_causal_plus_qwen(tmp_path):
+    pytest.importorskip("matplotlib")
+    shapes = attention_shapes()
+    rows = [{"shape": s.as_dict(), "panel": s.panel,
+             "results": {"flashflow": {"tflops": 100.0 + i}}} for i, s in enumerate(shapes)]
+    assert len({r["panel"] for r in rows}) == 7
+    png = runner.plot(rows, "seqlen_q", "test", tmp_path / "p.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------------- no GPU: the demo
+
+_DEMO_LINE = re.compile(r"rel err (\S+)\s+\(tolerance (\S+)\)\s+(ok|FAILED)")
+
+
+def _check_demo_output(out: str) -> None:
+    assert NO_GPU in out
+    found = _DEMO_LINE.findall(out)
+    assert len(found) >= 3
+    for err, tol, verdict in found:
+        assert math.isfinite(float(err)) and float(err) <= float(tol) and verdict == "ok"
+
+
+@no_gpu
+def test_bench_without_gpu_says_so_and_runs_the_interpreter_demo(capfd):
+    assert cli.main(["bench"]) == 0
+    _check_demo_output(capfd.readouterr().out)
+
+
+@no_gpu
+def test_bench_without_gpu_starts_the_interpreter_itself():
+    # A user's shell has no TRITON_INTERPRET: the demo must run in a process that sets it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "flashflow.cli", "bench"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    _check_demo_output(proc.stdout)
+
+
+def test_suite_registry_names_its_providers():
+    suite = SUITES["attention"]
+    assert list(suite.providers) == ["flashflow", "sdpa-cudnn", "sdpa-flash"]
+    assert suite.ours == "flashflow" and suite.anchors == ("sdpa-cudnn", "sdpa-flash")

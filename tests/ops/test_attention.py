@@ -1,0 +1,342 @@
+"""Flash attention forward against the float64 reference, through Triton's interpreter on the CPU.
+
+Run with TRITON_INTERPRET=1 (the README's test command sets it). Inputs are fresh random draws,
+outputs are poisoned with NaN before the call, sizes are odd.
+"""
+import math
+
+import pytest
+import torch
+
+import flashflow
+from flashflow.ops import attention as attn_ops
+from flashflow.ops.attention import attention_forward, tail_splits
+from flashflow.reference import attention_naive, attention_tiled, attention_varlen_naive
+from flashflow.tuning import AttentionConfig, interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
+TOL = {torch.float16: 5e-3, torch.float32: 1e-4, torch.bfloat16: 2e-2}
+
+
+def rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def rand(*shape, dtype=torch.float16):
+    return torch.randn(*shape, dtype=dtype, device=DEVICE)
+
+
+def check_dense(b, sq, sk, h, hk, d, dtype=torch.float16, causal=False, window=(-1, -1), softcap=0.0,
+                config=None, layout="bshd", num_sms=None, scale=None):
+    if layout == "bshd":
+        q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+    else:  # SDPA storage seen through a transpose: arbitrary strides, no copy
+        q = rand(b, h, sq, d, dtype=dtype).transpose(1, 2)
+        k = rand(b, hk, sk, d, dtype=dtype).transpose(1, 2)
+        v = rand(b, hk, sk, d, dtype=dtype).transpose(1, 2)
+    scale = d ** -0.5 if scale is None else scale
+    out = torch.full((b, sq, h, d), float("nan"), dtype=dtype, device=DEVICE)
+    left, right = window
+    if causal:
+        right = 0
+    attention_forward(q, k, v, softmax_scale=scale, window_left=left if left >= 0 else None,
+                      window_right=right if right >= 0 else None, softcap=softcap, out=out,
+                      config=config, num_sms=num_sms, heavy_first=causal)
+    ref, ref_lse = attention_naive(q.double(), k.double(), v.double(), scale, causal, window, softcap,
+                                   return_lse=True)
+    assert not torch.isnan(out).any(), "output has NaN (unwritten or invalid)"
+    assert rel(out, ref) < TOL[dtype], rel(out, ref)
+    # the public entry point, with LSE
+    o2, lse = flashflow.flash_attn_func(q, k, v, softmax_scale=scale, causal=causal, window_size=window,
+                                        softcap=softcap, return_lse=True)
+    assert rel(o2, ref) < TOL[dtype]
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        assert (lse.double()[fin] - ref_lse[fin]).abs().max().item() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("seqlen", [1, 77, 300])
+def test_dense_noncausal(dtype, seqlen):
+    check_dense(2, seqlen, seqlen, 3, 3, 64, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("sq,sk", [(77, 77), (40, 300), (300, 40), (1, 77)])
+def test_causal_bottom_right(dtype, sq, sk):
+    # sq > sk leaves the first sq - sk rows with no key: they must be 0 with lse -inf
+    check_dense(1, sq, sk, 2, 2, 64, dtype=dtype, causal=True)
+
+
+@pytest.mark.parametrize("d", [32, 80, 96, 128, 256])
+def test_head_dims(d):
+    check_dense(1, 65, 97, 2, 1, d)
+
+
+@pytest.mark.parametrize("h,hk", [(8, 2), (6, 1), (4, 4)])
+def test_gqa_mqa(h, hk):
+    check_dense(2, 50, 70, h, hk, 32, causal=True)
+
+
+@pytest.mark.parametrize("window", [(16, 0), (10, 20), (0, 0), (-1, 5), (33, -1)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sliding_window(window, causal):
+    check_dense(1, 150, 170, 2, 1, 32, causal=causal, window=window)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_softcap(causal):
+    check_dense(1, 90, 90, 2, 2, 64, causal=causal, softcap=2.0, scale=0.5)
+
+
+def test_softcap_fp32_window():
+    check_dense(1, 61, 61, 2, 1, 48, dtype=torch.float32, softcap=5.0, window=(8, 8))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("load", ["pointer", "device_desc", "host_desc"])
+def test_load_paths_and_strides(layout, load):
+    cfg = AttentionConfig(32, 32, 4, 1, use_tma=load != "pointer", host_desc=load == "host_desc")
+    check_dense(2, 77, 130, 4, 2, 64, config=cfg, layout=layout)
+    check_dense(2, 77, 130, 4, 2, 64, config=cfg, layout=layout, causal=True)
+
+
+def test_sliced_noncontiguous_inputs():
+    base = rand(2, 90, 4, 3 * 64)
+    q, k, v = base[..., :64], base[..., 64:128], base[..., 128:]  # packed qkv, seq stride 768
+    ref = attention_naive(q.double(), k.double(), v.double(), causal=True)
+    out = flashflow.flash_attn_func(q, k, v, causal=True)
+    assert rel(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("load", ["pointer", "host_desc"])
+@pytest.mark.parametrize("num_sms", [10, 11, 23])
+def test_tail_split_matches(num_sms, load):
+    # 3 m-blocks x 4 heads x 2 batch = 24 tiles; these SM counts leave a short last wave,
+    # so its tiles are cut into key-range pieces and merged.
+    cfg = AttentionConfig(32, 32, 4, 1, use_tma=load != "pointer", host_desc=True)
+    assert tail_splits(24, num_sms, 10) > 1
+    check_dense(2, 77, 300, 4, 2, 64, config=cfg, num_sms=num_sms)
+
+
+def test_tail_split_policy():
+    assert tail_splits(816, 132, 34) == 5       # Qwen-Image 1024px: 6.2 waves -> cut the 24 tail tiles
+    assert tail_splits(1584, 132, 66) == 1      # exact waves
+    assert tail_splits(2048, 132, 16) == 1      # last wave more than half full
+    assert tail_splits(24, 132, 1) == 1         # too few key blocks to cut
+
+
+def test_fully_masked_rows_give_zero():
+    # window (0, 0) with sq > sk: rows before the diagonal have no key at all
+    q, k, v = rand(1, 40, 2, 32), rand(1, 10, 2, 32), rand(1, 10, 2, 32)
+    out, lse = flashflow.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    assert torch.isfinite(out).all()
+    assert (out[:, :30] == 0).all()
+    assert torch.isneginf(lse[:, :, :30]).all() and torch.isfinite(lse[:, :, 30:]).all()
+
+
+def test_tiled_reference_equals_naive():
+    q, k, v = (torch.randn(2, 70, 4, 16, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    for kw in ({}, {"causal": True}, {"window_size": (5, 3)}, {"softcap": 3.0}):
+        o1, l1 = attention_naive(q, k, v, return_lse=True, **kw)
+        o2, l2 = attention_tiled(q, k, v, return_lse=True, block_m=16, block_n=24, **kw)
+        assert torch.allclose(o1, o2, atol=1e-12) and torch.allclose(l1, l2, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# varlen
+# ---------------------------------------------------------------------------------------------
+
+
+def _cu(lens):
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tma", [False, True])
+def test_varlen(causal, tma):
+    lens_q, lens_k = [1, 17, 100, 0, 45], [5, 17, 130, 3, 45]
+    cq, ck = _cu(lens_q), _cu(lens_k)
+    q, k, v = rand(sum(lens_q), 4, 80), rand(sum(lens_k), 2, 80), rand(sum(lens_k), 2, 80)
+    cfg = AttentionConfig(32, 32, 4, 1, use_tma=tma)
+    out = torch.full_like(q, float("nan"))
+    attention_forward(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=100, max_seqlen_k=130,
+                      softmax_scale=80 ** -0.5, window_right=0 if causal else None, out=out, config=cfg)
+    ref, ref_lse = attention_varlen_naive(q.double(), k.double(), v.double(), cq, ck, causal=causal,
+                                          return_lse=True)
+    assert not torch.isnan(out).any()
+    assert rel(out, ref) < TOL[torch.float16]
+    o2, lse = flashflow.flash_attn_varlen_func(q, k, v, cq, ck, 100, 130, causal=causal, return_lse=True,
+                                               window_size=(-1, -1))
+    assert rel(o2, ref) < TOL[torch.float16]
+    assert lse.shape == (4, sum(lens_q))
+    fin = torch.isfinite(ref_lse)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# SDPA-compatible entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def sdpa_ref(q, k, v, **kw):
+    return torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+
+
+def test_sdpa_key_padding_mask_gqa():
+    q, k, v = rand(2, 8, 33, 64), rand(2, 2, 45, 64), rand(2, 2, 45, 64)
+    mask = torch.rand(2, 1, 1, 45, device=DEVICE) > 0.3
+    mask[:, :, :, 0] = True  # PyTorch gives NaN for fully masked rows; keep one key so both agree
+    out = flashflow.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert out.shape == (2, 8, 33, 64)
+    assert rel(out, sdpa_ref(q, k, v, attn_mask=mask, enable_gqa=True)) < TOL[torch.float16]
+
+
+def test_sdpa_float_mask_and_scale():
+    q, k, v = rand(1, 4, 20, 32, dtype=torch.float32), rand(1, 4, 37, 32, dtype=torch.float32), \
+        rand(1, 4, 37, 32, dtype=torch.float32)
+    bias = torch.randn(4, 20, 37, device=DEVICE)
+    out = flashflow.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.3)
+    assert rel(out, sdpa_ref(q, k, v, attn_mask=bias.double(), scale=0.3)) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("sq,sk", [(30, 30), (20, 50), (50, 20)])
+def test_sdpa_causal_is_top_left(sq, sk):
+    q, k, v = rand(1, 2, sq, 32), rand(1, 2, sk, 32), rand(1, 2, sk, 32)
+    out = flashflow.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel(out, sdpa_ref(q, k, v, is_causal=True)) < TOL[torch.float16]
+
+
+def test_sdpa_fully_masked_row_is_zero_not_nan():
+    q, k, v = rand(1, 2, 5, 32), rand(1, 2, 7, 32), rand(1, 2, 7, 32)
+    mask = torch.ones(1, 1, 5, 7, dtype=torch.bool, device=DEVICE)
+    mask[..., 2, :] = False
+    out = flashflow.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.isfinite(out).all() and (out[:, :, 2] == 0).all()
+    keep = torch.tensor([0, 1, 3, 4])
+    ref = sdpa_ref(q, k, v, attn_mask=mask)
+    assert rel(out[:, :, keep], ref[:, :, keep]) < TOL[torch.float16]
+
+
+def test_sdpa_3d_inputs():
+    q, k, v = rand(4, 19, 64), rand(4, 23, 64), rand(4, 23, 64)
+    out = flashflow.scaled_dot_product_attention(q, k, v)
+    assert out.shape == (4, 19, 64)
+    assert rel(out, sdpa_ref(q, k, v)) < TOL[torch.float16]
+
+
+# ---------------------------------------------------------------------------------------------
+# custom op / torch.compile
+# ---------------------------------------------------------------------------------------------
+
+
+def test_custom_op_opcheck():
+    q, k, v = rand(1, 33, 2, 32), rand(1, 40, 1, 32), rand(1, 40, 1, 32)
+    args = (q, k, v, None, None, None, 0, 0, 0.2, False, 0, True, 0, 0.0, True, True)
+    torch.library.opcheck(torch.ops.flashflow.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_torch_compile_fullgraph_traces_through():
+    q, k, v = rand(1, 33, 2, 32), rand(1, 40, 1, 32), rand(1, 40, 1, 32)
+
+    def f(q, k, v):
+        o, lse = flashflow.flash_attn_func(q * 2.0, k, v, causal=True, return_lse=True)
+        return o.float().sum(-1) + lse.transpose(1, 2)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(q, k, v), f(q, k, v), atol=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# bad inputs: clear errors before any launch
+# ---------------------------------------------------------------------------------------------
+
+
+def test_bad_rank():
+    with pytest.raises(ValueError, match=r"q must have rank 4"):
+        flashflow.flash_attn_func(rand(2, 8, 32), rand(2, 8, 2, 32), rand(2, 8, 2, 32))
+
+
+def test_dtype_mismatch():
+    with pytest.raises(TypeError, match="share one dtype"):
+        flashflow.flash_attn_func(rand(1, 8, 2, 32), rand(1, 8, 2, 32, dtype=torch.float32), rand(1, 8, 2, 32))
+
+
+def test_unsupported_dtype():
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        x = torch.zeros(1, 8, 2, 32, dtype=torch.int32, device=DEVICE)
+        flashflow.flash_attn_func(x, x, x)
+
+
+def test_head_dim_too_large():
+    with pytest.raises(ValueError, match="head_dim must be between 1 and 256, got 300"):
+        flashflow.flash_attn_func(rand(1, 8, 2, 300), rand(1, 8, 2, 300), rand(1, 8, 2, 300))
+
+
+def test_heads_not_divisible():
+    with pytest.raises(ValueError, match=r"heads of q \(6\) must be a multiple of heads of k/v \(4\)"):
+        flashflow.flash_attn_func(rand(1, 8, 6, 32), rand(1, 8, 4, 32), rand(1, 8, 4, 32))
+
+
+def test_kv_mismatch():
+    with pytest.raises(ValueError, match="same number of heads"):
+        flashflow.flash_attn_func(rand(1, 8, 4, 32), rand(1, 8, 2, 32), rand(1, 8, 4, 32))
+    with pytest.raises(ValueError, match="seqlen_k"):
+        flashflow.flash_attn_func(rand(1, 8, 4, 32), rand(1, 8, 2, 32), rand(1, 9, 2, 32))
+
+
+def test_cpu_tensor_on_gpu_path(monkeypatch):
+    monkeypatch.setattr(attn_ops, "interpreting", lambda: False)
+    x = torch.randn(1, 8, 2, 32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="runs on CUDA tensors; got q on cpu"):
+        flashflow.flash_attn_func(x, x, x)
+
+
+def test_bad_window_and_softcap():
+    x = rand(1, 8, 2, 32)
+    with pytest.raises(ValueError, match="window_size"):
+        flashflow.flash_attn_func(x, x, x, window_size=(-3, 0))
+    with pytest.raises(TypeError, match="window_size"):
+        flashflow.flash_attn_func(x, x, x, window_size=5)
+    with pytest.raises(ValueError, match="softcap"):
+        flashflow.flash_attn_func(x, x, x, softcap=-1.0)
+
+
+def test_varlen_bad_cu_seqlens():
+    q, k = rand(10, 2, 32), rand(12, 2, 32)
+    cq = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)
+    ck = torch.tensor([0, 12], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="same length"):
+        flashflow.flash_attn_varlen_func(q, k, k, cq, ck, 6, 12)
+    ck = torch.tensor([0, 5, 11], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[-1\] must equal the packed token count 12"):
+        flashflow.flash_attn_varlen_func(q, k, k, cq, ck, 6, 12)
+    ck = torch.tensor([0, 5, 12], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="max_seqlen_q=5 is smaller"):
+        flashflow.flash_attn_varlen_func(q, k, k, cq, ck, 5, 12)
+    with pytest.raises(TypeError, match="int32"):
+        flashflow.flash_attn_varlen_func(q, k, k, cq.long(), ck, 6, 12)
+    bad = torch.tensor([0, 7, 4, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        flashflow.flash_attn_varlen_func(q, k, k, bad, torch.tensor([0, 3, 6, 12], dtype=torch.int32,
+                                                                     device=DEVICE), 7, 12)
+
+
+def test_sdpa_bad_inputs():
+    q = rand(1, 4, 8, 32)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashflow.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(ValueError, match="enable_gqa"):
+        flashflow.scaled_dot_product_attention(q, rand(1, 2, 8, 32), rand(1, 2, 8, 32))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        flashflow.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(3, 8, 8, dtype=torch.bool,
+                                                                               device=DEVICE))
+    with pytest.raises(ValueError, match="not both"):
+        flashflow.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool,
+                                                                               device=DEVICE), is_causal=True)
