@@ -160,7 +160,36 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def attention_forward(
+# --------------------------------------------------------------------------------------------
+# dispatch: the first registered forward kernel whose ``supports(q, k, v, **kw)`` accepts the
+# call runs it. The portable Triton kernel (pointer loads on Ampere/Ada, TMA on Hopper) accepts
+# everything; a generation-specific kernel registers ahead of it with ``first=True``.
+# --------------------------------------------------------------------------------------------
+
+_FORWARD_KERNELS: list = []
+
+
+def register_forward_kernel(name: str, supports, launch, first: bool = False) -> None:
+    entry = (name, supports, launch)
+    _FORWARD_KERNELS.insert(0, entry) if first else _FORWARD_KERNELS.append(entry)
+
+
+def forward_kernel_name(q, k, v, **kw) -> str:
+    return next(name for name, supports, _ in _FORWARD_KERNELS if supports(q, k, v, **kw))
+
+
+def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw):
+    """Run the forward pass on validated tensors with the first kernel that supports the call.
+
+    See :func:`_portable_forward` for the arguments and layouts.
+    """
+    for _, supports, launch in _FORWARD_KERNELS:
+        if supports(q, k, v, **kw):
+            return launch(q, k, v, **kw)
+    raise RuntimeError("no attention forward kernel accepts this call")  # portable accepts all
+
+
+def _portable_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     bias: Optional[torch.Tensor] = None,
     cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
@@ -286,6 +315,9 @@ def attention_forward(
             RETURN_LSE=return_lse, num_warps=4,
         )
     return out, lse
+
+
+register_forward_kernel("triton-portable", lambda q, k, v, **kw: True, _portable_forward)
 
 
 # --------------------------------------------------------------------------------------------
