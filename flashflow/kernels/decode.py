@@ -1,0 +1,231 @@
+"""Decode attention against a KV cache (flash-decoding): Triton kernels.
+
+Tiling
+------
+Grid ``(num_splits, batch · kv_heads)``. A program owns one KV head of one sequence and one slice
+of its cached keys; its query rows are every query head of that KV group times every query
+token (GQA packing: ``rows = group · seqlen_q``, padded to ``BLOCK_R`` ≥ 16 for the tensor cores),
+so each K/V tile is read once from memory for all the heads that share it. The slice is streamed
+in ``BLOCK_N`` tokens with the online softmax of the prefill kernel.
+
+With one split the program normalises and stores. With several, each writes its un-normalised
+partial (acc, m, l) in fp32 to a workspace and bumps a per-(sequence, KV head) counter; the last
+program to arrive merges the partials by their log-sum-exp (flash-decoding's merge, fused: no
+second launch) and resets the counter to 0, so the next launch or CUDA-graph replay starts clean.
+The counter bump is an ``acq_rel`` atomic after a CTA barrier: the barrier orders every thread's
+workspace stores before the releasing atomic; the acquire orders the merging program's loads
+after the other programs' releases (loads use ``.cg`` so no stale L1 line is read).
+
+New tokens (``k``/``v`` given) are attended from the inputs directly by the last split and written
+into the cache by that same program: nothing in the launch reads those cache rows, so there is
+no race between the append and the attention.
+
+Cache layouts (``LAYOUT``): 0 contiguous ``(b, s, hk, d)``; 1 paged ``(blocks, page, hk, d)``
+through ``block_table``; 2 FasterTransformer: K ``(b, hk, d/x, s, x)``, V ``(b, hk, s, d)``.
+
+Bytes: every program reads its K/V slice once: ``2 · batch · kv_heads · seqlen · d · 2`` bytes
+in bf16, the floor of the whole op; FLOPs (4 · heads · seqlen · d per token) are negligible.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _kv_ptrs(KC, VC, BT, b, kvh, offs_n, offs_d, valid_n,
+             sk0, sk1, sk2, sk3, sv0, sv1, sv2, stride_bt,
+             PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr):
+    """Pointers to the K and V rows of cache positions ``offs_n`` (tokens) of (b, kvh)."""
+    if LAYOUT == 1:
+        page = tl.load(BT + b * stride_bt + offs_n // PAGE_SIZE, mask=valid_n, other=0).to(tl.int64)
+        row = (offs_n % PAGE_SIZE).to(tl.int64)
+        k_ptrs = KC + page[:, None] * sk0 + row[:, None] * sk1 + kvh * sk2 + offs_d[None, :]
+        v_ptrs = VC + page[:, None] * sv0 + row[:, None] * sv1 + kvh * sv2 + offs_d[None, :]
+    elif LAYOUT == 2:
+        n = offs_n.to(tl.int64)
+        k_ptrs = (KC + b.to(tl.int64) * sk0 + kvh * sk1 + (offs_d // FT_X)[None, :] * sk2
+                  + n[:, None] * sk3 + (offs_d % FT_X)[None, :])
+        v_ptrs = VC + b.to(tl.int64) * sv0 + kvh * sv1 + n[:, None] * sv2 + offs_d[None, :]
+    else:
+        n = offs_n.to(tl.int64)
+        k_ptrs = KC + b.to(tl.int64) * sk0 + n[:, None] * sk1 + kvh * sk2 + offs_d[None, :]
+        v_ptrs = VC + b.to(tl.int64) * sv0 + n[:, None] * sv1 + kvh * sv2 + offs_d[None, :]
+    return k_ptrs, v_ptrs
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap, window_left,
+            window_right, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    s = tl.dot(q, k.T, input_precision=DOT_PRECISION)
+    if HAS_SOFTCAP:
+        s = (1.0 - 2.0 / (tl.math.exp2(s * qk_scale_log2 * 2.8853900817779268) + 1.0)) * (softcap * 1.4426950408889634)
+    else:
+        s = s * qk_scale_log2
+    allowed = valid_n[None, :]
+    if HAS_RIGHT:
+        allowed &= offs_n[None, :] <= diag[:, None] + window_right
+    if HAS_LEFT:
+        allowed &= offs_n[None, :] >= diag[:, None] - window_left
+    s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _store_rows(O, LSE, acc, l_i, m_i, b, row_head, row_tok, row_valid, offs_d, soq_b, soq_s, soq_h,
+                sl_b, sl_h, sl_s, HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr):
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    o_ptrs = (O + b.to(tl.int64) * soq_b + row_tok[:, None] * soq_s + row_head[:, None] * soq_h
+              + offs_d[None, :])
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM))
+    if RETURN_LSE:
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        tl.store(LSE + b.to(tl.int64) * sl_b + row_head * sl_h + row_tok * sl_s, lse, mask=row_valid)
+
+
+@triton.jit
+def decode_attention_kernel(
+    Q, KC, VC, KNEW, VNEW, O, LSE, CACHE_SEQLENS, BT, WS_ACC, WS_ML, COUNTERS,
+    sq_b, sq_s, sq_h, so_b, so_s, so_h, sl_b, sl_h, sl_s,
+    sk0, sk1, sk2, sk3, sv0, sv1, sv2, skn_b, skn_s, skn_h, svn_b, svn_s, svn_h, stride_bt,
+    seqlen_q, n_new, kv_group, num_kv_heads,
+    qk_scale_log2, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_NEW: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
+    HAS_NEW: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+
+    cache_len = tl.load(CACHE_SEQLENS + b)   # tokens already in the cache
+    total = cache_len + n_new                # keys after the append
+
+    # query rows: r = token · group + head-in-group
+    offs_r = tl.arange(0, BLOCK_R)
+    row_tok = offs_r // kv_group
+    row_head = kvh * kv_group + offs_r % kv_group
+    row_valid = row_tok < seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_valid = offs_d < HEAD_DIM
+    q = tl.load(Q + b.to(tl.int64) * sq_b + row_tok[:, None] * sq_s + row_head[:, None] * sq_h + offs_d[None, :],
+                mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    diag = total - seqlen_q + row_tok        # last key each row may see (causal, bottom-right)
+
+    # this program's slice of the cached keys
+    lo = 0
+    if HAS_LEFT:
+        lo = tl.maximum(total - seqlen_q - window_left, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    n_blocks = tl.cdiv(tl.maximum(cache_len - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    start = lo + split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, cache_len)
+
+    m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
+    offs_nb = tl.arange(0, BLOCK_N)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_nb
+        valid_n = offs_n < end
+        k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, offs_n, offs_d, valid_n, sk0, sk1, sk2, sk3,
+                                  sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X)
+        kv_mask = valid_n[:, None] & d_valid[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap,
+                                window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+
+    if HAS_NEW:
+        if split == NUM_SPLITS - 1:
+            # the new tokens: attend them from the inputs, and append them to the cache
+            offs_j = tl.arange(0, BLOCK_NEW)
+            valid_j = offs_j < n_new
+            new_mask = valid_j[:, None] & d_valid[None, :]
+            kn = tl.load(KNEW + b.to(tl.int64) * skn_b + offs_j[:, None] * skn_s + kvh * skn_h + offs_d[None, :],
+                         mask=new_mask, other=0.0)
+            vn = tl.load(VNEW + b.to(tl.int64) * svn_b + offs_j[:, None] * svn_s + kvh * svn_h + offs_d[None, :],
+                         mask=new_mask, other=0.0)
+            pos = cache_len + offs_j
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, kn, vn, pos, valid_j, diag, qk_scale_log2, softcap,
+                                    window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
+                                    DOT_PRECISION)
+            k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, pos, offs_d, valid_j, sk0, sk1, sk2, sk3,
+                                      sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X)
+            tl.store(k_ptrs, kn.to(KC.dtype.element_ty), mask=new_mask)
+            tl.store(v_ptrs, vn.to(VC.dtype.element_ty), mask=new_mask)
+
+    if NUM_SPLITS == 1:
+        _store_rows(O, LSE, acc, l_i, m_i, b, row_head, row_tok, row_valid, offs_d, so_b, so_s, so_h,
+                    sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
+    else:
+        piece = bh.to(tl.int64) * NUM_SPLITS + split
+        tl.store(WS_ACC + piece * (BLOCK_R * HEAD_DIM_PAD) + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :], acc)
+        tl.store(WS_ML + piece * (2 * BLOCK_R) + offs_r, m_i)
+        tl.store(WS_ML + piece * (2 * BLOCK_R) + BLOCK_R + offs_r, l_i)
+        tl.debug_barrier()  # every thread's partial stores before the releasing atomic
+        arrived = tl.atomic_add(COUNTERS + bh, 1, sem="acq_rel", scope="gpu")
+        if arrived == NUM_SPLITS - 1:
+            first = bh.to(tl.int64) * NUM_SPLITS
+            m_tot = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+            for j in range(NUM_SPLITS):
+                m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r,
+                                                  cache_modifier=".cg"))
+            m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+            l_tot = tl.zeros([BLOCK_R], dtype=tl.float32)
+            acc_tot = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
+            for j in range(NUM_SPLITS):
+                w = tl.math.exp2(tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r, cache_modifier=".cg")
+                                 - m_shift)
+                l_tot += w * tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + BLOCK_R + offs_r, cache_modifier=".cg")
+                acc_tot += w[:, None] * tl.load(WS_ACC + (first + j) * (BLOCK_R * HEAD_DIM_PAD)
+                                                + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                                                cache_modifier=".cg")
+            _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
+                        so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
+            tl.atomic_xchg(COUNTERS + bh, 0)  # ready for the next launch / graph replay
+
+
+@triton.jit
+def merge_states_kernel(OA, LA, OB, LB, O, L, n_rows, heads, seqlen,
+                        soa_b, soa_s, soa_h, sob_b, sob_s, sob_h, so_b, so_s, so_h,
+                        sla_b, sla_h, sla_s, slb_b, slb_h, slb_s, sl_b, sl_h, sl_s,
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """out = (e^{la−m}·oa + e^{lb−m}·ob) / (e^{la−m} + e^{lb−m}), lse = m + log(Σ), per
+    (batch, seq, head) row; 2 reads and 1 write of head_dim values per row (memory bound)."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)   # flattened (batch, seq, head)
+    valid = offs < n_rows * heads
+    r = offs // heads
+    h = (offs % heads).to(tl.int64)
+    bi = (r // seqlen).to(tl.int64)
+    si = (r % seqlen).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    mask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
+    la = tl.load(LA + bi * sla_b + h * sla_h + si * sla_s, mask=valid, other=float("-inf"))
+    lb = tl.load(LB + bi * slb_b + h * slb_h + si * slb_s, mask=valid, other=float("-inf"))
+    m = tl.maximum(la, lb)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m_shift)
+    wb = tl.exp(lb - m_shift)
+    tot = wa + wb
+    empty = tot == 0.0
+    t_safe = tl.where(empty, 1.0, tot)
+    oa = tl.load(OA + (bi * soa_b + si * soa_s + h * soa_h)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    ob = tl.load(OB + (bi * sob_b + si * sob_s + h * sob_h)[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    out = (wa[:, None] * oa.to(tl.float32) + wb[:, None] * ob.to(tl.float32)) / t_safe[:, None]
+    tl.store(O + (bi * so_b + si * so_s + h * so_h)[:, None] + offs_d[None, :], out.to(O.dtype.element_ty),
+             mask=mask)
+    lse = tl.where(empty, float("-inf"), m_shift + tl.log(t_safe))
+    tl.store(L + bi * sl_b + h * sl_h + si * sl_s, lse, mask=valid)

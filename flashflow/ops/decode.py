@@ -1,0 +1,343 @@
+"""Decode attention against a KV cache: validation, split planning, launch.
+
+* :func:`flash_attn_with_kvcache` — FlashAttention's API (contiguous or paged cache, in-kernel
+  append of the new K/V, ragged ``cache_seqlens``), plus the FasterTransformer cache layout.
+* :class:`DecodePlan` / :func:`plan_decode` — the serving-engine split: plan once per batch layout
+  (split count, workspace, counters), then :meth:`DecodePlan.run` every step: no host
+  synchronisation, a fixed workspace, CUDA-graph capturable.
+* :func:`merge_attention_states` — combine two partial attention results by their LSE.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+
+from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
+from flashflow.ops.attention import _check_common, _check_softcap, _check_window, _sm_count
+from flashflow.tuning import gpu_family, interpreting
+
+KV_LAYOUTS = ("NHD", "FT")
+MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
+
+
+def _ft_x(dtype: torch.dtype) -> int:
+    return 16 // torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(family: str, head_dim_pad: int) -> DecodeConfig:
+    if family == "interpreter":
+        return DecodeConfig(BLOCK_N=32, num_warps=4, num_stages=1)
+    if head_dim_pad > 128:
+        return DecodeConfig(BLOCK_N=32, num_warps=4, num_stages=3)
+    return DecodeConfig(BLOCK_N=64, num_warps=4, num_stages=4)
+
+
+def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
+                         max_splits: int = 64) -> int:
+    """Split the keys so that about two programs per SM exist, each with >= 4 key blocks.
+
+    One program per (sequence, KV head) leaves most SMs idle at small batch (8 programs for one
+    sequence of Llama-3-8B on 132 SMs); splitting the sequence fills them, at the cost of one
+    fp32 partial per split and a merge.
+    """
+    if batch_kv_heads >= num_sms:
+        return 1
+    n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    want = triton.cdiv(2 * num_sms, batch_kv_heads)
+    return max(1, min(want, n_blocks // 4, max_splits))
+
+
+def _cache_geometry(q, k_cache, v_cache, block_table, kv_layout):
+    """Validate the cache tensors; return (capacity, kv_heads, page_size, layout code)."""
+    batch, _, _, head_dim = q.shape
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a unit stride in its last dimension, got strides {t.stride()}")
+    if kv_layout == "FT":
+        if block_table is not None:
+            raise ValueError("block_table (paged cache) is not supported with kv_layout='FT'")
+        x = _ft_x(q.dtype)
+        if k_cache.dim() != 5 or k_cache.shape[0] != batch or k_cache.shape[2] * k_cache.shape[4] != head_dim \
+                or k_cache.shape[4] != x:
+            raise ValueError(f"k_cache in the FT layout must be (batch, kv_heads, head_dim/{x}, capacity, {x}) = "
+                             f"({batch}, kv_heads, {head_dim // x}, capacity, {x}), got {tuple(k_cache.shape)}")
+        kv_heads, capacity = k_cache.shape[1], k_cache.shape[3]
+        if tuple(v_cache.shape) != (batch, kv_heads, capacity, head_dim):
+            raise ValueError(f"v_cache in the FT layout must be (batch, kv_heads, capacity, head_dim) = "
+                             f"{(batch, kv_heads, capacity, head_dim)}, got {tuple(v_cache.shape)}")
+        return capacity, kv_heads, 1, 2
+    if k_cache.dim() != 4 or tuple(v_cache.shape) != tuple(k_cache.shape):
+        raise ValueError("k_cache and v_cache must both be (batch, capacity, kv_heads, head_dim), or "
+                         f"(num_blocks, page_size, kv_heads, head_dim) with block_table; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[-1] != head_dim:
+        raise ValueError(f"k_cache head_dim {k_cache.shape[-1]} != q head_dim {head_dim}")
+    kv_heads = k_cache.shape[2]
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache batch {k_cache.shape[0]} != q batch {batch}")
+        return k_cache.shape[1], kv_heads, 1, 0
+    if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise TypeError(f"block_table must be an int32 tensor (batch, max_blocks_per_seq), got "
+                        f"{getattr(block_table, 'dtype', type(block_table).__name__)}")
+    if block_table.shape[0] != batch or block_table.device != q.device:
+        raise ValueError(f"block_table must be ({batch}, max_blocks) on {q.device}, got "
+                         f"{tuple(block_table.shape)} on {block_table.device}")
+    page = k_cache.shape[1]
+    return block_table.shape[1] * page, kv_heads, page, 1
+
+
+class DecodePlan:
+    """Split count, workspace and counters for one batch layout; :meth:`run` is sync-free.
+
+    Build it once per (batch, heads, kv_heads, head_dim, capacity, seqlen_q) and call
+    :meth:`run` every decode step, also inside CUDA-graph capture: the workspace is fixed and
+    the merge counters are reset by the kernel itself.
+    """
+
+    def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, max_seqlen_k: int, *,
+                 seqlen_q: int = 1, device="cuda", num_splits: int = 0, num_sms: Optional[int] = None):
+        device = torch.device(device)
+        if heads % kv_heads:
+            raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+        group = heads // kv_heads
+        if group * seqlen_q > MAX_ROWS:
+            raise ValueError(f"kv group ({group}) × seqlen_q ({seqlen_q}) must be <= {MAX_ROWS}; use "
+                             "flash_attn_func for longer query blocks")
+        self.batch, self.heads, self.kv_heads, self.head_dim = batch, heads, kv_heads, head_dim
+        self.seqlen_q, self.max_seqlen_k = seqlen_q, max_seqlen_k
+        self.head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+        self.block_r = max(16, triton.next_power_of_2(group * seqlen_q))
+        self.config = decode_config(gpu_family(device), self.head_dim_pad)
+        if num_sms is None:
+            num_sms = _sm_count(device) if device.type == "cuda" else 132
+        if num_splits < 0:
+            raise ValueError(f"num_splits must be >= 0 (0 = heuristic), got {num_splits}")
+        self.num_splits = num_splits or num_splits_heuristic(batch * kv_heads, max_seqlen_k, num_sms,
+                                                             self.config.BLOCK_N)
+        n = batch * kv_heads
+        if self.num_splits > 1:
+            self.ws_acc = torch.empty((n, self.num_splits, self.block_r, self.head_dim_pad),
+                                      dtype=torch.float32, device=device)
+            self.ws_ml = torch.empty((n, self.num_splits, 2, self.block_r), dtype=torch.float32, device=device)
+            self.counters = torch.zeros(n, dtype=torch.int32, device=device)
+        else:
+            self.ws_acc = self.ws_ml = self.counters = torch.empty(1, dtype=torch.float32, device=device)
+
+    def run(self, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, return_lse=False,
+            kv_layout="NHD", out=None):
+        """One decode step. Shapes and dtypes are checked (no device values are read)."""
+        _check_decode_inputs(q, k, v)
+        capacity, kv_heads, page, layout = _cache_geometry(q, k_cache, v_cache, block_table, kv_layout)
+        batch, seqlen_q, heads, head_dim = q.shape
+        if (batch, heads, kv_heads, head_dim, seqlen_q) != (self.batch, self.heads, self.kv_heads,
+                                                            self.head_dim, self.seqlen_q):
+            raise ValueError(f"this plan is for (batch, heads, kv_heads, head_dim, seqlen_q) = "
+                             f"{(self.batch, self.heads, self.kv_heads, self.head_dim, self.seqlen_q)}, got "
+                             f"{(batch, heads, kv_heads, head_dim, seqlen_q)}")
+        if k is not None and (k.shape[0] != batch or k.shape[2] != kv_heads or k.shape[3] != head_dim):
+            raise ValueError(f"k must be (batch, seqlen_new, kv_heads, head_dim) = ({batch}, n, {kv_heads}, "
+                             f"{head_dim}), got {tuple(k.shape)}")
+        n_new = 0 if k is None else k.shape[1]
+        if n_new and cache_seqlens is None:
+            raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
+        cache_seqlens = _seqlens_tensor(cache_seqlens, batch, capacity - n_new, q.device)
+        left, right = _check_window(window_size)
+        if causal:
+            right = 0
+        softcap = _check_softcap(softcap)
+        scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+        qk_scale_log2 = scale / softcap if softcap > 0 else scale * 1.4426950408889634
+        if out is None:
+            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((batch, heads, seqlen_q) if return_lse else (1,), dtype=torch.float32, device=q.device)
+        ls = lse.stride() if return_lse else (0, 0, 0)
+        if layout == 2:
+            sk = k_cache.stride()[:4]
+            sv = v_cache.stride()[:3]
+        else:
+            sk = (*k_cache.stride()[:3], 0)
+            sv = v_cache.stride()[:3]
+        kn = k if k is not None else q
+        vn = v if v is not None else q
+        cfg = self.config
+        decode_attention_kernel[(self.num_splits, batch * kv_heads)](
+            q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
+            block_table if block_table is not None else cache_seqlens,
+            self.ws_acc, self.ws_ml, self.counters,
+            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2), *ls,
+            *sk, *sv, kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
+            block_table.stride(0) if block_table is not None else 0,
+            seqlen_q, n_new, heads // kv_heads, kv_heads,
+            qk_scale_log2, softcap, max(left, 0), max(right, 0),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=cfg.BLOCK_N,
+            BLOCK_R=self.block_r, BLOCK_NEW=max(16, triton.next_power_of_2(max(n_new, 1))),
+            NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
+            FT_X=_ft_x(q.dtype) if layout == 2 else 1,
+            HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
+            RETURN_LSE=return_lse, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return (out, lse) if return_lse else out
+
+
+def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, device="cuda", num_splits=0):
+    """Plan a decode step (see :class:`DecodePlan`)."""
+    return DecodePlan(batch, heads, kv_heads, head_dim, max_seqlen_k, seqlen_q=seqlen_q, device=device,
+                      num_splits=num_splits)
+
+
+def _check_decode_inputs(q, k, v):
+    if not isinstance(q, torch.Tensor) or q.dim() != 4:
+        raise ValueError(f"q must be (batch, seqlen_q, heads, head_dim), got "
+                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+    if (k is None) != (v is None):
+        raise ValueError("pass both k and v to append, or neither")
+    if k is not None:
+        if k.dim() != 4 or k.shape != v.shape:
+            raise ValueError(f"k and v must both be (batch, seqlen_new, kv_heads, head_dim), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        _check_common(q, k, v, head_axis=2)
+    elif q.device.type != "cuda" and not interpreting():
+        raise ValueError(f"flashflow attention runs on CUDA tensors; got q on {q.device}")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
+    if not 1 <= q.shape[-1] <= 256:
+        raise ValueError(f"head_dim must be between 1 and 256, got {q.shape[-1]}")
+
+
+def _seqlens_tensor(cache_seqlens, batch, default, device):
+    if cache_seqlens is None:
+        return torch.full((batch,), default, dtype=torch.int32, device=device)
+    if isinstance(cache_seqlens, int):
+        return torch.full((batch,), cache_seqlens, dtype=torch.int32, device=device)
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
+            or tuple(cache_seqlens.shape) != (batch,):
+        raise TypeError(f"cache_seqlens must be an int or an int32 tensor of shape ({batch},), got "
+                        f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
+                        f"{tuple(getattr(cache_seqlens, 'shape', ()))}")
+    if cache_seqlens.device != device:
+        raise ValueError(f"cache_seqlens must be on {device}, got {cache_seqlens.device}")
+    return cache_seqlens
+
+
+def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page):
+    """Checks that need device values on the host (one sync); skipped during graph capture."""
+    if cache_seqlens is None or isinstance(cache_seqlens, int):
+        lens = None if cache_seqlens is None else [cache_seqlens]
+    else:
+        if cache_seqlens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        lens = cache_seqlens.tolist()
+    if lens is not None:
+        for i, n in enumerate(lens):
+            if n < 0 or n + n_new > capacity:
+                raise ValueError(f"cache_seqlens[{i}] = {n} plus {n_new} new tokens exceeds the cache capacity "
+                                 f"({capacity} tokens)")
+    if block_table is not None:
+        if block_table.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return
+        lens = lens or [capacity - n_new] * block_table.shape[0]
+        for i, n in enumerate(lens):
+            used = block_table[i, :triton.cdiv(n + n_new, page)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
+                raise ValueError(f"block_table[{i}] holds page indices outside [0, {num_blocks}) "
+                                 f"(num_blocks of k_cache): {used.tolist()}")
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                            softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None):
+    """Attention of a few query tokens against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)``, seqlen_q small (1 for decode, a few for
+            speculative decoding).
+        k_cache, v_cache: ``(batch, capacity, kv_heads, head_dim)``; or, with ``block_table``,
+            pages ``(num_blocks, page_size, kv_heads, head_dim)``; or with ``kv_layout="FT"`` the
+            FasterTransformer layout K ``(batch, kv_heads, head_dim/x, capacity, x)`` (x = 16 bytes
+            of elements), V ``(batch, kv_heads, capacity, head_dim)``.
+        k, v: optional new tokens ``(batch, seqlen_new, kv_heads, head_dim)``, written into the
+            cache at ``cache_seqlens`` inside the kernel and attended in the same call.
+        cache_seqlens: int or int32 ``(batch,)``: tokens already in each sequence's cache
+            (default: the whole capacity).
+        block_table: int32 ``(batch, max_blocks_per_seq)`` page indices of a paged cache.
+        causal: bottom-right aligned: query ``i`` sees keys up to ``cache_seqlens + seqlen_new -
+            seqlen_q + i``.
+        num_splits: key-range splits per (sequence, KV head); 0 = heuristic from batch × KV heads,
+            sequence length and SM count.
+        plan: a :class:`DecodePlan` to reuse (no allocation, no host synchronisation).
+    Returns ``out`` ``(batch, seqlen_q, heads, head_dim)``, or ``(out, lse)`` with lse float32
+    ``(batch, heads, seqlen_q)``.
+    """
+    _check_decode_inputs(q, k, v)
+    capacity, kv_heads, page, _ = _cache_geometry(q, k_cache, v_cache, block_table, kv_layout)
+    batch, seqlen_q, heads, head_dim = q.shape
+    if heads % kv_heads:
+        raise ValueError(f"heads of q ({heads}) must be a multiple of kv_heads of the cache ({kv_heads})")
+    n_new = 0 if k is None else k.shape[1]
+    if plan is None:
+        _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page)
+        plan = DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=q.device,
+                          num_splits=num_splits)
+    return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
+                    softcap, return_lse, kv_layout)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Combine two attention results computed over disjoint key sets.
+
+    out ``(batch, seqlen, heads, head_dim)`` (any float dtype), lse float32 ``(batch, heads,
+    seqlen)``, as returned by ``flash_attn_func(..., return_lse=True)``. Returns ``(out, lse)``
+    for the union of the key sets; a row with lse -inf on both sides gives 0 and -inf.
+    """
+    for name, t, rank in (("out_a", out_a, 4), ("out_b", out_b, 4), ("lse_a", lse_a, 3), ("lse_b", lse_b, 3)):
+        if not isinstance(t, torch.Tensor) or t.dim() != rank:
+            raise ValueError(f"{name} must be a rank-{rank} tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must have one shape, got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
+    batch, seqlen, heads, head_dim = out_a.shape
+    for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if tuple(t.shape) != (batch, heads, seqlen):
+            raise ValueError(f"{name} must be (batch, heads, seqlen) = {(batch, heads, seqlen)}, got {tuple(t.shape)}")
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name} must be float32, got {t.dtype}")
+    if out_a.dtype != out_b.dtype:
+        raise TypeError(f"out_a and out_b must share a dtype, got {out_a.dtype} and {out_b.dtype}")
+    if out_a.stride(-1) != 1 or out_b.stride(-1) != 1:
+        out_a, out_b = out_a.contiguous(), out_b.contiguous()
+    out = torch.empty(out_a.shape, dtype=out_a.dtype, device=out_a.device)
+    lse = torch.empty((batch, heads, seqlen), dtype=torch.float32, device=out_a.device)
+    rows = batch * seqlen * heads
+    if rows == 0:
+        return out, lse
+    block_rows = 16
+    merge_states_kernel[(triton.cdiv(rows, block_rows),)](
+        out_a, lse_a, out_b, lse_b, out, lse, batch * seqlen, heads, seqlen,
+        *out_a.stride()[:3], *out_b.stride()[:3], *out.stride()[:3],
+        *lse_a.stride(), *lse_b.stride(), *lse.stride(),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_ROWS=block_rows,
+        num_warps=4,
+    )
+    return out, lse
