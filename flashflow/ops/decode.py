@@ -241,10 +241,10 @@ def _seqlens_tensor(cache_seqlens, batch, default, device):
     return cache_seqlens
 
 
-def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page):
+def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page, batch):
     """Checks that need device values on the host (one sync); skipped during graph capture."""
     if cache_seqlens is None or isinstance(cache_seqlens, int):
-        lens = None if cache_seqlens is None else [cache_seqlens]
+        lens = None if cache_seqlens is None else [cache_seqlens] * batch
     else:
         if cache_seqlens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return
@@ -297,7 +297,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         raise ValueError(f"heads of q ({heads}) must be a multiple of kv_heads of the cache ({kv_heads})")
     n_new = 0 if k is None else k.shape[1]
     if plan is None:
-        _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page)
+        _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page, batch)
         plan = DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=q.device,
                           num_splits=num_splits)
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,

@@ -237,3 +237,8 @@ def test_suite_registry_names_its_providers():
     suite = SUITES["attention"]
     assert list(suite.providers) == ["flashflow", "sdpa-cudnn", "sdpa-flash"]
     assert suite.ours == "flashflow" and suite.anchors == ("sdpa-cudnn", "sdpa-flash")
+
+
+def test_from_json_refuses_a_missing_file(tmp_path, capsys):
+    assert cli.main(["bench", "--from-json", str(tmp_path / "none.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err

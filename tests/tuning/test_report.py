@@ -102,3 +102,40 @@ def test_variants_force_both_tail_split_paths():
     kv_blocks = -(-report._SEQLEN // cfg.BLOCK_N)
     assert split.tail_split is True
     assert tail_splits(tiles, split_kw["num_sms"], kv_blocks) > 1  # the ops really split
+
+
+def test_gpu_report_rows_cover_every_config_causal_and_code_path(monkeypatch, capsys):
+    """The GPU branch with the compile faked: rows, errors and the exit status."""
+    def fake_resources(cfg, head_dim, causal, **launch):
+        if head_dim == 256 and causal:
+            raise RuntimeError("out of resource: shared memory, Required: 262144")
+        kernels = [{"kernel": "attention_fwd_kernel", "n_regs": 168, "n_spills": 0, "shared": 1024}]
+        if "num_sms" in launch:
+            kernels.append({"kernel": "attention_merge_kernel", "n_regs": 40, "n_spills": 0,
+                            "shared": 0})
+        return kernels
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(report, "interpreting", lambda: False)
+    monkeypatch.setattr(report, "gpu_family", lambda device: "sm90")
+    monkeypatch.setattr(report, "_resources", fake_resources)
+
+    rows = report.kernel_resource_report()
+    expected = []
+    for e in TABLE["sm90"]:
+        tail = getattr(report._config(e), "tail_split", False)
+        for causal in ((False, True) if e["causal"] is None else (e["causal"],)):
+            expected.append((e["head_dim_max"], causal, "main"))
+            if tail and not causal:
+                expected += [(e["head_dim_max"], causal, "tail split")] * 2  # fwd + merge
+    assert [(r["head_dim_max"], r["causal"], r["variant"]) for r in rows] == expected
+    failed = [r for r in rows if r["error"]]
+    assert all(r["head_dim_max"] == 256 and r["causal"] and r["n_spills"] is None for r in failed)
+    assert all(r["n_spills"] == 0 for r in rows if not r["error"])
+
+    assert cli.main(["info"]) == (1 if failed else 0)
+    out = capsys.readouterr().out
+    assert "NVIDIA H100 80GB HBM3" in out and "regs" in out and "spills" in out
+    assert "attention_merge_kernel" in out

@@ -1,0 +1,192 @@
+"""Decode attention against a KV cache, through Triton's interpreter, against float64."""
+import pytest
+import torch
+
+import flashflow
+from flashflow.ops.decode import DecodePlan, num_splits_heuristic
+from flashflow.reference.decode import (kvcache_attention_ref, merge_attention_states_ref, to_ft_k,
+                                        to_ft_v)
+from flashflow.tuning import interpreting
+
+pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
+TOL = 5e-3
+
+
+def rel(out, ref):
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def make_cache(batch, capacity, kv_heads, d, page=None, dtype=torch.float16):
+    """Contiguous cache, or a paged one with a shuffled block table (pages not in order)."""
+    if page is None:
+        k = torch.randn(batch, capacity, kv_heads, d, dtype=dtype, device=DEVICE)
+        return k, torch.randn_like(k), None
+    per_seq = capacity // page
+    num_blocks = batch * per_seq + 3
+    k = torch.randn(num_blocks, page, kv_heads, d, dtype=dtype, device=DEVICE)
+    table = torch.randperm(num_blocks, device=DEVICE)[:batch * per_seq].reshape(batch, per_seq).int()
+    return k, torch.randn_like(k), table
+
+
+def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0, page=None, causal=True,
+             window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16):
+    batch = len(lens)
+    k_cache, v_cache, table = make_cache(batch, capacity, kv_heads, d, page, dtype)
+    if kv_layout == "FT":
+        k_cache, v_cache = to_ft_k(k_cache), to_ft_v(v_cache)
+    q = torch.randn(batch, seqlen_q, heads, d, dtype=dtype, device=DEVICE)
+    k = torch.randn(batch, n_new, kv_heads, d, dtype=dtype, device=DEVICE) if n_new else None
+    v = torch.randn_like(k) if n_new else None
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref, ref_lse, ref_k, ref_v = kvcache_attention_ref(
+        q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
+        None if v is None else v.double(), seqlens, table, causal=causal, window_size=window,
+        softcap=softcap, kv_layout=kv_layout)
+    out, lse = flashflow.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=causal,
+        window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True, kv_layout=kv_layout)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) < TOL, rel(out, ref)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-2
+    # the append landed where the reference put it, and nothing else changed
+    assert torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 7])
+def test_ragged_lengths(num_splits):
+    run_case([1, 17, 1000], num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_paged_shuffled(page, num_splits):
+    run_case([5, 300, 1000], page=page, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page", [None, 32])
+@pytest.mark.parametrize("n_new", [1, 3])
+def test_append_new_tokens(page, n_new):
+    run_case([0, 40, 700], n_new=n_new, seqlen_q=n_new, page=page, num_splits=3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 5])
+def test_fastertransformer_layout(num_splits):
+    run_case([1, 17, 1000], kv_layout="FT", num_splits=num_splits)
+    run_case([3, 200], kv_layout="FT", n_new=2, seqlen_q=2, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_several_query_tokens(causal):
+    run_case([10, 333], seqlen_q=4, causal=causal, num_splits=2)
+
+
+def test_window_and_softcap():
+    run_case([100, 900], window=(64, 0), num_splits=3)
+    run_case([100, 900], softcap=5.0, num_splits=2, seqlen_q=2)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 1), (6, 2)])
+def test_mha_gqa_mqa(heads, kv_heads):
+    run_case([33, 257], heads=heads, kv_heads=kv_heads, d=32, capacity=512, num_splits=2)
+
+
+def test_head_dim_80_fp32():
+    run_case([31, 200], d=80, capacity=256, dtype=torch.float32, num_splits=2)
+
+
+def test_plan_reused_across_steps_and_counters_reset():
+    batch, heads, kv_heads, d, cap = 2, 4, 2, 32, 256
+    plan = DecodePlan(batch, heads, kv_heads, d, cap, device=DEVICE, num_splits=4)
+    k_cache = torch.randn(batch, cap, kv_heads, d, dtype=torch.float16, device=DEVICE)
+    v_cache = torch.randn_like(k_cache)
+    seqlens = torch.tensor([10, 100], dtype=torch.int32, device=DEVICE)
+    for step in range(3):  # each step appends one token and attends; counters must return to 0
+        q = torch.randn(batch, 1, heads, d, dtype=torch.float16, device=DEVICE)
+        k = torch.randn(batch, 1, kv_heads, d, dtype=torch.float16, device=DEVICE)
+        v = torch.randn_like(k)
+        ref, _, ref_k, ref_v = kvcache_attention_ref(q.double(), k_cache.double(), v_cache.double(),
+                                                     k.double(), v.double(), seqlens)
+        out = plan.run(q, k_cache, v_cache, k, v, cache_seqlens=seqlens)
+        assert rel(out, ref) < TOL
+        assert torch.equal(k_cache.double(), ref_k)
+        assert (plan.counters == 0).all()
+        seqlens += 1
+
+
+def test_num_splits_heuristic():
+    assert num_splits_heuristic(8, 8192, 132, 64) > 16        # batch 1, GQA 8 KV heads: fill the SMs
+    assert num_splits_heuristic(64 * 8, 4096, 132, 64) == 1   # enough programs already
+    assert num_splits_heuristic(8, 64, 132, 64) == 1          # too short to split
+
+
+def test_merge_attention_states():
+    a, b = (torch.randn(2, 5, 4, 48, device=DEVICE) for _ in range(2))
+    la, lb = (torch.randn(2, 4, 5, device=DEVICE) for _ in range(2))
+    la[0, 1, 2] = lb[0, 1, 2] = float("-inf")   # no key on either side
+    la[1, 0, 0] = float("-inf")                  # one side empty
+    out, lse = flashflow.merge_attention_states(a, la, b, lb)
+    ref, ref_lse = merge_attention_states_ref(a.double(), la.double(), b.double(), lb.double())
+    assert (out.double() - ref).abs().max() < 1e-5
+    fin = torch.isfinite(ref_lse)
+    assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-5
+    assert torch.isneginf(lse[0, 1, 2]) and (out[0, 2, 1] == 0).all()
+
+
+def test_merge_of_two_halves_equals_whole():
+    q = torch.randn(1, 7, 4, 32, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(1, 90, 2, 32, dtype=torch.float16, device=DEVICE)
+    v = torch.randn_like(k)
+    oa, la = flashflow.flash_attn_func(q, k[:, :40], v[:, :40], return_lse=True)
+    ob, lb = flashflow.flash_attn_func(q, k[:, 40:], v[:, 40:], return_lse=True)
+    out, lse = flashflow.merge_attention_states(oa, la, ob, lb)
+    whole, whole_lse = flashflow.flash_attn_func(q, k, v, return_lse=True)
+    assert rel(out, whole.double()) < TOL and (lse - whole_lse).abs().max() < 1e-3
+
+
+# --- bad inputs -------------------------------------------------------------------------------
+
+
+def test_length_beyond_capacity():
+    k_cache = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    new = torch.randn(2, 1, 2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 64 plus 1 new tokens exceeds the cache capacity"):
+        flashflow.flash_attn_with_kvcache(q, k_cache, k_cache, new, new,
+                                          cache_seqlens=torch.tensor([3, 64], dtype=torch.int32, device=DEVICE))
+
+
+def test_block_table_out_of_range():
+    k_cache, v_cache, table = make_cache(2, 64, 2, 32, page=16)
+    table[1, 0] = k_cache.shape[0] + 5
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"block_table\[1\] holds page indices outside"):
+        flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10, block_table=table)
+
+
+def test_wrong_head_counts():
+    k_cache = torch.randn(2, 64, 3, 32, dtype=torch.float16, device=DEVICE)
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"heads of q \(4\) must be a multiple of kv_heads of the cache \(3\)"):
+        flashflow.flash_attn_with_kvcache(q, k_cache, k_cache, cache_seqlens=5)
+
+
+def test_bad_layouts_and_types():
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="kv_layout"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, kv_layout="HND")
+    with pytest.raises(TypeError, match="cache_seqlens"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=torch.tensor([1, 2], device=DEVICE))
+    with pytest.raises(TypeError, match="k_cache must have q's dtype"):
+        flashflow.flash_attn_with_kvcache(q, kc.float(), kc.float())
+    with pytest.raises(ValueError, match="FT layout"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, kv_layout="FT")
+    with pytest.raises(ValueError, match="both k and v"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, k=kc[:, :1], cache_seqlens=3)
+    with pytest.raises(ValueError, match="this plan is for"):
+        DecodePlan(2, 4, 2, 32, 64, device=DEVICE).run(torch.randn(1, 1, 4, 32, dtype=torch.float16,
+                                                                   device=DEVICE), kc[:1], kc[:1])
