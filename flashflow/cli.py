@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
-            if e.name == name:  # subcommand not shipped yet
+            if e.name is not None and name.startswith(e.name):  # subcommand not shipped yet
                 continue
             raise
         module.add_parser(sub)

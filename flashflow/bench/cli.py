@@ -20,12 +20,15 @@ NO_GPU = ("No CUDA GPU found (torch.cuda.is_available() is False), so there is n
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 
+# suites whose metrics differ from the attention table (TB/s, µs): their module has run(args)
+OWN_RUNNER_SUITES = {"decode": "flashflow.bench.decode", "mlp": "flashflow.bench.mlp_suite"}
+
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "bench", help="benchmark flashflow against its anchors (SDPA cuDNN / FlashAttention)",
         description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=sorted(SUITES), default="attention",
+    p.add_argument("--suite", choices=sorted(SUITES) + sorted(OWN_RUNNER_SUITES), default="attention",
                    help="which shapes and providers (default: attention)")
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
@@ -84,6 +87,16 @@ def main(args: argparse.Namespace) -> int:
             return 2
         _print_table(rows, args.markdown)
         return 0
+
+    if args.suite in OWN_RUNNER_SUITES:
+        import importlib
+
+        import torch
+
+        if not torch.cuda.is_available():
+            print(NO_GPU, flush=True)
+            return _run_demo()
+        return importlib.import_module(OWN_RUNNER_SUITES[args.suite]).run(args)
 
     suite = SUITES[args.suite]
     try:

@@ -305,25 +305,26 @@ def attention_merge_kernel(
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
     seqlen_q, heads, num_m_blocks, first_tile,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLITS: tl.constexpr, RETURN_LSE: tl.constexpr,
+    MERGE_ROWS: tl.constexpr, SPLITS: tl.constexpr, RETURN_LSE: tl.constexpr,
 ):
     """Merge the key-slice partials of one split tile: out = Σ 2^(m_j−m)·acc_j / Σ 2^(m_j−m)·l_j.
 
-    Reads SPLITS·BLOCK_M·head_dim fp32 and writes BLOCK_M·head_dim outputs per program.
+    Grid (split tiles, BLOCK_M / MERGE_ROWS): a program merges MERGE_ROWS rows, so its fp32
+    accumulator stays small (no spills at head_dim 256). Reads SPLITS partials, writes once.
     """
     t = tl.program_id(0)
     tile = first_tile + t
     pid_m = tile % num_m_blocks
     head = (tile // num_m_blocks) % heads
     batch = tile // (num_m_blocks * heads)
-    offs_r = tl.arange(0, BLOCK_M)
+    offs_r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m_tot = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_tot = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
     for j in tl.static_range(SPLITS):
         m_tot = tl.maximum(m_tot, tl.load(WS_ML + (t * SPLITS + j) * (2 * BLOCK_M) + offs_r))
     m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-    l_tot = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+    l_tot = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+    acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
     for j in tl.static_range(SPLITS):
         piece = t * SPLITS + j
         w = tl.math.exp2(tl.load(WS_ML + piece * (2 * BLOCK_M) + offs_r) - m_shift)

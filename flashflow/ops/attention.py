@@ -308,10 +308,12 @@ def _portable_forward(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if splits > 1:
-        attention_merge_kernel[(total - num_full,)](
+        merge_rows = min(cfg.BLOCK_M, 32)
+        attention_merge_kernel[(total - num_full, cfg.BLOCK_M // merge_rows)](
             out, lse, ws_acc, ws_ml, so_b, so_s, so_h, l_strides[0], l_strides[1], l_strides[2],
             seqlen_q, heads, num_m_blocks, num_full,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M, SPLITS=splits,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M,
+            MERGE_ROWS=merge_rows, SPLITS=splits,
             RETURN_LSE=return_lse, num_warps=4,
         )
     return out, lse

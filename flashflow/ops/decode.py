@@ -115,7 +115,8 @@ class DecodePlan:
     """
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, max_seqlen_k: int, *,
-                 seqlen_q: int = 1, device="cuda", num_splits: int = 0, num_sms: Optional[int] = None):
+                 seqlen_q: int = 1, device="cuda", num_splits: int = 0, num_sms: Optional[int] = None,
+                 config: Optional[DecodeConfig] = None):
         device = torch.device(device)
         if heads % kv_heads:
             raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
@@ -127,7 +128,7 @@ class DecodePlan:
         self.seqlen_q, self.max_seqlen_k = seqlen_q, max_seqlen_k
         self.head_dim_pad = max(16, triton.next_power_of_2(head_dim))
         self.block_r = max(16, triton.next_power_of_2(group * seqlen_q))
-        self.config = decode_config(gpu_family(device), self.head_dim_pad)
+        self.config = config or decode_config(gpu_family(device), self.head_dim_pad)
         if num_sms is None:
             num_sms = _sm_count(device) if device.type == "cuda" else 132
         if num_splits < 0:

@@ -1,0 +1,206 @@
+"""`flashflow bench --suite decode`: decode attention against a KV cache, in effective TB/s.
+
+Effective bandwidth = bytes of the K and V cache that one decode step must read (batch ·
+kv_heads · seqlen · head_dim · 2 tensors · element size) over the median time. The ceiling is
+measured in the same run: a large read-only reduction (``torch.sum`` over 4 GiB), the best
+bandwidth a kernel that only reads can reach on this card.
+
+Providers, timed in the same run on caches holding the same values:
+  * ``flashflow`` — contiguous cache, :class:`flashflow.DecodePlan` (planned once);
+  * ``flashflow-paged`` — the same cache as 64-token pages behind a shuffled block table;
+  * ``sdpa-cudnn`` / ``sdpa-flash`` — ``scaled_dot_product_attention`` on the (b, h, s, d) cache,
+    ``enable_gqa=True`` (or K/V expanded to every query head if the backend refuses GQA:
+    the row says so, and its effective TB/s still counts the unexpanded bytes).
+Each is timed as CUDA-graph replays of 16 back-to-back steps (what a serving loop runs) and,
+beside, as plain eager launches.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+GRAPH_STEPS = 16
+PAGE_SIZE = 64
+
+
+def decode_shapes(quick: bool):
+    """(batch, seqlen, heads, kv_heads, head_dim): the issue's grid, capped at 8 GiB of cache."""
+    if quick:
+        pts = [(1, 1024), (1, 8192), (1, 32768), (32, 4096), (16, 16384)]
+        return [(b, s, 32, 8, 128) for b, s in pts] + [(1, 8192, 32, 32, 128), (32, 4096, 32, 32, 128)]
+    shapes = []
+    for heads, kv_heads in ((32, 8), (32, 32)):
+        for b in (1, 4, 16, 32, 64):
+            for s in (512, 1024, 4096, 8192, 16384, 32768, 131072):
+                if b * kv_heads * s * 128 * 2 * 2 <= 8 * 2**30:
+                    shapes.append((b, s, heads, kv_heads, 128))
+    return shapes
+
+
+def kv_bytes(b, s, kv_heads, d, elt=2):
+    return 2 * b * kv_heads * s * d * elt
+
+
+def read_ceiling_tbs() -> float:
+    """Best of a few large read-only reductions (bytes read / time)."""
+    import triton
+
+    x = torch.randn(2**31 // 2, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    y = torch.randn(2**31 // 2, device="cuda", dtype=torch.bfloat16)
+    best = 0.0
+    for fn in (lambda: x.sum(dtype=torch.float32), lambda: y.view(-1, 8192).sum(dim=1, dtype=torch.float32)):
+        t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+        best = max(best, x.numel() * 2 / (t * 1e-3) / 1e12)
+    del x, y
+    return best
+
+
+def _graph_time_ms(fn, steps=GRAPH_STEPS) -> float:
+    import triton
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(steps):
+            fn()
+    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") / steps
+
+
+def _eager_time_ms(fn) -> float:
+    import triton
+
+    fn()
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def make_providers(b, s, h, hk, d, dtype):
+    import flashflow
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype, generator=g)
+    k_cache = torch.randn(b, s, hk, d, device="cuda", dtype=dtype, generator=g)
+    v_cache = torch.randn(b, s, hk, d, device="cuda", dtype=dtype, generator=g)
+    seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    plan = flashflow.plan_decode(b, h, hk, d, s, device="cuda")
+    provs = {"flashflow": lambda: plan.run(q, k_cache, v_cache, cache_seqlens=seqlens)}
+
+    # paged copy of the same cache, pages shuffled
+    per_seq = s // PAGE_SIZE
+    perm = torch.randperm(b * per_seq, device="cuda", generator=g)
+    table = perm.reshape(b, per_seq).int()
+    k_pages = torch.empty(b * per_seq, PAGE_SIZE, hk, d, device="cuda", dtype=dtype)
+    v_pages = torch.empty_like(k_pages)
+    k_pages[table.flatten().long()] = k_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
+    v_pages[table.flatten().long()] = v_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
+    provs["flashflow-paged"] = lambda: plan.run(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    qt = q.transpose(1, 2)
+    kt = k_cache.transpose(1, 2).contiguous()  # SDPA's own (b, h, s, d) cache
+    vt = v_cache.transpose(1, 2).contiguous()
+    notes = {}
+    for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        def gqa(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hk != h)
+        try:
+            gqa()
+            provs[name] = gqa
+        except Exception:  # noqa: BLE001 — fall back to K/V expanded to every query head
+            ke, ve = kt.repeat_interleave(h // hk, 1), vt.repeat_interleave(h // hk, 1)
+
+            def expanded(backend=backend, ke=ke, ve=ve):
+                with sdpa_kernel(backend):
+                    return torch.nn.functional.scaled_dot_product_attention(qt, ke, ve)
+            provs[name] = expanded
+            notes[name] = "K/V expanded to all query heads (backend refused enable_gqa)"
+    ref = provs["sdpa-flash"]().transpose(1, 2).float()
+    errs = {}
+    for name in ("flashflow", "flashflow-paged"):
+        o = provs[name]().float()
+        errs[name] = ((o - ref).norm() / ref.norm()).item()
+    return provs, notes, errs, plan.num_splits
+
+
+def run(args) -> int:
+    from flashflow.bench import runner
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    started = datetime.now(timezone.utc)
+    env = runner.environment(started)
+    ceiling = read_ceiling_tbs()
+    print(f"measured read ceiling: {ceiling:.2f} TB/s", flush=True)
+    rows = []
+    shapes = decode_shapes(args.quick)
+    for i, (b, s, h, hk, d) in enumerate(shapes):
+        print(f"[{i + 1}/{len(shapes)}] b{b} s{s} h{h}/{hk}", file=sys.stderr, flush=True)
+        nbytes = kv_bytes(b, s, hk, d)
+        row = {"batch": b, "seqlen": s, "heads": h, "kv_heads": hk, "head_dim": d, "kv_mbytes": nbytes / 1e6}
+        try:
+            provs, notes, errs, splits = make_providers(b, s, h, hk, d, dtype)
+        except torch.cuda.OutOfMemoryError:
+            row["error"] = "OOM"
+            rows.append(row)
+            torch.cuda.empty_cache()
+            continue
+        row.update(num_splits=splits, notes=notes, rel_err=errs, graph_us={}, eager_us={}, tbs={})
+        for name, fn in provs.items():
+            try:
+                tg = _graph_time_ms(fn)
+            except Exception as e:  # noqa: BLE001
+                tg = None
+                row["notes"][name] = f"graph capture failed: {type(e).__name__}"
+            te = _eager_time_ms(fn)
+            row["graph_us"][name] = None if tg is None else tg * 1e3
+            row["eager_us"][name] = te * 1e3
+            best = tg if tg is not None else te
+            row["tbs"][name] = nbytes / (best * 1e-3) / 1e12
+        ff, cu = row["tbs"]["flashflow"], row["tbs"].get("sdpa-cudnn")
+        row["vs_cudnn"] = ff / cu if cu else None
+        row["pct_ceiling"] = 100 * ff / ceiling
+        row["paged_vs_contig"] = row["tbs"]["flashflow-paged"] / ff
+        rows.append(row)
+        del provs
+        torch.cuda.empty_cache()
+    result = {"suite": "decode", **env, "dtype": args.dtype, "read_ceiling_tbs": ceiling,
+              "graph_steps": GRAPH_STEPS, "page_size": PAGE_SIZE, "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = runner.device_slug(env["device"])
+    path = out / f"decode-{slug}.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(f"results: {path}")
+    print(markdown_table(result))
+    return 0
+
+
+def markdown_table(result) -> str:
+    lines = [f"read ceiling {result['read_ceiling_tbs']:.2f} TB/s; TB/s = KV bytes / median time "
+             f"(CUDA graph of {result['graph_steps']} steps)", "",
+             "| batch | seqlen | heads q/kv | KV MB | splits | flashflow TB/s | paged TB/s | cuDNN TB/s | FLASH TB/s "
+             "| ÷ cuDNN | % ceiling | paged ÷ contig | flashflow µs (graph / eager) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['batch']} | {r['seqlen']} | {r['heads']}/{r['kv_heads']} | {r['kv_mbytes']:.0f} "
+                         f"| {r['error']} |||||||||")
+            continue
+        t = r["tbs"]
+
+        def f(x, fmt="{:.2f}"):
+            return "-" if x is None else fmt.format(x)
+        g, e = r["graph_us"]["flashflow"], r["eager_us"]["flashflow"]
+        lines.append(
+            f"| {r['batch']} | {r['seqlen']} | {r['heads']}/{r['kv_heads']} | {r['kv_mbytes']:.0f} | {r['num_splits']} "
+            f"| {f(t['flashflow'])} | {f(t['flashflow-paged'])} | {f(t.get('sdpa-cudnn'))} | {f(t.get('sdpa-flash'))} "
+            f"| {f(r['vs_cudnn'])} | {r['pct_ceiling']:.0f}% | {r['paged_vs_contig']:.2f} | {f(g, '{:.1f}')} / {e:.1f} |")
+    return "\n".join(lines)
