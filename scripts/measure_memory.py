@@ -58,7 +58,7 @@ def naive_attention(q, k, v):
 
 
 def peak_bytes(fn, *args):
-    """(bytes the call allocated at its peak beyond what was resident before it, output) or ("OOM", None)."""
+    """(peak bytes the call allocated beyond what was resident before it, output), or ("OOM", None)."""
     import torch
 
     torch.cuda.synchronize()
@@ -120,7 +120,7 @@ def measure(seqlens) -> list[dict]:
             "inputs_bytes": inputs_bytes,
             "max_abs_diff_flashflow_vs_naive": diff,
         })
-        print(f"seqlen {seqlen}: naive {_mib(naive_peak)} MiB, flashflow {_mib(flash_peak)} MiB",
+        print(f"seqlen {seqlen}: peak MiB naive {_mib(naive_peak)}, flashflow {_mib(flash_peak)}",
               file=sys.stderr, flush=True)
         del q, k, v, flash_out, naive_out
         gc.collect()
@@ -137,8 +137,9 @@ def markdown_table(rows: list[dict]) -> str:
              "|---:|---:|---:|---:|---:|"]
     for r in rows:
         naive, flash = r["naive_peak_bytes"], r["flashflow_peak_bytes"]
-        numeric = not isinstance(naive, str) and not isinstance(flash, str) and flash > 0
-        ratio = f"{naive / flash:.0f}×" if numeric else "—"
+        ratio = "—"
+        if not isinstance(naive, str) and not isinstance(flash, str) and flash > 0:
+            ratio = f"{naive / flash:.0f}×" if naive >= 10 * flash else f"{naive / flash:.1f}×"
         lines.append(f"| {r['seqlen']} | {_mib(naive)} | {_mib(flash)} | {ratio} | "
                      f"{r['score_matrix_bytes'] / MIB:.0f} |")
     return "\n".join(lines)

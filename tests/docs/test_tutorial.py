@@ -107,10 +107,14 @@ def test_measure_memory_table_and_replace():
          "score_matrix_bytes": 16 * 2 ** 20},
         {"seqlen": 65536, "naive_peak_bytes": "OOM", "flashflow_peak_bytes": 128 * 2 ** 20,
          "score_matrix_bytes": 65536 ** 2 * 16},
+        {"seqlen": 512, "naive_peak_bytes": 8 * 2 ** 20, "flashflow_peak_bytes": 5 * 2 ** 20,
+         "score_matrix_bytes": 4 * 2 ** 20},
     ]
-    table = mm.markdown_table(rows)
-    assert table.splitlines()[2] == "| 1024 | 32.0 | 2.0 | 16× | 16 |"
-    assert table.splitlines()[3] == "| 65536 | OOM | 128.0 | — | 65536 |"
+    table = mm.markdown_table(rows).splitlines()
+    assert table[2] == "| 1024 | 32.0 | 2.0 | 16× | 16 |"
+    assert table[3] == "| 65536 | OOM | 128.0 | — | 65536 |"
+    assert table[4] == "| 512 | 8.0 | 5.0 | 1.6× | 4 |"
+    table = "\n".join(table)
     assert mm.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
     doc = "# t\n\nbefore\n\n<!-- MEMORY_TABLE -->\n\nafter\n"
