@@ -179,13 +179,14 @@ def decode_attention_kernel(
         if arrived == NUM_SPLITS - 1:
             first = bh.to(tl.int64) * NUM_SPLITS
             m_tot = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            for j in range(NUM_SPLITS):
+            # unrolled: the partials' loads are independent and issue back to back
+            for j in tl.static_range(NUM_SPLITS):
                 m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r,
                                                   cache_modifier=".cg"))
             m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
             l_tot = tl.zeros([BLOCK_R], dtype=tl.float32)
             acc_tot = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
-            for j in range(NUM_SPLITS):
+            for j in tl.static_range(NUM_SPLITS):
                 w = tl.math.exp2(tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r, cache_modifier=".cg")
                                  - m_shift)
                 l_tot += w * tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + BLOCK_R + offs_r, cache_modifier=".cg")

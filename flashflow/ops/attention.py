@@ -242,6 +242,10 @@ def _portable_forward(
 
     cfg = config or pick_config(q, causal=window_right is not None)
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if bias is not None and config is None and cfg.use_tma:
+        # the fp32 bias tile is pipelined with K and V: shrink the stages to stay in smem
+        cfg = cfg.replace(BLOCK_N=min(cfg.BLOCK_N, 64 if head_dim_pad <= 128 else 32),
+                          num_stages=min(cfg.num_stages, 2), warp_specialize=False)
 
     # load path: host descriptors > device descriptors > pointers
     load_mode = 0

@@ -36,25 +36,28 @@ class DecodeConfig:
 
 
 def decode_config(family: str, head_dim_pad: int) -> DecodeConfig:
+    """Swept on the H100 (bench/results/tune-decode-h100.json): 64-token tiles, 4 warps and 3
+    stages led or tied at every shape; 32-token tiles for head_dim 256 keep the stages in smem."""
     if family == "interpreter":
         return DecodeConfig(BLOCK_N=32, num_warps=4, num_stages=1)
     if head_dim_pad > 128:
         return DecodeConfig(BLOCK_N=32, num_warps=4, num_stages=3)
-    return DecodeConfig(BLOCK_N=64, num_warps=4, num_stages=4)
+    return DecodeConfig(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
-                         max_splits: int = 64) -> int:
-    """Split the keys so that about two programs per SM exist, each with >= 4 key blocks.
+                         max_splits: int = 32) -> int:
+    """About one program per SM, each with >= 4 key blocks; no split once the (sequence, KV
+    head) pairs alone fill three quarters of the SMs.
 
     One program per (sequence, KV head) leaves most SMs idle at small batch (8 programs for one
-    sequence of Llama-3-8B on 132 SMs); splitting the sequence fills them, at the cost of one
-    fp32 partial per split and a merge.
+    sequence of Llama-3-8B on 132 SMs); splitting the sequence fills them. More splits than SMs
+    only add partials to merge: on the H100 1×8k ran best at 16 splits, not 32.
     """
-    if batch_kv_heads >= num_sms:
+    if 4 * batch_kv_heads >= 3 * num_sms:
         return 1
     n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
-    want = triton.cdiv(2 * num_sms, batch_kv_heads)
+    want = max(1, num_sms // batch_kv_heads)
     return max(1, min(want, n_blocks // 4, max_splits))
 
 
