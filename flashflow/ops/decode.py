@@ -185,6 +185,9 @@ class DecodePlan:
         kn = k if k is not None else q
         vn = v if v is not None else q
         cfg = self.config
+        block_n = cfg.BLOCK_N
+        if layout == 1 and 16 <= page < block_n and page & (page - 1) == 0:
+            block_n = page  # tiles never straddle a page: one table lookup per tile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
             block_table if block_table is not None else cache_seqlens,
@@ -194,7 +197,7 @@ class DecodePlan:
             block_table.stride(0) if block_table is not None else 0,
             seqlen_q, n_new, heads // kv_heads, kv_heads,
             qk_scale_log2, softcap, max(left, 0), max(right, 0),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=cfg.BLOCK_N,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
             BLOCK_R=self.block_r, BLOCK_NEW=max(16, triton.next_power_of_2(max(n_new, 1))),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(q.dtype) if layout == 2 else 1,

@@ -61,7 +61,7 @@ def test_ragged_lengths(num_splits):
     run_case([1, 17, 1000], num_splits=num_splits)
 
 
-@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("page", [16, 24, 64])  # 24: not a power of two, rows gathered one by one
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_paged_shuffled(page, num_splits):
     run_case([5, 300, 1000], page=page, num_splits=num_splits)
