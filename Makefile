@@ -10,6 +10,9 @@ install:
 install-test:
 	$(PIP) install -q -r requirements-ci.txt
 	$(PIP) install -q --no-deps -e .
+	# Debian's Chromium + playwright for the explorer's browser test; if this machine cannot
+	# install them, that one test reports itself skipped and says why.
+	-bash scripts/setup_browser.sh $(PY)
 
 # CPU tests: kernels run through Triton's interpreter against float64 references.
 test: install-test

@@ -16,13 +16,18 @@ if [ ! -x /usr/bin/chromium ]; then
         SUDO="sudo"
     fi
     export DEBIAN_FRONTEND=noninteractive
-    $SUDO apt-get update -q
-    $SUDO apt-get install -y -q --no-install-recommends chromium fonts-dejavu-core
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core
 fi
 
 if ! "$PY" -c "import playwright.sync_api" >/dev/null 2>&1; then
     "$PY" -m pip install -q "playwright==${PLAYWRIGHT_VERSION}"
 fi
 
-/usr/bin/chromium --version
+/usr/bin/chromium --version 2>/dev/null  # (Debian's wrapper script warns on stderr)
+# One throwaway headless start: the first one on a machine builds font and profile caches,
+# which can take longer than a test's wait.
+timeout 120 /usr/bin/chromium --headless --no-sandbox --disable-gpu --no-first-run \
+    --disable-background-networking --disable-component-update --disable-sync \
+    --dump-dom about:blank >/dev/null 2>&1 || true
 "$PY" -c "import importlib.metadata as m; print('playwright', m.version('playwright'))"

@@ -22,7 +22,7 @@ from flashflow.dataflow import orders as _orders
 from flashflow.dataflow import plots as _plots
 from flashflow.dataflow import search as _search
 from flashflow.dataflow import waves as _waves
-from flashflow.dataflow.model import H100, compare_orders, simulate
+from flashflow.dataflow.model import H100, compare_orders
 from flashflow.dataflow.shape import GemmShape
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -120,9 +120,8 @@ def cmd_table(args) -> int:
     print(_table(headers, rows))
 
     def draw(path):
-        panels = {r.spec: (_orders.make_order(r.spec, shape.tiles_m, shape.tiles_n)
-                           if r.spec in {x.spec for x in results[policies[0]]} and
-                           r.spec not in extra else extra[r.spec])
+        panels = {r.spec: extra[r.spec] if r.spec in extra else
+                  _orders.make_order(r.spec, shape.tiles_m, shape.tiles_n)
                   for r in results[policies[0]]}
         _plots.order_heatmap(path, shape.tiles_m, shape.tiles_n, panels)
     _png(args.png, draw)

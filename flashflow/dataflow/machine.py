@@ -50,6 +50,7 @@ class TimeStep:
     writes: list[Block]
     finished: list[int]      # indices of jobs that finish at the end of this step
     store_bytes: int = 0
+    requests: int = 0        # block reads asked for, before concurrent duplicates merge
 
 
 @dataclass
@@ -85,8 +86,8 @@ def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
             if slots[i] is None and next_job < len(jobs):
                 slots[i] = [next_job, 0]
                 next_job += 1
-        reads: set = set()
         sizes: dict = {}
+        requests = 0
         finished: list[int] = []
         progressed = False
         for slot in slots:
@@ -100,8 +101,8 @@ def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
             progressed = True
             busy += 1
             for key, size in job.steps[k]:
-                reads.add(key)
                 sizes[key] = size
+            requests += len(job.steps[k])
             slot[1] = k + 1
             if slot[1] == len(job.steps):
                 finished.append(j)
@@ -120,8 +121,9 @@ def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
         for i, slot in enumerate(slots):
             if slot is not None and slot[0] in finish_time:
                 slots[i] = None
-        steps.append(TimeStep(t, [(k, sizes[k]) for k in sorted(reads)],
-                              [(k, writes[k]) for k in sorted(writes)], sorted(finished), store))
+        steps.append(TimeStep(t, [(k, sizes[k]) for k in sorted(sizes)],
+                              [(k, writes[k]) for k in sorted(writes)], sorted(finished), store,
+                              requests))
         t += 1
     return Schedule(steps, num_slots, busy, stalled, finish_time)
 
@@ -132,7 +134,7 @@ class StepRecord:
 
     time: int
     finished: list[Hashable]     # names of the jobs that finished
-    reads: int                   # block reads since the previous record
+    reads: int                   # block reads asked for since the previous record
     misses: int
     read_bytes: int              # DRAM bytes read since the previous record
     cum_read_bytes: int
@@ -146,7 +148,9 @@ class StepRecord:
 
 @dataclass
 class Traffic:
-    """DRAM traffic of one run. ``hits``/``misses`` count block reads only."""
+    """DRAM traffic of one run. ``misses`` counts blocks fetched from DRAM, ``hits`` every
+    other block read a tile asked for: found in the cache, or merged with a concurrent
+    request for the same block."""
 
     read_bytes: int
     write_bytes: int
@@ -188,17 +192,18 @@ def replay(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str =
     records: list[StepRecord] | None = [] if record else None
     since_reads = since_misses = since_bytes = 0
     for step in sched.steps:
+        step_misses = 0
         for key, size in step.reads:
             hit = cache.access(key, size, nxt[pos] if nxt else NEVER)
             pos += 1
-            if hit:
-                hits += 1
-            else:
-                misses += 1
+            if not hit:
+                step_misses += 1
                 read_bytes += size
-                since_misses += 1
                 since_bytes += size
-            since_reads += 1
+        misses += step_misses
+        hits += step.requests - step_misses
+        since_misses += step_misses
+        since_reads += step.requests
         for key, size in step.writes:
             cache.access(key, size, nxt[pos] if nxt else NEVER)
             pos += 1

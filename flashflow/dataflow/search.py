@@ -11,7 +11,8 @@
     traffic unchanged, so only orders that use rows and columns in first-appearance order
     0, 1, 2, … are explored;
   * waves (num_sms > 1) are explored as sets, since the order inside a wave carries no meaning.
-- :func:`anneal`: simulated annealing over permutations (swap two tiles, reverse a segment),
+- :func:`anneal`: simulated annealing over permutations (swap two tiles, reverse a segment,
+  move a tile),
   seeded so runs repeat, started from the best named order. For realistic grids it can use a
   coarser K-step (``block_k``) to make each evaluation cheaper, and reports the result at the
   real K-step too.
@@ -224,10 +225,13 @@ def anneal(shape: GemmShape, cache_bytes: int, num_sms: int = 1, policy: str = "
         temp = t_start * (t_end / t_start) ** (it / iterations)
         i, j = sorted(rng.sample(range(n), 2))
         candidate = list(current)
-        if rng.random() < 0.5:
+        move = rng.random()
+        if move < 1 / 3:      # swap two tiles
             candidate[i], candidate[j] = candidate[j], candidate[i]
-        else:
+        elif move < 2 / 3:    # reverse a segment (2-opt: keeps its neighbours adjacent)
             candidate[i:j + 1] = reversed(candidate[i:j + 1])
+        else:                 # move one tile later in the order
+            candidate.insert(j, candidate.pop(i))
         c = cost(candidate)
         delta = (c - current_cost) / scale
         if delta <= 0 or rng.random() < math.exp(-delta / temp):

@@ -34,14 +34,16 @@ import triton.language as tl
 def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, offs_n, offs_d, valid_n,
              sk0, sk1, sk2, sk3, sv0, sv1, sv2, stride_bt,
              PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
-             PAGE_ALIGNED: tl.constexpr):
+             PAGE_ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pointers to the K and V rows of cache positions ``offs_n`` (tokens) of (b, kvh)."""
     if LAYOUT == 1 and PAGE_ALIGNED:
         # the whole tile lies in one page: one table lookup, rows contiguous (vector loads)
         page = tl.load(BT + b * stride_bt + tile_start // PAGE_SIZE).to(tl.int64)
-        row = (offs_n % PAGE_SIZE).to(tl.int64)
-        k_ptrs = KC + page * sk0 + row[:, None] * sk1 + kvh * sk2 + offs_d[None, :]
-        v_ptrs = VC + page * sv0 + row[:, None] * sv1 + kvh * sv2 + offs_d[None, :]
+        # rows written as start + arange (not offs_n % PAGE_SIZE) so the compiler sees them
+        # contiguous and emits 16-byte vector loads
+        row = tile_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        k_ptrs = KC + (page * sk0 + kvh * sk2) + row[:, None] * sk1 + offs_d[None, :]
+        v_ptrs = VC + (page * sv0 + kvh * sv2) + row[:, None] * sv1 + offs_d[None, :]
     elif LAYOUT == 1:
         page = tl.load(BT + b * stride_bt + offs_n // PAGE_SIZE, mask=valid_n, other=0).to(tl.int64)
         row = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -148,7 +150,7 @@ def decode_attention_kernel(
         valid_n = offs_n < end
         k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, start_n, offs_n, offs_d, valid_n, sk0, sk1, sk2, sk3,
                                   sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X,
-                                  PAGE_SIZE % BLOCK_N == 0)
+                                  PAGE_SIZE % BLOCK_N == 0, BLOCK_N)
         kv_mask = valid_n[:, None] & d_valid[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -170,7 +172,7 @@ def decode_attention_kernel(
                                     window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
                                     DOT_PRECISION)
             k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, cache_len, pos, offs_d, valid_j, sk0, sk1, sk2, sk3,
-                                      sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, False)
+                                      sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, False, BLOCK_NEW)
             tl.store(k_ptrs, kn.to(KC.dtype.element_ty), mask=new_mask)
             tl.store(v_ptrs, vn.to(VC.dtype.element_ty), mask=new_mask)
 
