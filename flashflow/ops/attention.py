@@ -12,6 +12,7 @@ All three go through one ``torch.library`` custom op, ``flashflow::attention_fwd
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -22,6 +23,16 @@ from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel, attenti
 from flashflow.tuning import AttentionConfig, attention_fwd_config, gpu_family, interpreting
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+# plain-Python versions: triton.cdiv / next_power_of_2 go through the JIT's call machinery,
+# which costs microseconds of host time on every launch
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
 MAX_HEAD_DIM = 256
 
 # --------------------------------------------------------------------------------------------
@@ -149,9 +160,19 @@ def tail_splits(total_tiles: int, num_sms: int, kv_blocks: int, max_splits: int 
     return splits if splits >= 2 else 1
 
 
+@functools.lru_cache(maxsize=None)
+def _family(device: torch.device) -> str:
+    return gpu_family(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _config_for(head_dim_pad: int, causal: bool, family: str) -> AttentionConfig:
+    return attention_fwd_config(head_dim_pad, causal, family)
+
+
 def pick_config(q: torch.Tensor, causal: bool) -> AttentionConfig:
-    head_dim_pad = max(16, triton.next_power_of_2(q.shape[-1]))
-    return attention_fwd_config(head_dim_pad, causal, gpu_family(q.device))
+    head_dim_pad = max(16, _next_pow2(q.shape[-1]))
+    return _config_for(head_dim_pad, causal, _family(q.device))
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -241,7 +262,7 @@ def _portable_forward(
         return out, lse
 
     cfg = config or pick_config(q, causal=window_right is not None)
-    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    head_dim_pad = max(16, _next_pow2(head_dim))
     if bias is not None and config is None and cfg.use_tma:
         # the fp32 bias tile is pipelined with K and V: shrink the stages to stay in smem
         cfg = cfg.replace(BLOCK_N=min(cfg.BLOCK_N, 64 if head_dim_pad <= 128 else 32),
@@ -268,7 +289,7 @@ def _portable_forward(
 
     has_softcap = softcap > 0
     qk_scale_log2 = softmax_scale / softcap if has_softcap else softmax_scale * LOG2E
-    num_m_blocks = triton.cdiv(seqlen_q, cfg.BLOCK_M)
+    num_m_blocks = _cdiv(seqlen_q, cfg.BLOCK_M)
     total = num_m_blocks * heads * batch
     splits = 1
     plain = not (varlen or heavy_first or bias is not None or window_left is not None or window_right is not None)
@@ -276,7 +297,7 @@ def _portable_forward(
         if num_sms is None and q.device.type == "cuda":
             num_sms = _sm_count(q.device)
         if num_sms:
-            splits = tail_splits(total, num_sms, triton.cdiv(seqlen_k, cfg.BLOCK_N))
+            splits = tail_splits(total, num_sms, _cdiv(seqlen_k, cfg.BLOCK_N))
     if splits > 1:
         num_full = total - total % num_sms
         n_pieces = (total - num_full) * splits
@@ -350,8 +371,7 @@ def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_s
             raise ValueError(f"{name_max}={max_len} is smaller than the longest sequence ({longest})")
 
 
-@torch.library.custom_op("flashflow::attention_fwd", mutates_args=())
-def _attention_fwd_op(
+def _attention_fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
@@ -368,6 +388,9 @@ def _attention_fwd_op(
     )
 
 
+_attention_fwd_op = torch.library.custom_op("flashflow::attention_fwd", mutates_args=())(_attention_fwd_impl)
+
+
 @_attention_fwd_op.register_fake
 def _(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
       has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first):
@@ -379,6 +402,15 @@ def _(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, sof
     else:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
     return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _attention_fwd(*args):
+    """The registered op while torch.compile traces (so the graph holds one opaque node); a
+    direct call otherwise: the dispatcher's Python layers cost more host time than a small
+    launch takes on the GPU. CUDA-graph capture works either way."""
+    if torch.compiler.is_compiling():
+        return _attention_fwd_op(*args)
+    return _attention_fwd_impl(*args)
 
 
 def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
@@ -418,7 +450,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must share seqlen_k, got {k.shape[1]} and {v.shape[1]}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _attention_fwd_op(q, k, v, None, None, None, 0, 0, scale,
+    out, lse = _attention_fwd(q, k, v, None, None, None, 0, 0, scale,
                                  *_window_args(causal, window_size), _check_softcap(softcap),
                                  bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
@@ -452,7 +484,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError(f"max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-    out, lse = _attention_fwd_op(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+    out, lse = _attention_fwd(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                                  int(max_seqlen_q), int(max_seqlen_k), scale,
                                  *_window_args(causal, window_size), _check_softcap(softcap),
                                  bool(return_lse), bool(causal))
@@ -517,7 +549,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # i.e. j <= i + (seqlen_k - seqlen_q) + right, so shift the right edge back.
     has_right = bool(is_causal)
     right = seqlen_q - seqlen_k if is_causal else 0
-    out, _ = _attention_fwd_op(q, k, v, bias, None, None, 0, 0, softmax_scale,
+    out, _ = _attention_fwd(q, k, v, bias, None, None, 0, 0, softmax_scale,
                                False, 0, has_right, right, 0.0, False, bool(is_causal))
     out = out.transpose(1, 2)
     return out[0] if squeeze else out

@@ -17,7 +17,7 @@ import torch
 import triton
 
 from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
-from flashflow.ops.attention import _check_common, _check_softcap, _check_window, _sm_count
+from flashflow.ops.attention import _cdiv, _next_pow2, _check_common, _check_softcap, _check_window, _sm_count
 from flashflow.tuning import gpu_family, interpreting
 
 KV_LAYOUTS = ("NHD", "FT")
@@ -56,7 +56,7 @@ def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, b
     """
     if 4 * batch_kv_heads >= 3 * num_sms:
         return 1
-    n_blocks = triton.cdiv(max(max_seqlen_k, 1), block_n)
+    n_blocks = _cdiv(max(max_seqlen_k, 1), block_n)
     want = max(1, num_sms // batch_kv_heads)
     return max(1, min(want, n_blocks // 4, max_splits))
 
@@ -129,8 +129,8 @@ class DecodePlan:
                              "flash_attn_func for longer query blocks")
         self.batch, self.heads, self.kv_heads, self.head_dim = batch, heads, kv_heads, head_dim
         self.seqlen_q, self.max_seqlen_k = seqlen_q, max_seqlen_k
-        self.head_dim_pad = max(16, triton.next_power_of_2(head_dim))
-        self.block_r = max(16, triton.next_power_of_2(group * seqlen_q))
+        self.head_dim_pad = max(16, _next_pow2(head_dim))
+        self.block_r = max(16, _next_pow2(group * seqlen_q))
         family = gpu_family(device)
         self.config = config or decode_config(family, self.head_dim_pad)
         if num_sms is None:
@@ -202,7 +202,7 @@ class DecodePlan:
             seqlen_q, n_new, heads // kv_heads, kv_heads,
             qk_scale_log2, softcap, max(left, 0), max(right, 0),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
-            BLOCK_R=self.block_r, BLOCK_NEW=max(16, triton.next_power_of_2(max(n_new, 1))),
+            BLOCK_R=self.block_r, BLOCK_NEW=max(16, _next_pow2(max(n_new, 1))),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(q.dtype) if layout == 2 else 1,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
@@ -270,7 +270,7 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
             return
         lens = lens or [capacity - n_new] * block_table.shape[0]
         for i, n in enumerate(lens):
-            used = block_table[i, :triton.cdiv(n + n_new, page)]
+            used = block_table[i, :_cdiv(n + n_new, page)]
             if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
                 raise ValueError(f"block_table[{i}] holds page indices outside [0, {num_blocks}) "
                                  f"(num_blocks of k_cache): {used.tolist()}")
@@ -344,11 +344,11 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     if rows == 0:
         return out, lse
     block_rows = 16
-    merge_states_kernel[(triton.cdiv(rows, block_rows),)](
+    merge_states_kernel[(_cdiv(rows, block_rows),)](
         out_a, lse_a, out_b, lse_b, out, lse, batch * seqlen, heads, seqlen,
         *out_a.stride()[:3], *out_b.stride()[:3], *out.stride()[:3],
         *lse_a.stride(), *lse_b.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)), BLOCK_ROWS=block_rows,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)), BLOCK_ROWS=block_rows,
         num_warps=4,
     )
     return out, lse
