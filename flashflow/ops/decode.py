@@ -47,7 +47,7 @@ def decode_config(family: str, head_dim_pad: int) -> DecodeConfig:
 
 def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
                          max_splits: int = 32) -> int:
-    """About one program per SM, each with >= 4 key blocks; no split once the (sequence, KV
+    """About one program per SM, each with >= 2 key blocks; no split once the (sequence, KV
     head) pairs alone fill three quarters of the SMs.
 
     One program per (sequence, KV head) leaves most SMs idle at small batch (8 programs for one
@@ -58,7 +58,7 @@ def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, b
         return 1
     n_blocks = _cdiv(max(max_seqlen_k, 1), block_n)
     want = max(1, num_sms // batch_kv_heads)
-    return max(1, min(want, n_blocks // 4, max_splits))
+    return max(1, min(want, n_blocks // 2, max_splits))
 
 
 def _cache_geometry(q, k_cache, v_cache, block_table, kv_layout):

@@ -1,0 +1,97 @@
+"""Render the measured tables of docs/results.md from the JSON under bench/results/.
+
+Usage: python scripts/results_md.py [--write docs/results.md]
+Everything between the ``<!-- GENERATED -->`` markers of docs/results.md is replaced; the prose
+around them is kept.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+
+
+def _load(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _header(d):
+    return (f"Device: {d.get('device')}, torch {d.get('torch')}, triton {d.get('triton')}, "
+            f"date {d.get('date')}.")
+
+
+def attention_section() -> str:
+    from flashflow.bench import runner
+
+    d = _load("attention-nvidia-h100-80gb-hbm3.json")
+    if d is None:
+        return ""
+    return ("### Prefill / diffusion attention forward (bf16, `flashflow bench`)\n\n" + _header(d) +
+            " Median of `triton.testing.do_bench`; ratios are flashflow's TF/s over the anchor's in the "
+            "same run; causal TF/s count half the FLOPs.\n\n" + runner.markdown_table(d["rows"]) + "\n")
+
+
+def decode_section() -> str:
+    from flashflow.bench.decode import markdown_table
+
+    d = _load("decode-nvidia-h100-80gb-hbm3.json")
+    if d is None:
+        return ""
+    return ("### Decode attention (bf16, one query token, head_dim 128, `flashflow bench --suite decode`)\n\n"
+            + _header(d) + "\n\n" + markdown_table(d) + "\n")
+
+
+def info_section() -> str:
+    d = _load("info-h100.json")
+    if d is None:
+        return ""
+    lines = ["### Registers, spills and shared memory of the shipped attention configs (`flashflow info`)", "",
+             _header(d), "", "| d ≤ | causal | variant | BM×BN | warps | stages | kernel | regs | spills | smem B |",
+             "|---:|:--|:--|:--|---:|---:|:--|---:|---:|---:|"]
+    for r in d["rows"]:
+        lines.append(f"| {r.get('head_dim_max')} | {'yes' if r.get('causal') else 'no'} | {r.get('variant')} | "
+                     f"{r.get('BLOCK_M')}×{r.get('BLOCK_N')} | {r.get('num_warps')} | {r.get('num_stages')} | "
+                     f"{r.get('kernel')} | {r.get('n_regs')} | {r.get('n_spills')} | {r.get('shared')} |")
+    return "\n".join(lines) + "\n"
+
+
+def validation_section() -> str:
+    d = _load("dataflow-validation-nvidia-h100-80gb-hbm3.json")
+    if d is None:
+        return ""
+    spec = importlib.util.spec_from_file_location("dv", ROOT / "scripts" / "dataflow_gpu_validate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return ("### Dataflow model vs measured DRAM bytes (Nsight Compute)\n\n" + _header(d) + "\n\n" +
+            mod.markdown_table(d["results"]) + "\n")
+
+
+def render() -> str:
+    parts = [attention_section(), decode_section(), info_section(), validation_section()]
+    return "\n".join(p for p in parts if p)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--write", default=None)
+    args = ap.parse_args()
+    body = render()
+    if not args.write:
+        print(body)
+        return
+    path = Path(args.write)
+    text = path.read_text()
+    start, end = "<!-- GENERATED -->", "<!-- /GENERATED -->"
+    i, j = text.index(start) + len(start), text.index(end)
+    path.write_text(text[:i] + "\n" + body + "\n" + text[j:])
+
+
+if __name__ == "__main__":
+    main()
