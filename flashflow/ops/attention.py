@@ -20,7 +20,7 @@ import torch
 import triton
 
 from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel, attention_merge_kernel
-from flashflow.tuning import AttentionConfig, attention_fwd_config, gpu_family, interpreting
+from flashflow.tuning import AttentionConfig, attention_fwd_config, autotune, gpu_family, interpreting
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -263,6 +263,19 @@ def _portable_forward(
 
     cfg = config or pick_config(q, causal=window_right is not None)
     head_dim_pad = max(16, _next_pow2(head_dim))
+    if config is None and autotune.enabled() and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+        key = (torch.cuda.get_device_name(q.device), q.dtype, head_dim_pad, window_left, window_right,
+               bias is not None, varlen, autotune.seqlen_bucket(seqlen_q), autotune.seqlen_bucket(seqlen_k))
+        kw = dict(bias=bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, window_left=window_left,
+                  window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first)
+
+        def time_ms(c):
+            run = lambda: _portable_forward(q, k, v, config=c, **kw)  # noqa: E731
+            run()
+            return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+
+        cfg = autotune.pick(key, autotune.candidates(cfg), time_ms)
     if bias is not None and config is None and cfg.use_tma:
         # the fp32 bias tile is pipelined with K and V: shrink the stages to stay in smem
         cfg = cfg.replace(BLOCK_N=min(cfg.BLOCK_N, 64 if head_dim_pad <= 128 else 32),
