@@ -37,13 +37,16 @@ def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, offs_n, offs_d, valid_n,
              PAGE_ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pointers to the K and V rows of cache positions ``offs_n`` (tokens) of (b, kvh)."""
     if LAYOUT == 1 and PAGE_ALIGNED:
-        # the whole tile lies in one page: one table lookup, rows contiguous (vector loads)
-        page = tl.load(BT + b * stride_bt + tile_start // PAGE_SIZE).to(tl.int64)
+        # the whole tile lies in one page: one table entry, rows contiguous (vector loads).
+        # The entry is read as a vector (every lane the same address, one transaction) so that
+        # the software pipeliner treats it like any tensor load and prefetches it a stage early.
+        page = tl.load(BT + b * stride_bt + (tile_start // PAGE_SIZE) + tl.zeros([BLOCK_N], dtype=tl.int32))
+        page = page.to(tl.int64)[:, None]
         # rows written as start + arange (not offs_n % PAGE_SIZE) so the compiler sees them
         # contiguous and emits 16-byte vector loads
         row = tile_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
-        k_ptrs = KC + (page * sk0 + kvh * sk2) + row[:, None] * sk1 + offs_d[None, :]
-        v_ptrs = VC + (page * sv0 + kvh * sv2) + row[:, None] * sv1 + offs_d[None, :]
+        k_ptrs = KC + (page * sk0 + kvh * sk2 + row[:, None] * sk1) + offs_d[None, :]
+        v_ptrs = VC + (page * sv0 + kvh * sv2 + row[:, None] * sv1) + offs_d[None, :]
     elif LAYOUT == 1:
         page = tl.load(BT + b * stride_bt + offs_n // PAGE_SIZE, mask=valid_n, other=0).to(tl.int64)
         row = (offs_n % PAGE_SIZE).to(tl.int64)
