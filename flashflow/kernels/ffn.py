@@ -53,23 +53,28 @@ def ffn_decode_kernel(
     i_ok = offs_i < inter
     offs_k = tl.arange(0, BLOCK_K)
 
-    # 1. this program's slice of the intermediate
-    acc_a = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_I], dtype=tl.float32)
+    # 1. this program's slice of the intermediate. For SwiGLU the gate row i and the up row
+    #    i + inter are loaded interleaved into one tile, so a single dot yields both, split after.
+    if GATED:
+        offs_r = tl.arange(0, 2 * BLOCK_I)
+        rows = pid * BLOCK_I + offs_r // 2 + (offs_r % 2) * inter
+        r_ok = (pid * BLOCK_I + offs_r // 2) < inter
+    else:
+        rows = offs_i
+        r_ok = i_ok
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_I if GATED else BLOCK_I], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         kk = k0 + offs_k
         k_ok = kk < hidden
         x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wa = tl.load(W1 + offs_i[:, None].to(tl.int64) * stride_w1 + kk[None, :],
-                     mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_a = tl.dot(x, wa.T, acc_a, input_precision=DOT_PRECISION)
-        if GATED:  # the up projection sits `inter` rows below the gate in w_gate_up
-            wb = tl.load(W1 + (offs_i[:, None] + inter).to(tl.int64) * stride_w1 + kk[None, :],
-                         mask=i_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_b = tl.dot(x, wb.T, acc_b, input_precision=DOT_PRECISION)
-    h = _act(acc_a, ACTIVATION)
+        w = tl.load(W1 + rows[:, None].to(tl.int64) * stride_w1 + kk[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
     if GATED:
-        h = h * acc_b
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_I, 2]))
+        h = _act(gate, ACTIVATION) * up
+    else:
+        h = _act(acc, ACTIVATION)
     h = h.to(W2.dtype.element_ty)  # the intermediate rounds to the weights' dtype, as in torch
 
     # 2. multiply the slice straight into the output (split-K over the intermediate)
