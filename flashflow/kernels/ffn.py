@@ -96,7 +96,7 @@ def ffn_decode_kernel(
             offs_n = n0 + offs_n0
             mask = m_ok[:, None] & (offs_n[None, :] < hidden)
             ptrs = WS + offs_m[:, None] * hidden + offs_n[None, :]
-            acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(OUT.dtype.element_ty), mask=mask)
+            total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], total.to(OUT.dtype.element_ty), mask=mask)
             tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=mask)
         tl.atomic_xchg(COUNTER, 0)
