@@ -13,10 +13,10 @@ Grid: one program per ``BLOCK_I`` slice of the intermediate dimension. A program
 3. bumps an arrival counter; the last program to arrive casts the workspace to the output dtype,
    zeroes it and resets the counter, so the next launch (or CUDA-graph replay) starts clean.
 
-Memory ordering: each program's atomic adds to the workspace are followed by a CTA barrier
-(every thread's adds issued) and one ``acq_rel`` atomic on the counter: release makes the adds
-visible before the arrival; the last arriver's acquire orders its workspace reads (``.cg``,
-bypassing L1) after every other program's release.
+Memory ordering: each thread's atomic adds to the workspace are followed by a release atomic of
+that thread (a per-thread fence: its adds are performed before it goes on), a CTA barrier, and
+one ``acq_rel`` atomic on the arrival counter; the last arriver's acquire orders its workspace
+reads (``.cg``, bypassing L1) after every other program's release.
 
 Bytes: every weight byte is read exactly once (3·hidden·inter·2 for SwiGLU in bf16: 352 MB for
 Llama-3-8B), x and the workspace stay in L2. FLOPs: 2·M per weight element — negligible at
@@ -88,7 +88,12 @@ def ffn_decode_kernel(
         tl.atomic_add(WS + offs_m[:, None] * hidden + offs_n[None, :], part,
                       mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
 
-    # 3. the last program to arrive casts, clears the workspace and resets the counter
+    # 3. the last program to arrive casts, clears the workspace and resets the counter.
+    #    Every thread first issues one release atomic of its own (COUNTER[1], adding 0): a
+    #    per-thread fence that waits until that thread's reductions above are performed. A CTA
+    #    barrier alone, before one thread's release, let the last arriver read partial sums on
+    #    the H100 (~1 run in 3 at M=16).
+    tl.atomic_add(COUNTER + 1 + offs_n0 * 0, 0, sem="release", scope="gpu")
     tl.debug_barrier()
     arrived = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
     if arrived == num_programs - 1:

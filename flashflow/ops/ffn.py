@@ -112,4 +112,4 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
 def make_workspace(m: int, hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Zeroed fp32 accumulator and arrival counter; reusable (the kernel re-zeroes them)."""
     return (torch.zeros((m, hidden), dtype=torch.float32, device=device),
-            torch.zeros(1, dtype=torch.int32, device=device))
+            torch.zeros(2, dtype=torch.int32, device=device))  # [arrivals, fence scratch]
