@@ -97,11 +97,15 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
     num_sms = _sm_count(x.device) if x.device.type == "cuda" else 4
     block_i = decode_block_i(inter, num_sms)
     on_gpu = x.device.type == "cuda"
+    # weight tiles per pipeline stage: (2·)BLOCK_I × BLOCK_K of W1 and BLOCK_N × BLOCK_I of W2;
+    # wide slices (70B-class intermediates) take narrower K/N steps to fit three stages in smem
+    rows = block_i * (2 if activation == "swiglu" else 1)
+    block_kn = (128 if rows <= 128 else 64) if on_gpu else 32
     ffn_decode_kernel[(_cdiv(inter, block_i),)](
         x2, w1, w2, out, ws, counter, m, hidden, inter,
         x2.stride(0), w1.stride(0), w2.stride(0), out.stride(0),
         BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=block_i,
-        BLOCK_K=128 if on_gpu else 32, BLOCK_N=128 if on_gpu else 32,
+        BLOCK_K=block_kn, BLOCK_N=block_kn,
         GATED=activation == "swiglu", ACTIVATION=_ACT_CODE[activation],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if on_gpu else 1,
