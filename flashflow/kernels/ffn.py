@@ -10,13 +10,13 @@ Grid: one program per ``BLOCK_I`` slice of the intermediate dimension. A program
 2. immediately multiplies it into the output: ``out += h·W_down[:, slice]ᵀ``, streaming that
    column slice of ``W_down`` in ``BLOCK_N`` tiles and adding the fp32 partials into a workspace
    with atomic adds (split-K over the intermediate);
-3. bumps an arrival counter; the last program to arrive casts the workspace to the output dtype,
-   zeroes it and resets the counter, so the next launch (or CUDA-graph replay) starts clean.
+3. a second, tiny launch (``ffn_cast_kernel``) casts the workspace to the output dtype and
+   zeroes it, so the next call (or CUDA-graph replay) starts clean.
 
-Memory ordering: each thread's atomic adds to the workspace are followed by a release atomic of
-that thread (a per-thread fence: its adds are performed before it goes on), a CTA barrier, and
-one ``acq_rel`` atomic on the arrival counter; the last arriver's acquire orders its workspace
-reads (``.cg``, bypassing L1) after every other program's release.
+Why a second launch for the cast: a last-arriver cast inside the main kernel (CTA barrier,
+per-thread release atomics, then an acq_rel arrival counter) still read incomplete sums on the
+H100 in about one run in three at M = 16 (scripts/gpu_ffn.py's stress test); stream order is the
+ordering guarantee that cannot be got wrong, for ~2 µs inside a CUDA graph.
 
 Bytes: every weight byte is read exactly once (3·hidden·inter·2 for SwiGLU in bf16: 352 MB for
 Llama-3-8B), x and the workspace stay in L2. FLOPs: 2·M per weight element — negligible at
@@ -39,14 +39,13 @@ def _act(a, ACTIVATION: tl.constexpr):
 
 @triton.jit
 def ffn_decode_kernel(
-    X, W1, W2, OUT, WS, COUNTER,
+    X, W1, W2, WS,
     M, hidden, inter,
-    stride_xm, stride_w1, stride_w2, stride_om,
+    stride_xm, stride_w1, stride_w2,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -88,20 +87,14 @@ def ffn_decode_kernel(
         tl.atomic_add(WS + offs_m[:, None] * hidden + offs_n[None, :], part,
                       mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
 
-    # 3. the last program to arrive casts, clears the workspace and resets the counter.
-    #    Every thread first issues one release atomic of its own (COUNTER[1], adding 0): a
-    #    per-thread fence that waits until that thread's reductions above are performed. A CTA
-    #    barrier alone, before one thread's release, let the last arriver read partial sums on
-    #    the H100 (~1 run in 3 at M=16).
-    tl.atomic_add(COUNTER + 1 + offs_n0 * 0, 0, sem="release", scope="gpu")
-    tl.debug_barrier()
-    arrived = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-    if arrived == num_programs - 1:
-        for n0 in range(0, hidden, BLOCK_N):
-            offs_n = n0 + offs_n0
-            mask = m_ok[:, None] & (offs_n[None, :] < hidden)
-            ptrs = WS + offs_m[:, None] * hidden + offs_n[None, :]
-            total = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.store(OUT + offs_m[:, None] * stride_om + offs_n[None, :], total.to(OUT.dtype.element_ty), mask=mask)
-            tl.store(ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), mask=mask)
-        tl.atomic_xchg(COUNTER, 0)
+
+
+@triton.jit
+def ffn_cast_kernel(WS, OUT, M, hidden, stride_om, BLOCK: tl.constexpr):
+    """out = ws.to(dtype); ws = 0 (ready for the next call). Stream order after the main kernel
+    makes every program's atomic adds visible here: no in-kernel arrival protocol to get wrong."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < M * hidden
+    total = tl.load(WS + offs, mask=mask, other=0.0)
+    tl.store(OUT + (offs // hidden) * stride_om + offs % hidden, total.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(WS + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)

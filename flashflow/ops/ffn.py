@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from flashflow.kernels.ffn import ffn_decode_kernel
+from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_kernel
 from flashflow.ops.attention import _cdiv, _next_pow2, _sm_count
 from flashflow.reference.mlp import ACTIVATIONS, activation_ref
 from flashflow.tuning import interpreting
@@ -65,8 +65,8 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
         w_down: ``(hidden, intermediate)``.
         activation: ``"swiglu"``, ``"gelu"`` (tanh approximation), ``"silu"`` or ``"relu"``.
         policy: ``"auto"`` (reserved for the prefill kernel's tile orders).
-        workspace: optional zeroed fp32 ``(M, hidden)`` buffer plus counter reused across calls
-            (``make_workspace``); the kernel leaves it zeroed again.
+        workspace: optional zeroed fp32 ``(M, hidden)`` buffer reused across calls
+            (``make_workspace``); every call leaves it zeroed again.
     """
     _check(x, w_gate_up, w_down, activation)
     if policy != "auto":
@@ -88,7 +88,7 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
         return (h.to(x.dtype) @ w_down.T).reshape(*lead, hidden)
     w1 = w_gate_up if w_gate_up.stride(-1) == 1 else w_gate_up.contiguous()
     w2 = w_down if w_down.stride(-1) == 1 else w_down.contiguous()
-    ws, counter = workspace if workspace is not None else make_workspace(m, hidden, x.device)
+    ws = workspace if workspace is not None else make_workspace(m, hidden, x.device)
     if ws.shape != (m, hidden) or ws.dtype != torch.float32:
         raise ValueError(f"workspace must be float32 ({m}, {hidden}), got {ws.dtype} {tuple(ws.shape)}")
     out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
@@ -102,18 +102,16 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
     rows = block_i * (2 if activation == "swiglu" else 1)
     block_kn = (128 if rows <= 128 else 64) if on_gpu else 32
     ffn_decode_kernel[(_cdiv(inter, block_i),)](
-        x2, w1, w2, out, ws, counter, m, hidden, inter,
-        x2.stride(0), w1.stride(0), w2.stride(0), out.stride(0),
-        BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=block_i,
-        BLOCK_K=block_kn, BLOCK_N=block_kn,
+        x2, w1, w2, ws, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0),
+        BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=block_i, BLOCK_K=block_kn, BLOCK_N=block_kn,
         GATED=activation == "swiglu", ACTIVATION=_ACT_CODE[activation],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if on_gpu else 1,
     )
+    ffn_cast_kernel[(_cdiv(m * hidden, 1024),)](ws, out, m, hidden, out.stride(0), BLOCK=1024, num_warps=4)
     return out.reshape(*lead, hidden)
 
 
-def make_workspace(m: int, hidden: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zeroed fp32 accumulator and arrival counter; reusable (the kernel re-zeroes them)."""
-    return (torch.zeros((m, hidden), dtype=torch.float32, device=device),
-            torch.zeros(2, dtype=torch.int32, device=device))  # [arrivals, fence scratch]
+def make_workspace(m: int, hidden: int, device) -> torch.Tensor:
+    """Zeroed fp32 accumulator (M, hidden); reusable: every call leaves it zeroed again."""
+    return torch.zeros((m, hidden), dtype=torch.float32, device=device)

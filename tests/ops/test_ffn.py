@@ -47,7 +47,7 @@ def test_workspace_reused_and_left_zeroed():
     ref = mlp_ref(x.double(), w1.double(), w2.double())
     for _ in range(3):  # a stale workspace or counter would add the previous call's result
         assert rel(fused_mlp(x, w1, w2, workspace=ws), ref) < 5e-3
-        assert (ws[0] == 0).all() and int(ws[1][0]) == 0
+        assert (ws == 0).all()
 
 
 def test_many_programs_split_the_intermediate():
