@@ -73,8 +73,26 @@ def validation_section() -> str:
             mod.markdown_table(d["results"]) + "\n")
 
 
+def ffn_section() -> str:
+    d = _load("ffn-nvidia-h100-80gb-hbm3.json")
+    if d is None:
+        return ""
+    lines = ["### Fused FFN, decode regime (bf16, `scripts/gpu_ffn.py`)", "", _header(d) +
+             " Both timed as CUDA-graph replays of 10 calls in the same run; TB/s = weight bytes / time.", "",
+             "| FFN | M | weights MB | flashflow µs | TB/s | torch+graph µs | TB/s | speedup |",
+             "|:--|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in d["bench"]:
+        lines.append(f"| {r['model']} | {r['M']} | {r['weight_mbytes']:.0f} | {r['flashflow_us']:.1f} | "
+                     f"{r['flashflow_tbs']:.2f} | {r['torch_graph_us']:.1f} | {r['torch_tbs']:.2f} | "
+                     f"{r['speedup_vs_torch']:.2f}× |")
+    ok = sum(c["ok"] for c in d["checks"])
+    lines += ["", f"Correctness on the GPU: {ok}/{len(d['checks'])} checks within 1e-2 of float64 "
+              "(every activation, bf16/fp16, odd shapes, 100 back-to-back runs, 100 graph replays)."]
+    return "\n".join(lines) + "\n"
+
+
 def render() -> str:
-    parts = [attention_section(), decode_section(), info_section(), validation_section()]
+    parts = [attention_section(), decode_section(), ffn_section(), info_section(), validation_section()]
     return "\n".join(p for p in parts if p)
 
 
