@@ -14,6 +14,7 @@ import time
 import torch
 import triton
 
+from flashflow.bench.decode import graph_time_ms
 from flashflow.ops.ffn import fused_mlp, make_workspace
 from flashflow.reference.mlp import activation_ref, mlp_ref
 
@@ -43,16 +44,7 @@ def torch_ffn(x, w1, w2, act):
 
 
 def graph_us(fn, steps=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(steps):
-            fn()
-    return triton.testing.do_bench(g.replay, warmup=20, rep=100, return_mode="median") / steps * 1e3
+    return graph_time_ms(fn, steps) * 1e3
 
 
 def main():

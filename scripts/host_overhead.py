@@ -8,6 +8,7 @@ import torch
 import triton
 
 import flashflow
+from flashflow.bench.decode import graph_time_ms
 from flashflow.ops.attention import attention_forward
 
 
@@ -23,16 +24,7 @@ def host_us(fn, n=200):
 
 
 def graph_us(fn, steps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(steps):
-            fn()
-    return triton.testing.do_bench(g.replay, return_mode="median") / steps * 1e3
+    return graph_time_ms(fn, steps) * 1e3
 
 
 SHAPES = [(32, 32, 512, 64, True), (32, 32, 512, 64, False), (16, 16, 1024, 128, True),

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from flashflow.bench.decode import _graph_time_ms, kv_bytes
+from flashflow.bench.decode import graph_time_ms, kv_bytes
 from flashflow.ops.decode import DecodeConfig, DecodePlan
 
 
@@ -34,7 +34,7 @@ def main():
             for ns in cands:
                 try:
                     plan = DecodePlan(b, h, hk, d, s, device="cuda", num_splits=ns, config=cfg)
-                    t = _graph_time_ms(lambda: plan.run(q, kc, vc, cache_seqlens=lens))
+                    t = graph_time_ms(lambda: plan.run(q, kc, vc, cache_seqlens=lens))
                     res[f"N{cfg.BLOCK_N}w{cfg.num_warps}s{cfg.num_stages}/{ns}"] = kv_bytes(b, s, hk, d) / (t * 1e-3) / 1e12
                 except Exception as e:  # noqa: BLE001
                     print("fail", cfg, ns, type(e).__name__, str(e)[:150], file=sys.stderr)
