@@ -132,6 +132,7 @@ class DecodePlan:
         self.head_dim_pad = max(16, _next_pow2(head_dim))
         self.block_r = max(16, _next_pow2(group * seqlen_q))
         family = gpu_family(device)
+        self.config_given = config is not None
         self.config = config or decode_config(family, self.head_dim_pad)
         if num_sms is None:
             num_sms = _sm_count(device) if device.type == "cuda" else 132
@@ -189,6 +190,10 @@ class DecodePlan:
         kn = k if k is not None else q
         vn = v if v is not None else q
         cfg = self.config
+        if layout == 1 and not self.config_given and gpu_family(q.device) == "sm90":
+            # a paged tile's address waits on its table entry: two more pipeline stages hide
+            # that lookup (H100: 0.79× -> 0.98× of contiguous at 16×16k, page 64)
+            cfg = DecodeConfig(BLOCK_N=min(64, cfg.BLOCK_N), num_warps=4, num_stages=5)
         block_n = cfg.BLOCK_N
         if layout == 1 and 16 <= page < block_n and page & (page - 1) == 0:
             block_n = page  # tiles never straddle a page: one table lookup per tile
