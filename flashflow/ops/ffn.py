@@ -55,7 +55,7 @@ def decode_block_i(inter: int, num_sms: int) -> int:
     return max(16, min(128, _next_pow2(_cdiv(inter, 2 * num_sms))))
 
 
-def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspace=None):
+def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspace=None, _config=None):
     """Transformer FFN ``act(x·W1ᵀ)[∘ x·W_upᵀ]·W_downᵀ`` with weights in ``nn.Linear`` layout.
 
     Args:
@@ -101,12 +101,15 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
     # wide slices (70B-class intermediates) take narrower K/N steps to fit three stages in smem
     rows = block_i * (2 if activation == "swiglu" else 1)
     block_kn = (128 if rows <= 128 else 64) if on_gpu else 32
-    ffn_decode_kernel[(_cdiv(inter, block_i),)](
+    cfg = {"BLOCK_I": block_i, "BLOCK_K": block_kn, "BLOCK_N": block_kn, "num_warps": 4,
+           "num_stages": 3 if on_gpu else 1}
+    cfg.update(_config or {})  # tuning scripts only
+    ffn_decode_kernel[(_cdiv(inter, cfg["BLOCK_I"]),)](
         x2, w1, w2, ws, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0),
-        BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=block_i, BLOCK_K=block_kn, BLOCK_N=block_kn,
+        BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         GATED=activation == "swiglu", ACTIVATION=_ACT_CODE[activation],
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=3 if on_gpu else 1,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     ffn_cast_kernel[(_cdiv(m * hidden, 1024),)](ws, out, m, hidden, out.stride(0), BLOCK=1024, num_warps=4)
     return out.reshape(*lead, hidden)
