@@ -15,7 +15,7 @@ import torch
 import triton
 
 from flashflow.bench.decode import graph_time_ms
-from flashflow.ops.ffn import fused_mlp, make_workspace
+from flashflow.ops.mlp import MlpWorkspace, fused_mlp
 from flashflow.reference.mlp import activation_ref, mlp_ref
 
 TOL = 1e-2
@@ -58,7 +58,7 @@ def main():
                 x = torch.randn(m, hidden, dtype=dtype, device="cuda")
                 w1, w2 = weights(act, hidden, inter, dtype)
                 out = torch.full((m, hidden), float("nan"), dtype=dtype, device="cuda")
-                out.copy_(fused_mlp(x, w1, w2, act))
+                out.copy_(fused_mlp(x, w1, w2, act, policy="splitk"))
                 err = rel(out, mlp_ref(x.double(), w1.double(), w2.double(), act))
                 ok = err < TOL and torch.isfinite(out).all().item()
                 fails += not ok
@@ -68,19 +68,19 @@ def main():
     x = torch.randn(16, 4096, dtype=torch.bfloat16, device="cuda")
     w1, w2 = weights("swiglu", 4096, 14336, torch.bfloat16)
     ref = mlp_ref(x.double(), w1.double(), w2.double())
-    ws = make_workspace(16, 4096, "cuda")
-    outs = [fused_mlp(x, w1, w2, workspace=ws) for _ in range(100)]
+    ws = MlpWorkspace(4096, max_tokens=16, device="cuda")
+    outs = [fused_mlp(x, w1, w2, workspace=ws, policy="splitk") for _ in range(100)]
     torch.cuda.synchronize()
     worst = max(rel(o, ref) for o in outs)
     static = [None]
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
-        fused_mlp(x, w1, w2, workspace=ws)
+        fused_mlp(x, w1, w2, workspace=ws, policy="splitk")
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        static[0] = fused_mlp(x, w1, w2, workspace=ws)
+        static[0] = fused_mlp(x, w1, w2, workspace=ws, policy="splitk")
     worst_g = 0.0
     for i in range(100):
         if i % 25 == 0:
@@ -102,8 +102,8 @@ def main():
         wbytes = (w1.numel() + w2.numel()) * 2
         for m in (1, 4, 16, 64):
             x = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
-            ws = make_workspace(m, hidden, "cuda")
-            t_ff = graph_us(lambda: fused_mlp(x, w1, w2, act, workspace=ws))
+            ws = MlpWorkspace(hidden, max_tokens=m, device="cuda")
+            t_ff = graph_us(lambda: fused_mlp(x, w1, w2, act, workspace=ws, policy="splitk"))
             t_th = graph_us(lambda: torch_ffn(x, w1, w2, act))
             rows.append({"model": name, "M": m, "flashflow_us": t_ff, "torch_graph_us": t_th,
                          "flashflow_tbs": wbytes / t_ff / 1e6, "torch_tbs": wbytes / t_th / 1e6,

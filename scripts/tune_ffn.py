@@ -2,7 +2,8 @@
 import torch
 
 from flashflow.bench.decode import graph_time_ms
-from flashflow.ops.ffn import fused_mlp, make_workspace
+from flashflow.ops.ffn import launch_decode
+from flashflow.ops.mlp import ACC_OFF, MlpWorkspace
 
 hidden, inter = 4096, 14336
 w1 = torch.randn(2 * inter, hidden, dtype=torch.bfloat16, device="cuda") / 64
@@ -13,11 +14,11 @@ cfgs = [None, {"BLOCK_I": 128, "BLOCK_K": 64, "BLOCK_N": 64}, {"num_stages": 4, 
         {"BLOCK_I": 128, "BLOCK_K": 64, "BLOCK_N": 64, "num_warps": 8}]
 for m in (1, 4, 16):
     x = torch.randn(m, hidden, dtype=torch.bfloat16, device="cuda")
-    ws = make_workspace(m, hidden, "cuda")
+    ws = MlpWorkspace(hidden, max_tokens=m, device="cuda")
     row = [f"M{m}"]
     for c in cfgs:
         try:
-            t = graph_time_ms(lambda: fused_mlp(x, w1, w2, workspace=ws, _config=c), steps=10)
+            t = graph_time_ms(lambda: launch_decode(x, w1, w2, "swiglu", ws.buffer[ACC_OFF:ACC_OFF + x.numel()].view(torch.float32).view(x.shape), c), steps=10)
             row.append(f"{c}: {t * 1e3:.1f}us {wbytes / t / 1e9:.2f}TB/s")
         except Exception as e:  # noqa: BLE001
             row.append(f"{c}: {type(e).__name__}")

@@ -1,8 +1,10 @@
-"""Fused FFN (decode regime) against the float64 reference, through Triton's interpreter."""
+"""The decode-regime FFN kernels (policy "splitk" of flashflow.fused_mlp), through the
+interpreter, against float64. The op-level tests of every policy are in test_mlp.py."""
 import pytest
 import torch
 
-from flashflow.ops.ffn import decode_block_i, fused_mlp, make_workspace
+from flashflow import MlpWorkspace, fused_mlp
+from flashflow.ops.ffn import decode_block_i, launch_decode
 from flashflow.reference.mlp import mlp_ref
 from flashflow.tuning import interpreting
 
@@ -27,7 +29,7 @@ def rel(a, b):
 def test_activations_odd_shapes(act, m, hidden, inter):
     x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
     w1, w2 = weights(act, hidden, inter)
-    out = fused_mlp(x, w1, w2, act)
+    out = fused_mlp(x, w1, w2, act, policy="splitk")
     assert out.shape == (m, hidden) and out.dtype == x.dtype
     assert rel(out, mlp_ref(x.double(), w1.double(), w2.double(), act)) < 5e-3
 
@@ -35,43 +37,25 @@ def test_activations_odd_shapes(act, m, hidden, inter):
 def test_leading_dims_and_fp32():
     x = torch.randn(2, 3, 48, dtype=torch.float32, device=DEVICE)
     w1, w2 = weights("gelu", 48, 96, torch.float32)
-    out = fused_mlp(x, w1, w2, "gelu")
+    out = fused_mlp(x, w1, w2, "gelu", policy="splitk")
     assert out.shape == (2, 3, 48)
     assert rel(out, mlp_ref(x.double(), w1.double(), w2.double(), "gelu")) < 1e-5
 
 
-def test_workspace_reused_and_left_zeroed():
+def test_accumulator_left_zeroed_for_the_next_call():
     x = torch.randn(5, 64, dtype=torch.float16, device=DEVICE)
     w1, w2 = weights("swiglu", 64, 160)
-    ws = make_workspace(5, 64, DEVICE)
+    acc = torch.zeros(5, 64, dtype=torch.float32, device=DEVICE)
     ref = mlp_ref(x.double(), w1.double(), w2.double())
-    for _ in range(3):  # a stale workspace or counter would add the previous call's result
-        assert rel(fused_mlp(x, w1, w2, workspace=ws), ref) < 5e-3
-        assert (ws == 0).all()
+    for _ in range(3):  # a stale accumulator would add the previous call's result
+        assert rel(launch_decode(x, w1, w2, "swiglu", acc), ref) < 5e-3
+        assert (acc == 0).all()
+    ws = MlpWorkspace(64, max_tokens=5, device=DEVICE)
+    for _ in range(2):
+        assert rel(fused_mlp(x, w1, w2, workspace=ws, policy="splitk"), ref) < 5e-3
+        assert int(ws.buffer.count_nonzero()) == 0
 
 
-def test_many_programs_split_the_intermediate():
-    # the split-K over the intermediate must combine more than one program's partial
+def test_slices_per_program():
     assert decode_block_i(14336, 132) == 64 and decode_block_i(28672, 132) == 128
-    assert decode_block_i(160, 4) == 32  # interpreter: 5 programs for intermediate 160
-
-
-def test_prefill_sizes_fall_back_correctly():
-    x = torch.randn(70, 32, dtype=torch.float16, device=DEVICE)
-    w1, w2 = weights("relu", 32, 48)
-    assert rel(fused_mlp(x, w1, w2, "relu"), mlp_ref(x.double(), w1.double(), w2.double(), "relu")) < 5e-3
-
-
-def test_bad_inputs():
-    x = torch.randn(2, 48, dtype=torch.float16, device=DEVICE)
-    w1, w2 = weights("swiglu", 48, 96)
-    with pytest.raises(ValueError, match="activation must be one of"):
-        fused_mlp(x, w1, w2, "tanh")
-    with pytest.raises(ValueError, match=r"w_gate_up must be \(2·intermediate, hidden\)"):
-        fused_mlp(x, w1[:96], w2, "swiglu")
-    with pytest.raises(TypeError, match="share a dtype"):
-        fused_mlp(x.float(), w1, w2)
-    with pytest.raises(ValueError, match="policy"):
-        fused_mlp(x, w1, w2, policy="rowblock")
-    with pytest.raises(ValueError, match="workspace must be float32"):
-        fused_mlp(x, w1, w2, workspace=make_workspace(3, 48, DEVICE))
+    assert decode_block_i(160, 4) == 32  # interpreter: 5 programs add into every output element

@@ -1,0 +1,254 @@
+"""`flashflow bench --suite mlp`: the fused FFN against cuBLAS, every policy in one run.
+
+FFNs (bf16 by default): Llama-3-8B (4096 → 14336, SwiGLU), Llama-3-70B (8192 → 28672, SwiGLU)
+and a GPT-3-style 4096 → 14336 GELU FFN, at M = 1, 4, 16, 64, 256, 1024, 4096 tokens.
+
+Providers, timed in the same run on the same tensors:
+  * ``torch-graph`` — the anchor: ``F.linear``, the activation, ``F.linear`` (cuBLAS), captured
+    in a CUDA graph;
+  * ``flashflow`` — :func:`flashflow.ops.mlp.fused_mlp` with ``policy="auto"``;
+  * ``splitk`` (M ≤ 64), ``sequential``, ``rowblock``, ``multirow``, ``halfrow`` — each policy
+    forced;
+  * ``two-kernels`` — GEMM0+act then GEMM1, two Triton launches (same tiles);
+  * ``two-streams`` — CuSync-style producer/consumer kernels on two streams with flags.
+Every provider is timed as CUDA-graph replays (a graph of ``steps`` back-to-back calls; the
+median per call), so launch overheads are what a serving loop pays. Metrics: µs, TB/s of
+weight bytes (the decode floor), TFLOP/s, and the ratio of torch-graph's time to ours (> 1:
+ours faster). The read ceiling is measured in the same run (a large bf16 sum).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+MODELS = (("llama3-8b", "swiglu", 4096, 14336), ("llama3-70b", "swiglu", 8192, 28672),
+          ("gpt3-4096x14336-gelu", "gelu", 4096, 14336))
+TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+QUICK_TOKENS = (1, 16, 64, 1024)
+ANCHOR = "torch-graph"
+PROVIDERS = (ANCHOR, "flashflow", "splitk", "sequential", "rowblock", "multirow", "halfrow",
+             "two-kernels", "two-streams")
+POLICY_PROVIDERS = ("splitk", "sequential", "rowblock", "multirow", "halfrow")
+
+
+def weight_bytes(activation: str, hidden: int, inter: int, elt: int = 2) -> int:
+    rows = 2 * inter if activation == "swiglu" else inter
+    return (rows * hidden + hidden * inter) * elt
+
+
+def ffn_flops(m: int, activation: str, hidden: int, inter: int) -> float:
+    return 2.0 * m * weight_bytes(activation, hidden, inter, 1)
+
+
+def torch_ffn(x, w1, w2, activation):
+    """The unfused FFN as a model runs it (cuBLAS GEMMs, PyTorch's elementwise kernels)."""
+    f = torch.nn.functional
+    h = f.linear(x, w1)
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        h = f.silu(gate) * up
+    elif activation == "gelu":
+        h = f.gelu(h, approximate="tanh")
+    elif activation == "silu":
+        h = f.silu(h)
+    else:
+        h = f.relu(h)
+    return f.linear(h, w2)
+
+
+def make_inputs(activation, hidden, inter, m, dtype, device="cuda", seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    rows = 2 * inter if activation == "swiglu" else inter
+    x = torch.randn(m, hidden, device=device, dtype=dtype, generator=g)
+    w1 = torch.randn(rows, hidden, device=device, dtype=dtype, generator=g) / hidden ** 0.5
+    w2 = torch.randn(hidden, inter, device=device, dtype=dtype, generator=g) / inter ** 0.5
+    return x, w1, w2
+
+
+def make_providers(x, w1, w2, activation, names=PROVIDERS) -> dict:
+    """name -> zero-argument callable; providers that do not apply to this M are left out."""
+    from flashflow.ops import mlp
+
+    m, hidden = x.shape
+    ws = mlp.MlpWorkspace(hidden, max_tokens=max(m, 1), device=x.device)
+    table = {
+        ANCHOR: lambda: torch_ffn(x, w1, w2, activation),
+        "flashflow": lambda: mlp.fused_mlp(x, w1, w2, activation, "auto", workspace=ws),
+        "two-kernels": lambda: mlp.mlp_two_kernels(x, w1, w2, activation),
+        "two-streams": lambda: mlp.mlp_two_streams(x, w1, w2, activation, workspace=ws),
+    }
+    for p in POLICY_PROVIDERS:
+        if p == "splitk" and m > mlp.DECODE_MAX_M:
+            continue
+        table[p] = (lambda p=p: mlp.fused_mlp(x, w1, w2, activation, p, workspace=ws))
+    return {n: table[n] for n in names if n in table}
+
+
+def graph_time_ms(fn, steps: int, warmup: int = 5, rep: int = 20) -> float:
+    """Median time of one call, as replays of a CUDA graph of ``steps`` back-to-back calls."""
+    import triton
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(steps):
+            fn()
+    ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / steps
+    del g
+    return ms
+
+
+def read_ceiling_tbs() -> float:
+    """Bytes over time of a large read-only reduction: what a kernel that only reads can reach."""
+    import triton
+
+    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
+    t = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=10, rep=50, return_mode="median")
+    tbs = x.numel() * 2 / (t * 1e-3) / 1e12
+    del x
+    torch.cuda.empty_cache()
+    return tbs
+
+
+def steps_for(m: int) -> int:
+    return 10 if m <= 256 else 2
+
+
+def bench_case(model, activation, hidden, inter, m, dtype, providers=PROVIDERS, warmup=5, rep=20) -> dict:
+    """One (FFN, M) row: every provider's µs, TB/s, TFLOP/s, ratio to the anchor, error."""
+    x, w1, w2 = make_inputs(activation, hidden, inter, m, dtype)
+    provs = make_providers(x, w1, w2, activation, providers)
+    wbytes = weight_bytes(activation, hidden, inter, x.element_size())
+    flops = ffn_flops(m, activation, hidden, inter)
+    ref = torch_ffn(x.float(), w1.float(), w2.float(), activation)
+    row = {"model": model, "activation": activation, "hidden": hidden, "intermediate": inter, "M": m,
+           "weight_mbytes": wbytes / 1e6, "gflop": flops / 1e9, "results": {}}
+    for name, fn in provs.items():
+        res = {}
+        try:
+            out = fn().float()
+            torch.cuda.synchronize()
+            res["rel_err"] = ((out - ref).norm() / ref.norm()).item()
+            ms = graph_time_ms(fn, steps_for(m), warmup, rep)
+            res.update(us=ms * 1e3, tbs=wbytes / (ms * 1e-3) / 1e12, tflops=flops / (ms * 1e-3) / 1e12)
+        except Exception as e:  # noqa: BLE001 — keep the other providers' numbers
+            res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        row["results"][name] = res
+    anchor = row["results"].get(ANCHOR, {}).get("us")
+    for res in row["results"].values():
+        if anchor and res.get("us"):
+            res["vs_torch"] = anchor / res["us"]
+    del provs, x, w1, w2, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def run_bench(quick=False, dtype=torch.bfloat16, warmup=5, rep=20, models=MODELS, tokens=None,
+              providers=PROVIDERS, log=None) -> dict:
+    from flashflow.bench import runner
+
+    tokens = tokens or (QUICK_TOKENS if quick else TOKENS)
+    started = datetime.now(timezone.utc)
+    result = {"suite": "mlp", **runner.environment(started), "dtype": str(dtype).replace("torch.", ""),
+              "quick": quick, "providers": list(providers), "anchor": ANCHOR,
+              "timing": {"warmup_ms": warmup, "rep_ms": rep, "return_mode": "median",
+                         "graph_steps": {str(m): steps_for(m) for m in tokens}},
+              "read_ceiling_tbs": read_ceiling_tbs(), "rows": []}
+    for model, act, hidden, inter in models:
+        for m in tokens:
+            row = bench_case(model, act, hidden, inter, m, dtype, providers, warmup, rep)
+            result["rows"].append(row)
+            if log:
+                log(row)
+    return result
+
+
+def write_result(result: dict, out_dir) -> Path:
+    from flashflow.bench import runner
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"mlp-{runner.device_slug(result['device'])}.json"
+    path.write_text(json.dumps(runner._finite(result), indent=1) + "\n")
+    return path
+
+
+def _cell(res: dict, key: str, spec: str) -> str:
+    if res is None:
+        return ""
+    if res.get("error"):
+        return "err"
+    v = res.get(key)
+    return "" if v is None else format(v, spec)
+
+
+def markdown_table(result: dict, metric: str = "us") -> str:
+    """One line per (FFN, M): each provider's µs (or TB/s, TFLOP/s), then ours ÷ torch."""
+    rows = result["rows"]
+    provs = [p for p in result["providers"] if any(p in r["results"] for r in rows)]
+    spec = {"us": ".1f", "tbs": ".2f", "tflops": ".0f"}[metric]
+    unit = {"us": "µs", "tbs": "TB/s", "tflops": "TFLOP/s"}[metric]
+    head = ["FFN", "M"] + [f"{p} {unit}" for p in provs] + ["best", "best ÷ torch", "flashflow ÷ torch"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--", "--:"] + ["--:"] * (len(head) - 2)) + "|"]
+    for r in rows:
+        res = r["results"]
+        ours = {p: v for p, v in res.items() if p != ANCHOR and v.get("us")}
+        best = min(ours, key=lambda p: ours[p]["us"]) if ours else None
+        cells = [r["model"], str(r["M"])] + [_cell(res.get(p), metric, spec) for p in provs]
+        cells += [best or "", f"{ours[best]['vs_torch']:.2f}" if best and ours[best].get("vs_torch") else "",
+                  _cell(res.get("flashflow"), "vs_torch", ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def compact_table(result: dict) -> str:
+    """Plain text, narrow: per (FFN, M) the anchor, auto, and the best policy/baseline."""
+    lines = [f"read ceiling {result['read_ceiling_tbs']:.2f} TB/s; times are medians of CUDA-graph replays",
+             f"{'FFN':22} {'M':>5} {'torch µs':>9} {'TB/s':>5} {'auto µs':>8} {'TB/s':>5} {'TF/s':>5} "
+             f"{'auto÷t':>6} {'best of ours':>13} {'µs':>8} {'best÷t':>6} {'err':>7}"]
+    for r in result["rows"]:
+        res = r["results"]
+        t, a = res.get(ANCHOR, {}), res.get("flashflow", {})
+        ours = {p: v for p, v in res.items() if p != ANCHOR and v.get("us")}
+        best = min(ours, key=lambda p: ours[p]["us"]) if ours else ""
+        b = ours.get(best, {})
+
+        def f(d, k, s):
+            return format(d[k], s) if d.get(k) is not None else "-"
+        lines.append(f"{r['model']:22} {r['M']:>5} {f(t, 'us', '9.1f')} {f(t, 'tbs', '5.2f')} "
+                     f"{f(a, 'us', '8.1f')} {f(a, 'tbs', '5.2f')} {f(a, 'tflops', '5.0f')} {f(a, 'vs_torch', '6.2f')} "
+                     f"{best:>13} {f(b, 'us', '8.1f')} {f(b, 'vs_torch', '6.2f')} {f(a, 'rel_err', '7.1e')}")
+    errors = sorted({f"{p}: {v['error']}" for r in result["rows"] for p, v in r["results"].items() if v.get("error")})
+    return "\n".join(lines + [f"error {e}" for e in errors])
+
+
+def run(args) -> int:
+    """Entry point of ``flashflow bench --suite mlp`` (args: dtype, quick, warmup, rep, out)."""
+    from flashflow.tuning import interpreting
+
+    if interpreting():
+        print("flashflow bench: TRITON_INTERPRET is set; unset it to benchmark the GPU.", file=sys.stderr)
+        return 2
+    dtype = torch.float16 if getattr(args, "dtype", "bf16") == "fp16" else torch.bfloat16
+    warmup, rep = getattr(args, "warmup", 5), getattr(args, "rep", 20)
+
+    def log(row):
+        print(f"{row['model']} M={row['M']}: " + ", ".join(
+            f"{p} {v['us']:.1f}µs" if v.get("us") else f"{p} {v.get('error', '-')}"
+            for p, v in row["results"].items()), file=sys.stderr, flush=True)
+
+    result = run_bench(quick=getattr(args, "quick", False), dtype=dtype, warmup=warmup, rep=rep, log=log)
+    path = write_result(result, getattr(args, "out", "bench/results"))
+    print(f"results: {path}\n")
+    for metric in ("us", "tbs", "tflops"):
+        print(markdown_table(result, metric) + "\n")
+    print(compact_table(result))
+    return 0

@@ -1,0 +1,422 @@
+"""Transformer FFN kernels: ``out = act(x·W_gateᵀ) ∘ (x·W_upᵀ) · W_downᵀ`` (SwiGLU) or
+``out = act(x·W1ᵀ) · W_downᵀ`` (GELU/SiLU/ReLU), weights in ``nn.Linear`` layout.
+
+Notation: M tokens, ``hidden`` (GEMM0's K, GEMM1's N), ``inter`` (GEMM0's N, GEMM1's K), e the
+element size. Weight bytes W = (2 if gated else 1)·inter·hidden·e + hidden·inter·e (Llama-3-8B:
+352 MB); FLOPs 2·M·W/e.
+
+Two regimes (the op module picks; see :mod:`flashflow.ops.mlp`): decode, M ≤ 64, lives in
+:mod:`flashflow.kernels.ffn` (weights stream once, the intermediate stays on chip). This module
+holds the prefill regime: ``mlp_persistent_kernel`` runs GEMM0 and GEMM1 as ticketed tiles of
+one persistent launch, ordered by a policy, synchronised by per-row-block counters.
+
+Baselines for the bench share the tile code: ``mlp_gemm0_kernel`` / ``mlp_gemm1_kernel`` (two
+kernels in sequence, or a CuSync-style producer/consumer pair on two streams with flags).
+
+Synchronisation words (one int32 ``SYNC`` buffer, zero before a launch and left zero after it):
+
+=========================  ===================================================================
+``SYNC[0]``                ticket counter
+``SYNC[1]``                programs done
+``SYNC[2]``                error flag: a bounded spin ran out (debug; never reset by kernels)
+``SYNC[8 : 8+2·1024]``     fence scratch, one word per thread (every other word)
+``SYNC[CNT_OFF + 2r + p]`` GEMM0 tiles finished in row-block r (part p: halfrow's two halves)
+``SYNC[flag_off + r·n1 + c]``  halfrow: first K-half of GEMM1 tile (r, c) is in the partials
+=========================  ===================================================================
+
+Memory ordering (PTX model, ``scope="gpu"``)
+--------------------------------------------
+*Producer* (a GEMM0 tile, halfrow's first GEMM1 part, the two-stream producer): its threads
+store the tile, then **every thread** issues one release atomic of its own on a private scratch
+word (in SASS a fence that waits until that thread's stores are performed at GPU scope), then a
+CTA barrier (``tl.debug_barrier``) so all of the CTA's stores precede the next step, then one
+scalar ``tl.atomic_add(counter, 1, sem="release", scope="gpu")``. The barrier plus the single
+release is the textbook pattern (the release is cumulative over what the barrier ordered before
+it); the per-thread release costs one atomic per thread per tile and makes the argument not
+depend on that cumulativity.
+
+*Consumer*: spins on ``tl.load(counter, volatile=True)`` (relaxed, no fence per iteration; a
+scalar acquire spin would cost a barrier and a shared-memory broadcast per iteration), then
+**every thread** does one ``tl.atomic_add(counter, 0, sem="acquire", scope="gpu")`` and checks
+the value it read, so each thread's later loads of the producer's data are ordered after the
+producer's release without relying on a barrier to carry one thread's acquire to the others.
+
+Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
+counter): every other program has then passed all its waits and signals, and the next launch
+(or CUDA-graph replay) is stream-ordered after this one, so neither a reset kernel nor an epoch
+argument is needed (an epoch passed as an argument would be frozen into a captured graph).
+"""
+import triton
+import triton.language as tl
+
+# SYNC layout (keep in step with flashflow.ops.mlp)
+SYNC_TICKET, SYNC_DONE, SYNC_ERR, SYNC_FENCE = 0, 1, 2, 8
+MAX_THREADS = 1024
+CNT_OFF = SYNC_FENCE + 2 * MAX_THREADS
+
+# ticket policies (constexpr codes); "rowblock" is multirow with one row per group
+SEQUENTIAL, MULTIROW, HALFROW = 0, 1, 2
+
+# the same numbers as compile-time constants for the @triton.jit code
+_TICKET = tl.constexpr(SYNC_TICKET)
+_DONE = tl.constexpr(SYNC_DONE)
+_ERR = tl.constexpr(SYNC_ERR)
+_FENCE = tl.constexpr(SYNC_FENCE)
+_CNT_OFF = tl.constexpr(CNT_OFF)
+_SEQUENTIAL = tl.constexpr(SEQUENTIAL)
+_MULTIROW = tl.constexpr(MULTIROW)
+_HALFROW = tl.constexpr(HALFROW)
+
+
+# ------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _act(a, ACTIVATION: tl.constexpr):
+    if ACTIVATION == 0:  # silu (SwiGLU's gate too); inf-safe: a / (1 + e^-a)
+        return a / (1.0 + tl.exp(-a))
+    elif ACTIVATION == 1:  # gelu, tanh form: 0.5·a·(1 + tanh(u)) = a·sigmoid(2u)
+        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+        return a / (1.0 + tl.exp(-2.0 * u))
+    else:  # relu
+        return tl.maximum(a, 0.0)
+
+
+@triton.jit
+def _thread_release(SYNC, THREADS: tl.constexpr):
+    """One release atomic per thread on a private word (stride 2: no vectorisation, so every
+    thread of the CTA holds exactly one element and issues it)."""
+    offs = tl.arange(0, THREADS)
+    tl.atomic_add(SYNC + _FENCE + 2 * offs, 0, sem="release", scope="gpu")
+
+
+@triton.jit
+def _signal(SYNC, idx, THREADS: tl.constexpr):
+    """Producer side: the CTA's stores are done; publish them through counter ``SYNC[idx]``."""
+    _thread_release(SYNC, THREADS)
+    tl.debug_barrier()
+    tl.atomic_add(SYNC + idx, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
+    """Consumer side: spin (relaxed) until ``SYNC[idx] >= target``, then acquire per thread.
+
+    ``spin_limit`` > 0 bounds the spin (debug): on running out the error word is set and the
+    program goes on, so a wrong order fails loudly instead of hanging."""
+    v = tl.load(SYNC + idx, volatile=True)
+    spins = 0
+    while (v < target) & ((spin_limit == 0) | (spins < spin_limit)):
+        v = tl.load(SYNC + idx, volatile=True)
+        spins += 1
+    seen = tl.atomic_add(SYNC + idx + tl.zeros([THREADS], dtype=tl.int32), 0, sem="acquire", scope="gpu")
+    short = tl.sum((seen < target).to(tl.int32), axis=0)
+    if short > 0:
+        tl.atomic_xchg(SYNC + _ERR, 1)
+
+
+@triton.jit
+def _grouped_tile(t, tiles_m, tiles_n, group_rows):
+    """Tile ``t`` of a (tiles_m × tiles_n) grid walked in groups of ``group_rows`` row-blocks,
+    column-major inside a group: consecutive tiles share a weight column (L2 reuse) and rows of
+    one group finish together."""
+    g = t // (group_rows * tiles_n)
+    rows_g = tl.minimum(group_rows, tiles_m - g * group_rows)
+    local = t - g * group_rows * tiles_n
+    return g * group_rows + local % rows_g, local // rows_g
+
+
+@triton.jit
+def ticket_to_tile(t, tiles_m, n0, n1, group_rows, half, POLICY: tl.constexpr):
+    """Ticket -> (kind, row-block r, column j, part); kind 0 = GEMM0 tile (r, j) of the
+    intermediate, kind 1 = GEMM1 tile (r, j) of the output. Every tile a ticket depends on has a
+    smaller ticket (the op module's ``issue_order`` spells the same orders out in Python).
+
+    * SEQUENTIAL: all GEMM0 tiles, then all GEMM1 tiles; each phase in groups of
+      ``group_rows`` row-blocks, column-major inside a group.
+    * MULTIROW: per group of ``group_rows`` row-blocks, their GEMM0 tiles then their GEMM1
+      tiles, both column-major inside the group (``group_rows`` = 1 is "rowblock").
+    * HALFROW: per row-block, GEMM0 columns [0, half) (part 0); GEMM1 over K-part 0 (the
+      intermediate those columns hold); GEMM0 columns [half, n0) (part 1); GEMM1 over K-part 1,
+      which adds the part-0 partial sums. GEMM1 starts after half a row of GEMM0.
+    """
+    if POLICY == _SEQUENTIAL:
+        total0 = tiles_m * n0
+        is_g1 = t >= total0
+        u = tl.where(is_g1, t - total0, t)
+        r, j = _grouped_tile(u, tiles_m, tl.where(is_g1, n1, n0), group_rows)
+        kind = is_g1.to(tl.int32)
+        part = t * 0
+    elif POLICY == _MULTIROW:
+        per_group = group_rows * (n0 + n1)
+        g = t // per_group
+        rows_g = tl.minimum(group_rows, tiles_m - g * group_rows)
+        local = t - g * per_group
+        is_g1 = local >= rows_g * n0
+        u = tl.where(is_g1, local - rows_g * n0, local)
+        r = g * group_rows + u % rows_g
+        j = u // rows_g
+        kind = is_g1.to(tl.int32)
+        part = t * 0
+    else:
+        per = n0 + 2 * n1
+        r = t // per
+        u = t - r * per
+        in_b = (u >= half) & (u < half + n1)     # GEMM1, K-part 0
+        in_c = (u >= half + n1) & (u < n0 + n1)  # GEMM0, columns [half, n0)
+        in_d = u >= n0 + n1                      # GEMM1, K-part 1
+        kind = (in_b | in_d).to(tl.int32)
+        part = (in_c | in_d).to(tl.int32)
+        j = tl.where(in_b, u - half, tl.where(in_c, u - n1, tl.where(in_d, u - n0 - n1, u)))
+    return kind, r, j, part
+
+
+@triton.jit
+def mlp_ticket_map_kernel(OUT, total, tiles_m, n0, n1, group_rows, half, POLICY: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """Writes ``ticket_to_tile`` of tickets [0, total) as rows (kind, r, j, part) (tests)."""
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < total
+    kind, r, j, part = ticket_to_tile(tl.minimum(t, total - 1), tiles_m, n0, n1, group_rows, half, POLICY)
+    tl.store(OUT + 4 * t, kind, mask=ok)
+    tl.store(OUT + 4 * t + 1, r, mask=ok)
+    tl.store(OUT + 4 * t + 2, j, mask=ok)
+    tl.store(OUT + 4 * t + 3, part, mask=ok)
+
+
+@triton.jit
+def _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
+                BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_K: tl.constexpr,
+                GATED: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """H[r-block, j-block] = act(x·W_gateᵀ) ∘ (x·W_upᵀ) (or act(x·W1ᵀ)), rounded to H's dtype.
+
+    Reads BLOCK_M·hidden of x and (2 if gated else 1)·BLOCK_N0·hidden of W1; writes
+    BLOCK_M·BLOCK_N0 of H. Gate row i and up row i + inter are two loads and two dots."""
+    offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = j * BLOCK_N0 + tl.arange(0, BLOCK_N0)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < inter
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    wg_ptrs = W1 + offs_n[:, None].to(tl.int64) * stride_w1 + offs_k[None, :]
+    wu_ptrs = wg_ptrs + inter.to(tl.int64) * stride_w1
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N0], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N0], dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k_ok = offs_k < hidden - k0
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(wg_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc_g = tl.dot(x, wg.T, acc_g, input_precision=DOT_PRECISION)
+        if GATED:
+            wu = tl.load(wu_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_u = tl.dot(x, wu.T, acc_u, input_precision=DOT_PRECISION)
+        x_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K
+        wu_ptrs += BLOCK_K
+    if GATED:
+        h = _act(acc_g, ACTIVATION) * acc_u
+    else:
+        h = _act(acc_g, ACTIVATION)
+    h_ptrs = H + offs_m[:, None].to(tl.int64) * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(H.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _gemm1_tile(H, W2, r, c, k_lo, k_hi, M, hidden, stride_hm, stride_w2,
+                BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N1) = H[r-block, k_lo:k_hi]·W_down[c-block, k_lo:k_hi]ᵀ."""
+    offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = c * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < hidden
+    h_ptrs = H + offs_m[:, None].to(tl.int64) * stride_hm + (k_lo + offs_k)[None, :]
+    w_ptrs = W2 + offs_n[:, None].to(tl.int64) * stride_w2 + (k_lo + offs_k)[None, :]
+    acc = tl.zeros([BLOCK_M, BLOCK_N1], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_ok = offs_k < k_hi - k0
+        hh = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(hh, w.T, acc, input_precision=DOT_PRECISION)
+        h_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    return acc
+
+
+@triton.jit
+def _store_tile(OUT, acc, r, c, M, N, stride_om, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = c * BLOCK_N + tl.arange(0, BLOCK_N)
+    ptrs = OUT + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(ptrs, acc.to(OUT.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _reset(SYNC, start, count, BLOCK: tl.constexpr):
+    for o in range(0, count, BLOCK):
+        offs = o + tl.arange(0, BLOCK)
+        tl.store(SYNC + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < count)
+
+
+# ------------------------------------------------------------------------------------------
+# prefill regime: one persistent launch, ticketed GEMM0 and GEMM1 tiles
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def mlp_persistent_kernel(
+    X, W1, W2, H, OUT, PART, SYNC,
+    M, hidden, inter,
+    stride_xm, stride_w1, stride_w2, stride_hm, stride_om,
+    tiles_m, n0, n1, group_rows, half, flag_off, spin_limit,
+    POLICY: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, THREADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Prefill FFN: GEMM0 and GEMM1 as tiles of one persistent launch.
+
+    Tiling: GEMM0 tiles (BLOCK_M × BLOCK_N0 of the intermediate H, gate and up both when gated),
+    GEMM1 tiles (BLOCK_M × BLOCK_N1 of the output, K = the intermediate). A program loops:
+    take ticket t = atomic_add(SYNC[0], 1); stop when t ≥ total; map t to a tile with
+    ``ticket_to_tile(POLICY)``; run it:
+
+    * GEMM0 tile (r, j): H[r, j] = act(...) (H is M × inter in device memory, mostly L2 hits
+      for its consumers), then ``_signal`` on the row-block counter SYNC[CNT_OFF + 2r + part].
+    * GEMM1 tile (r, c[, part]): ``_wait`` until the row-block counter holds every GEMM0 tile
+      of its K range (the whole row, or halfrow's half), then stream H[r, K-range] and
+      W_down[c, K-range]. Halfrow: part 0 stores fp32 partials to PART and signals flag
+      (r, c); part 1 waits on that flag, adds the partials and stores OUT.
+
+    Deadlock freedom: tickets are taken in increasing order and every tile a ticket waits on
+    has a smaller ticket, so it was taken by a program that is already running and that
+    itself waits only on smaller tickets — by induction the smallest unfinished ticket always
+    makes progress, whatever the number of programs or SMs, co-resident or not (the op keeps
+    the grid ≤ SMs × occupancy only so that no program idles waiting for an SM). In Triton's
+    interpreter, where programs run one after another, program 0 runs every tile in ticket
+    order and never waits.
+
+    Bytes: x, W_gate_up, W_down once if every GEMM's operands stayed in L2; in practice each
+    row-group of GEMM0 re-streams W_gate_up and each row-group of GEMM1 re-streams W_down
+    (``group_rows`` row-blocks share one pass), plus H written once and read once per GEMM1
+    column-block (L2), halfrow's fp32 partials (2·M·hidden·4 bytes). FLOPs 2·M·W/e.
+    """
+    if POLICY == _HALFROW:
+        total = tiles_m * (n0 + 2 * n1)
+    else:
+        total = tiles_m * (n0 + n1)
+    t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
+    while t < total:
+        kind, r, j, part = ticket_to_tile(t, tiles_m, n0, n1, group_rows, half, POLICY)
+        cnt = _CNT_OFF + 2 * r + part
+        if kind == 0:
+            _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
+                        BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION)
+            _signal(SYNC, cnt, THREADS)
+        else:
+            if POLICY == _HALFROW:
+                k_split = tl.minimum(half * BLOCK_N0, inter)
+                k_lo = tl.where(part == 0, 0, k_split)
+                k_hi = tl.where(part == 0, k_split, inter)
+                expected = tl.where(part == 0, half, n0 - half)
+            else:
+                k_lo = 0
+                k_hi = inter
+                expected = n0
+            _wait(SYNC, cnt, expected, spin_limit, THREADS)
+            acc = _gemm1_tile(H, W2, r, j, k_lo, k_hi, M, hidden, stride_hm, stride_w2,
+                              BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION)
+            if POLICY == _HALFROW:
+                offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+                offs_n = j * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+                p_ptrs = PART + offs_m[:, None].to(tl.int64) * hidden + offs_n[None, :]
+                p_mask = (offs_m < M)[:, None] & (offs_n < hidden)[None, :]
+                flag = flag_off + r * n1 + j
+                if part == 0:
+                    tl.store(p_ptrs, acc, mask=p_mask)
+                    _signal(SYNC, flag, THREADS)
+                else:
+                    _wait(SYNC, flag, 1, spin_limit, THREADS)
+                    acc += tl.load(p_ptrs, mask=p_mask, other=0.0, cache_modifier=".cg")
+                    _store_tile(OUT, acc, r, j, M, hidden, stride_om, BLOCK_M, BLOCK_N1)
+            else:
+                _store_tile(OUT, acc, r, j, M, hidden, stride_om, BLOCK_M, BLOCK_N1)
+        t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
+
+    # the last program out resets the counters for the next launch
+    _thread_release(SYNC, THREADS)
+    tl.debug_barrier()
+    done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        if POLICY == _HALFROW:
+            _reset(SYNC, _CNT_OFF, flag_off - _CNT_OFF + tiles_m * n1, 1024)
+        else:
+            _reset(SYNC, _CNT_OFF, 2 * tiles_m, 1024)
+        tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
+
+
+# ------------------------------------------------------------------------------------------
+# baselines: two kernels in sequence, or a producer/consumer pair on two streams
+# ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def mlp_gemm0_kernel(
+    X, W1, H, SYNC,
+    M, hidden, inter, stride_xm, stride_w1, stride_hm,
+    tiles_m, n0, group_rows,
+    SIGNAL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_K: tl.constexpr,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, THREADS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """GEMM0 + activation alone: one program per tile, grouped order (``group_rows``
+    row-blocks, column-major inside). With SIGNAL, each tile also bumps its row-block's counter
+    (the producer of the two-stream baseline). Bytes: as GEMM0 in the persistent kernel."""
+    r, j = _grouped_tile(tl.program_id(0), tiles_m, n0, group_rows)
+    _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
+                BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION)
+    if SIGNAL:
+        _signal(SYNC, _CNT_OFF + 2 * r, THREADS)
+
+
+@triton.jit
+def mlp_gemm1_kernel(
+    H, W2, OUT, SYNC,
+    M, hidden, inter, stride_hm, stride_w2, stride_om,
+    tiles_m, n0, n1, group_rows, spin_limit,
+    WAIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
+    THREADS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """GEMM1 alone. Without WAIT: one program per tile, grouped order. With WAIT (the consumer
+    of the two-stream baseline): persistent, tiles by ticket in grouped order, each waits for
+    its row-block's n0 GEMM0 tiles; the last program resets the counters. The op launches at
+    most SMs − 16 consumer programs, so the producer always has SMs to finish on (CuSync
+    instead orders the two kernels' starts with a wait kernel)."""
+    if WAIT:
+        total = tiles_m * n1
+        t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
+        while t < total:
+            r, c = _grouped_tile(t, tiles_m, n1, group_rows)
+            _wait(SYNC, _CNT_OFF + 2 * r, n0, spin_limit, THREADS)
+            acc = _gemm1_tile(H, W2, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
+                              BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION)
+            _store_tile(OUT, acc, r, c, M, hidden, stride_om, BLOCK_M, BLOCK_N1)
+            t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
+        _thread_release(SYNC, THREADS)
+        tl.debug_barrier()
+        done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:
+            _reset(SYNC, _CNT_OFF, 2 * tiles_m, 1024)
+            tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
+    else:
+        r, c = _grouped_tile(tl.program_id(0), tiles_m, n1, group_rows)
+        acc = _gemm1_tile(H, W2, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
+                          BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION)
+        _store_tile(OUT, acc, r, c, M, hidden, stride_om, BLOCK_M, BLOCK_N1)

@@ -1,0 +1,521 @@
+"""Fused transformer FFN (`fused_mlp`): validation, config, launch, custom-op registration.
+
+``fused_mlp(x, w_gate_up, w_down, activation, policy)`` computes, with weights as ``nn.Linear``
+stores them,
+
+* ``"swiglu"``: ``(silu(x·gateᵀ) ∘ x·upᵀ)·w_downᵀ`` with ``w_gate_up = cat([gate, up])``,
+  shape ``(2·intermediate, hidden)``;
+* ``"gelu"`` (tanh approximation, as GPT-2), ``"silu"``, ``"relu"``: ``act(x·w_gate_upᵀ)·w_downᵀ``
+  with ``w_gate_up`` = fc1's weight ``(intermediate, hidden)``;
+
+``w_down`` is ``(hidden, intermediate)``. Kernels in :mod:`flashflow.kernels.ffn` (decode) and
+:mod:`flashflow.kernels.mlp` (prefill):
+
+* decode, M ≤ 64 tokens (``policy="splitk"``): each program computes a slice of the
+  intermediate and multiplies it straight into fp32 output partials (split-K over the
+  intermediate, atomic adds); once every program has arrived, the last few (by id) read the
+  sums with atomic exchanges and cast. Weights are read once; the intermediate stays on chip.
+* prefill (``"sequential" | "rowblock" | "multirow[:R]" | "halfrow"``): a persistent kernel
+  whose programs take GEMM0 and GEMM1 tiles from a ticket counter in a dependency-respecting
+  order; GEMM1 tiles wait on per-row-block counters that GEMM0 tiles release.
+
+``"auto"`` picks split-K for M ≤ 64, halfrow for at most two row-blocks, multirow:8 otherwise.
+
+Baselines for the bench (same tile code): :func:`mlp_two_kernels` (GEMM0+act, then GEMM1) and
+:func:`mlp_two_streams` (CuSync-style: producer and consumer kernels on two streams, flags).
+
+State: a :class:`MlpWorkspace` (one zeroed int32 buffer: counters, and the split-K fp32
+accumulator) that every kernel leaves zeroed again, so one workspace serves back-to-back calls
+and CUDA-graph replays with no reset launch. Without one, each call allocates a zeroed buffer
+(one small memset). Use one workspace per stream.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQUENTIAL, SYNC_ERR,
+                                   mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
+from flashflow.ops.ffn import decode_config, launch_decode
+from flashflow.reference.mlp import ACTIVATIONS
+from flashflow.tuning import interpreting
+
+DECODE_MAX_M = 64
+POLICIES = ("auto", "splitk", "sequential", "rowblock", "multirow", "halfrow")
+DEFAULT_GROUP_ROWS = 8
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ACT_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
+_POLICY_CODE = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULTIROW, "halfrow": HALFROW}
+ACC_OFF = -(-CNT_OFF // 64) * 64   # split-K accumulator, 256-byte aligned, after the fixed words
+
+# Bounded spins (debug): FLASHFLOW_MLP_SPIN_LIMIT=N makes a wait give up after N polls, set the
+# error word, and the op raise. 0 = unbounded (production). The interpreter always bounds.
+_SPIN_LIMIT = int(os.environ.get("FLASHFLOW_MLP_SPIN_LIMIT", "0"))
+_INTERPRETER_SPIN_LIMIT = 5000
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    BLOCK_I: int        # intermediate columns per program
+    BLOCK_K: int        # GEMM0 step over hidden
+    BLOCK_N: int        # GEMM1 step over hidden (output columns)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PersistentConfig:
+    BLOCK_M: int
+    BLOCK_N0: int       # intermediate columns per GEMM0 tile (gate and up each, when gated)
+    BLOCK_N1: int       # output columns per GEMM1 tile
+    BLOCK_K: int
+    num_warps: int = 8
+    num_stages: int = 3
+    programs_per_sm: int = 1
+    maxnreg: Optional[int] = None   # register cap per thread (to fit programs_per_sm > 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter runs programs one after another; a few are enough
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def splitk_config(m: int, hidden: int, inter: int, device: torch.device) -> SplitKConfig:
+    """The decode kernel's tiles (:func:`flashflow.ops.ffn.decode_config`)."""
+    return SplitKConfig(**decode_config(m, inter, True, device))
+
+
+def persistent_config(gated: bool, device: torch.device) -> PersistentConfig:
+    """H100, Llama-3-8B at M = 1024 (multirow:8): 128×128 GEMM0 tiles (two 128×128 fp32
+    accumulators when gated, ~236 registers, one program per SM) 667 µs; 128×64 gated tiles
+    778 µs, or 704 µs squeezed to 128 registers for two programs per SM."""
+    if device.type != "cuda":
+        return PersistentConfig(BLOCK_M=32, BLOCK_N0=32, BLOCK_N1=32, BLOCK_K=32, num_warps=4,
+                                num_stages=1)
+    return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
+                            num_stages=3)
+
+
+# --------------------------------------------------------------------------------------------
+# tile orders (Python mirror of kernels.mlp.ticket_to_tile, for tests, docs and the bench)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_policy(policy) -> tuple[str, int]:
+    """``"multirow:4"`` -> ("multirow", 4); other names get their group size (rows sharing one
+    pass over the weights). Raises ValueError naming the accepted forms."""
+    if not isinstance(policy, str):
+        raise TypeError(f"policy must be a str, one of {POLICIES} or 'multirow:R', got {type(policy).__name__}")
+    name, sep, arg = policy.partition(":")
+    if name not in POLICIES or (sep and name != "multirow"):
+        raise ValueError(f"policy must be one of {POLICIES} or 'multirow:R' (R ≥ 1 row-blocks), got {policy!r}")
+    if sep:
+        try:
+            rows = int(arg)
+        except ValueError:
+            rows = 0
+        if rows < 1:
+            raise ValueError(f"policy 'multirow:R' needs an integer R ≥ 1, got {policy!r}")
+        return name, rows
+    return name, {"rowblock": 1, "halfrow": 1}.get(name, DEFAULT_GROUP_ROWS)
+
+
+def _grouped(tiles_m: int, tiles_n: int, group_rows: int, first_row: int = 0, rows: Optional[int] = None):
+    rows = tiles_m - first_row if rows is None else rows
+    out = []
+    for g0 in range(first_row, first_row + rows, group_rows):
+        block = range(g0, min(g0 + group_rows, first_row + rows))
+        out += [(r, j) for j in range(tiles_n) for r in block]
+    return out
+
+
+def issue_order(policy: str, tiles_m: int, n0: int, n1: int, group_rows: int = 1) -> list[tuple[int, int, int, int]]:
+    """Tiles in ticket order as (kind, r, j, part): kind 0 = GEMM0 tile (row-block r,
+    intermediate block j), kind 1 = GEMM1 tile (r, output block j); part = halfrow's half."""
+    half = _cdiv(n0, 2)
+    if policy == "sequential":
+        return ([(0, r, j, 0) for r, j in _grouped(tiles_m, n0, group_rows)]
+                + [(1, r, j, 0) for r, j in _grouped(tiles_m, n1, group_rows)])
+    if policy in ("multirow", "rowblock"):
+        group_rows = 1 if policy == "rowblock" else group_rows
+        out = []
+        for g0 in range(0, tiles_m, group_rows):
+            rows = min(group_rows, tiles_m - g0)
+            out += [(0, r, j, 0) for r, j in _grouped(tiles_m, n0, rows, g0, rows)]
+            out += [(1, r, j, 0) for r, j in _grouped(tiles_m, n1, rows, g0, rows)]
+        return out
+    if policy == "halfrow":
+        out = []
+        for r in range(tiles_m):
+            out += [(0, r, j, 0) for j in range(half)] + [(1, r, c, 0) for c in range(n1)]
+            out += [(0, r, j, 1) for j in range(half, n0)] + [(1, r, c, 1) for c in range(n1)]
+        return out
+    raise ValueError(f"no tile order for policy {policy!r}")
+
+
+def dependency_violations(order, n0: int, halfrow: bool) -> list[str]:
+    """Every dependency of a tile must have a smaller ticket (the deadlock-freedom rule)."""
+    half = _cdiv(n0, 2)
+    seen, bad = set(), []
+    for t, (kind, r, j, part) in enumerate(order):
+        if kind == 1:
+            cols = range(n0) if not halfrow else (range(half) if part == 0 else range(half, n0))
+            needs = [(0, r, jj, int(halfrow and jj >= half)) for jj in cols]
+            if halfrow and part == 1:
+                needs.append((1, r, j, 0))
+            bad += [f"ticket {t} {order[t]} waits on {d}, not issued before" for d in needs if d not in seen]
+        seen.add((kind, r, j, part))
+    return bad
+
+
+# --------------------------------------------------------------------------------------------
+# workspace
+# --------------------------------------------------------------------------------------------
+
+
+def sync_words(m: int, hidden: int, cfg: PersistentConfig) -> int:
+    """Int32 words the persistent kernel needs: fixed words, 2 counters per row-block and
+    (halfrow) a flag per GEMM1 tile."""
+    tiles_m = _cdiv(m, cfg.BLOCK_M)
+    return CNT_OFF + 2 * tiles_m + tiles_m * _cdiv(hidden, cfg.BLOCK_N1)
+
+
+class MlpWorkspace:
+    """Zeroed scratch for :func:`fused_mlp`, reusable across calls and CUDA-graph replays.
+
+    One int32 buffer: ticket/arrival counters, per-row-block counters and (for M ≤ 64) the
+    fp32 split-K accumulator; every kernel leaves what it used zeroed. Calls that share a
+    workspace must be ordered (one stream). If a launch is aborted, call :meth:`reset`.
+    """
+
+    def __init__(self, hidden: int, max_tokens: int = DECODE_MAX_M, device="cuda"):
+        if not isinstance(hidden, int) or hidden < 1:
+            raise ValueError(f"hidden must be a positive int, got {hidden!r}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+        self.hidden, self.max_tokens = hidden, max_tokens
+        smallest = PersistentConfig(BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16)
+        words = max(ACC_OFF + min(max_tokens, DECODE_MAX_M) * hidden, sync_words(max_tokens, hidden, smallest))
+        self.buffer = torch.zeros(words, dtype=torch.int32, device=device)
+
+    def reset(self) -> None:
+        self.buffer.zero_()
+
+    def __repr__(self) -> str:
+        return (f"MlpWorkspace(hidden={self.hidden}, max_tokens={self.max_tokens}, "
+                f"device={self.buffer.device}, {self.buffer.numel() * 4} bytes)")
+
+
+def _buffer(workspace: Optional[MlpWorkspace], words: int, device) -> torch.Tensor:
+    if workspace is None:
+        return torch.zeros(words, dtype=torch.int32, device=device)
+    if not isinstance(workspace, MlpWorkspace):
+        raise TypeError(f"workspace must be a flashflow MlpWorkspace or None, got {type(workspace).__name__}")
+    if workspace.buffer.device != device:
+        raise ValueError(f"workspace is on {workspace.buffer.device}, the inputs on {device}")
+    if workspace.buffer.numel() < words:
+        raise ValueError(f"workspace holds {workspace.buffer.numel()} words, this call needs {words}: "
+                         f"make it with MlpWorkspace(hidden, max_tokens ≥ this call's tokens)")
+    return workspace.buffer
+
+
+def _spin_limit(device) -> int:
+    return _INTERPRETER_SPIN_LIMIT if device.type != "cuda" else _SPIN_LIMIT
+
+
+def _check_error(buf: torch.Tensor, spin_limit: int) -> None:
+    """With bounded spins, a wait that ran out set SYNC_ERR: raise (syncs; debug mode only)."""
+    if spin_limit <= 0 or (buf.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    if int(buf[SYNC_ERR]) != 0:
+        buf.zero_()
+        raise RuntimeError("fused_mlp: a dependency wait ran out of spins (tile order bug or a hang); "
+                           "the workspace was reset")
+
+
+# --------------------------------------------------------------------------------------------
+# validation (shape/dtype only: safe under torch.compile tracing)
+# --------------------------------------------------------------------------------------------
+
+
+def _check(x, w_gate_up, w_down, activation) -> None:
+    for name, t, form in (("x", x, "(..., hidden)"), ("w_gate_up", w_gate_up, "(rows, hidden)"),
+                          ("w_down", w_down, "(hidden, intermediate)")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+    if not (x.dtype == w_gate_up.dtype == w_down.dtype):
+        raise TypeError(f"x, w_gate_up, w_down must share one dtype, got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
+    if not (x.device == w_gate_up.device == w_down.device):
+        raise ValueError(f"x, w_gate_up, w_down must be on one device, got {x.device}, {w_gate_up.device}, "
+                         f"{w_down.device}")
+    if x.device.type != "cuda" and not interpreting():
+        raise ValueError(f"flashflow's fused_mlp runs on CUDA tensors; got x on {x.device} "
+                         "(or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)")
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"x must have shape (..., hidden) with hidden ≥ 1, got {tuple(x.shape)}")
+    if w_gate_up.dim() != 2:
+        raise ValueError(f"w_gate_up must be 2-D (rows, hidden), got shape {tuple(w_gate_up.shape)}")
+    if w_down.dim() != 2 or w_down.shape[1] < 1:
+        raise ValueError(f"w_down must be 2-D (hidden, intermediate) with intermediate ≥ 1, "
+                         f"got shape {tuple(w_down.shape)}")
+    hidden = x.shape[-1]
+    if w_down.shape[0] != hidden:
+        raise ValueError(f"w_down must be (hidden, intermediate) = ({hidden}, ...) for x of shape "
+                         f"{tuple(x.shape)}, got {tuple(w_down.shape)}")
+    inter = w_down.shape[1]
+    rows = 2 * inter if activation == "swiglu" else inter
+    if tuple(w_gate_up.shape) != (rows, hidden):
+        form = ("(2·intermediate, hidden) = cat([gate_proj.weight, up_proj.weight])" if activation == "swiglu"
+                else "(intermediate, hidden) = fc1.weight")
+        raise ValueError(f"w_gate_up must be {form} = {(rows, hidden)} for activation {activation!r}, "
+                         f"hidden {hidden} and intermediate {inter} (from w_down), got {tuple(w_gate_up.shape)}")
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _dot_precision(dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None) -> tuple[str, int]:
+    """(policy, group_rows) that ``policy`` runs as for M = ``m`` tokens ("auto" resolved)."""
+    name, rows = parse_policy(policy)
+    if name != "auto":
+        return name, rows
+    if m <= DECODE_MAX_M:
+        return "splitk", 1
+    tiles_m = _cdiv(m, (cfg.BLOCK_M if cfg else 128))
+    return ("halfrow", 1) if tiles_m <= 2 else ("multirow", DEFAULT_GROUP_ROWS)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers (validated inputs: x2 is (M, hidden) with unit last stride)
+# --------------------------------------------------------------------------------------------
+
+
+def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[SplitKConfig] = None):
+    """Decode regime (M ≤ 64): :func:`flashflow.ops.ffn.launch_decode` on the workspace's fp32
+    accumulator (one main launch, one tiny cast launch; the accumulator is left zeroed)."""
+    m, hidden = x2.shape
+    if m > DECODE_MAX_M:
+        raise ValueError(f"policy 'splitk' is the decode kernel, for M ≤ {DECODE_MAX_M} tokens; got M={m}")
+    buf = _buffer(workspace, ACC_OFF + m * hidden, x2.device)
+    acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
+    cfg = None if config is None else {k: getattr(config, k) for k in SplitKConfig.__dataclass_fields__}
+    return launch_decode(x2, w1, w2, activation, acc, cfg)
+
+
+def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFAULT_GROUP_ROWS,
+                      workspace=None, config: Optional[PersistentConfig] = None,
+                      num_programs: Optional[int] = None):
+    m, hidden = x2.shape
+    inter = w2.shape[1]
+    gated = activation == "swiglu"
+    cfg = config or persistent_config(gated, x2.device)
+    out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return out
+    tiles_m, n0, n1 = _cdiv(m, cfg.BLOCK_M), _cdiv(inter, cfg.BLOCK_N0), _cdiv(hidden, cfg.BLOCK_N1)
+    if policy == "halfrow" and n0 < 2:
+        policy = "rowblock"  # one intermediate block: nothing to halve
+    group_rows = 1 if policy in ("rowblock", "halfrow") else max(1, group_rows)
+    code = _POLICY_CODE[policy]
+    halfrow = code == HALFROW
+    total = tiles_m * (n0 + (2 if halfrow else 1) * n1)
+    buf = _buffer(workspace, sync_words(m, hidden, cfg), x2.device)
+    h = torch.empty((m, inter), dtype=x2.dtype, device=x2.device)
+    part = torch.empty((m, hidden), dtype=torch.float32, device=x2.device) if halfrow else out
+    programs = num_programs or num_sms(x2.device) * cfg.programs_per_sm
+    programs = max(1, min(programs, total))
+    threads = cfg.num_warps * 32
+    assert threads <= MAX_THREADS and cfg.BLOCK_N0 % cfg.BLOCK_K == 0
+    spin = _spin_limit(x2.device)
+    mlp_persistent_kernel[(programs,)](
+        x2, w1, w2, h, out, part, buf, m, hidden, inter,
+        x2.stride(0), w1.stride(0), w2.stride(0), h.stride(0), out.stride(0),
+        tiles_m, n0, n1, group_rows, _cdiv(n0, 2), CNT_OFF + 2 * tiles_m, spin,
+        POLICY=code, BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_N1=cfg.BLOCK_N1,
+        BLOCK_K=cfg.BLOCK_K, GATED=gated, ACTIVATION=_ACT_CODE[activation], THREADS=threads,
+        DOT_PRECISION=_dot_precision(x2.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x2.is_cuda else {}),
+    )
+    _check_error(buf, spin)
+    return out
+
+
+def _fused_mlp_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
+                    policy: str, workspace: Optional[MlpWorkspace] = None) -> torch.Tensor:
+    cfg = persistent_config(activation == "swiglu", x2.device)
+    name, rows = resolve_policy(policy, x2.shape[0], cfg)
+    if name == "splitk":
+        return launch_splitk(x2, w1, w2, activation, workspace)
+    return launch_persistent(x2, w1, w2, activation, name, rows, workspace, cfg)
+
+
+def _fused_mlp_op_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
+                       policy: str) -> torch.Tensor:
+    return _fused_mlp_impl(x2, w1, w2, activation, policy)
+
+
+_fused_mlp_op = torch.library.custom_op("flashflow::fused_mlp", mutates_args=())(_fused_mlp_op_impl)
+
+
+@_fused_mlp_op.register_fake
+def _(x2, w1, w2, activation, policy):
+    return x2.new_empty((x2.shape[0], x2.shape[1]))
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspace=None):
+    """Transformer FFN in one launch, weights in ``nn.Linear`` layout.
+
+    Args:
+        x: ``(..., hidden)``, bf16/fp16 (fp32 accepted, computed in fp32).
+        w_gate_up: ``"swiglu"``: ``cat([gate_proj.weight, up_proj.weight])``,
+            ``(2·intermediate, hidden)``; otherwise fc1's weight ``(intermediate, hidden)``.
+        w_down: ``(hidden, intermediate)``.
+        activation: ``"swiglu"``, ``"gelu"`` (tanh approximation), ``"silu"`` or ``"relu"``.
+        policy: ``"auto"``; ``"splitk"`` (decode kernel, M ≤ 64); or a persistent-kernel tile
+            order: ``"sequential"``, ``"rowblock"``, ``"multirow"`` / ``"multirow:R"``, ``"halfrow"``.
+        workspace: an :class:`MlpWorkspace` (``max_tokens`` ≥ this call's tokens) to reuse
+            across calls and CUDA-graph replays; None allocates a zeroed one per call.
+    Returns:
+        ``(..., hidden)`` in x's dtype. The intermediate is rounded to x's dtype, as the
+        unfused FFN rounds it; accumulation is fp32.
+    """
+    _check(x, w_gate_up, w_down, activation)
+    m = x.numel() // x.shape[-1]
+    name, _ = resolve_policy(policy, m)
+    if name == "splitk" and m > DECODE_MAX_M:
+        raise ValueError(f"policy 'splitk' is the decode kernel, for at most {DECODE_MAX_M} tokens; "
+                         f"x has {m} (use 'auto' or a persistent policy)")
+    x2, w1, w2 = _rows(x), _unit_last(w_gate_up), _unit_last(w_down)
+    if torch.compiler.is_compiling():
+        if workspace is not None:
+            raise ValueError("workspace is not supported under torch.compile; pass None")
+        out = _fused_mlp_op(x2, w1, w2, activation, policy)
+    else:
+        out = _fused_mlp_impl(x2, w1, w2, activation, policy, workspace)
+    return out.reshape(x.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# baselines (the bench's anchors; same tiles as the persistent kernel)
+# --------------------------------------------------------------------------------------------
+
+
+def _gemm_dims(x2, w2, cfg):
+    m, hidden = x2.shape
+    inter = w2.shape[1]
+    return m, hidden, inter, _cdiv(m, cfg.BLOCK_M), _cdiv(inter, cfg.BLOCK_N0), _cdiv(hidden, cfg.BLOCK_N1)
+
+
+def _launch_gemm0(x2, w1, h, buf, activation, cfg, signal):
+    m, hidden = x2.shape
+    inter = h.shape[1]
+    tiles_m, n0 = _cdiv(m, cfg.BLOCK_M), _cdiv(inter, cfg.BLOCK_N0)
+    mlp_gemm0_kernel[(tiles_m * n0,)](
+        x2, w1, h, buf, m, hidden, inter, x2.stride(0), w1.stride(0), h.stride(0),
+        tiles_m, n0, DEFAULT_GROUP_ROWS, SIGNAL=signal,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_K=cfg.BLOCK_K, GATED=activation == "swiglu",
+        ACTIVATION=_ACT_CODE[activation], THREADS=cfg.num_warps * 32,
+        DOT_PRECISION=_dot_precision(x2.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _launch_gemm1(h, w2, out, buf, cfg, n0, programs=None):
+    m, inter = h.shape
+    hidden = out.shape[1]
+    tiles_m, n1 = _cdiv(m, cfg.BLOCK_M), _cdiv(hidden, cfg.BLOCK_N1)
+    wait = programs is not None
+    mlp_gemm1_kernel[(programs if wait else tiles_m * n1,)](
+        h, w2, out, buf, m, hidden, inter, h.stride(0), w2.stride(0), out.stride(0),
+        tiles_m, n0, n1, DEFAULT_GROUP_ROWS, _spin_limit(h.device), WAIT=wait,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N1=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K, THREADS=cfg.num_warps * 32,
+        DOT_PRECISION=_dot_precision(h.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def mlp_two_kernels(x, w_gate_up, w_down, activation="swiglu", config: Optional[PersistentConfig] = None):
+    """Baseline: GEMM0 + activation, then GEMM1, as two launches (H through device memory)."""
+    _check(x, w_gate_up, w_down, activation)
+    x2, w1, w2 = _rows(x), _unit_last(w_gate_up), _unit_last(w_down)
+    cfg = config or persistent_config(activation == "swiglu", x2.device)
+    m, hidden, inter, _, _, _ = _gemm_dims(x2, w2, cfg)
+    out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
+    if m:
+        h = torch.empty((m, inter), dtype=x2.dtype, device=x2.device)
+        _launch_gemm0(x2, w1, h, x2, activation, cfg, signal=False)
+        _launch_gemm1(h, w2, out, x2, cfg, 0)
+    return out.reshape(x.shape)
+
+
+def mlp_two_streams(x, w_gate_up, w_down, activation="swiglu", workspace=None,
+                    config: Optional[PersistentConfig] = None, consumer_programs: Optional[int] = None):
+    """Baseline, CuSync-style: the GEMM0 kernel (producer, one program per tile) on the current
+    stream bumps per-row-block counters; the GEMM1 kernel (consumer, persistent, tickets in
+    row-group order) runs concurrently on a side stream and waits on them per tile. The
+    consumer gets at most SMs − 16 programs so the producer always has SMs to run on (no
+    deadlock whatever the order in which the hardware starts the two kernels' programs)."""
+    _check(x, w_gate_up, w_down, activation)
+    x2, w1, w2 = _rows(x), _unit_last(w_gate_up), _unit_last(w_down)
+    cfg = config or persistent_config(activation == "swiglu", x2.device)
+    m, hidden, inter, tiles_m, n0, n1 = _gemm_dims(x2, w2, cfg)
+    out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
+    if m == 0:
+        return out.reshape(x.shape)
+    buf = _buffer(workspace, sync_words(m, hidden, cfg), x2.device)
+    h = torch.empty((m, inter), dtype=x2.dtype, device=x2.device)
+    sms = num_sms(x2.device)
+    programs = max(1, min(consumer_programs or max(1, sms - 16), tiles_m * n1))
+    if x2.is_cuda:
+        main = torch.cuda.current_stream(x2.device)
+        side = torch.cuda.Stream(x2.device)
+        side.wait_stream(main)
+        _launch_gemm0(x2, w1, h, buf, activation, cfg, signal=True)
+        with torch.cuda.stream(side):
+            _launch_gemm1(h, w2, out, buf, cfg, n0, programs)
+        main.wait_stream(side)
+        for t in (h, out, buf):
+            t.record_stream(side)
+    else:  # the interpreter has no streams: producer, then consumer
+        _launch_gemm0(x2, w1, h, buf, activation, cfg, signal=True)
+        _launch_gemm1(h, w2, out, buf, cfg, n0, programs)
+        _check_error(buf, _spin_limit(x2.device))
+    return out.reshape(x.shape)
