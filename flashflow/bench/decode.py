@@ -60,7 +60,7 @@ def read_ceiling_tbs() -> float:
     return best
 
 
-def graph_time_ms(fn, steps=GRAPH_STEPS) -> float:
+def graph_time_ms(fn, steps=GRAPH_STEPS, warmup: int = 25, rep: int = 100) -> float:
     """Median time of one call, from CUDA-graph replays of ``steps`` back-to-back calls (what a
     serving loop runs: no launch gaps, no Python in the loop)."""
     import triton
@@ -74,7 +74,9 @@ def graph_time_ms(fn, steps=GRAPH_STEPS) -> float:
     with torch.cuda.graph(g):
         for _ in range(steps):
             fn()
-    return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") / steps
+    ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / steps
+    del g
+    return ms
 
 
 def _eager_time_ms(fn) -> float:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from flashflow.bench.decode import graph_time_ms, read_ceiling_tbs
+
 MODELS = (("llama3-8b", "swiglu", 4096, 14336), ("llama3-70b", "swiglu", 8192, 28672),
           ("gpt3-4096x14336-gelu", "gelu", 4096, 14336))
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -86,36 +88,6 @@ def make_providers(x, w1, w2, activation, names=PROVIDERS) -> dict:
             continue
         table[p] = (lambda p=p: mlp.fused_mlp(x, w1, w2, activation, p, workspace=ws))
     return {n: table[n] for n in names if n in table}
-
-
-def graph_time_ms(fn, steps: int, warmup: int = 5, rep: int = 20) -> float:
-    """Median time of one call, as replays of a CUDA graph of ``steps`` back-to-back calls."""
-    import triton
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(steps):
-            fn()
-    ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / steps
-    del g
-    return ms
-
-
-def read_ceiling_tbs() -> float:
-    """Bytes over time of a large read-only reduction: what a kernel that only reads can reach."""
-    import triton
-
-    x = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)  # 2 GiB
-    t = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=10, rep=50, return_mode="median")
-    tbs = x.numel() * 2 / (t * 1e-3) / 1e12
-    del x
-    torch.cuda.empty_cache()
-    return tbs
 
 
 def steps_for(m: int) -> int:
