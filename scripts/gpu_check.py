@@ -8,30 +8,19 @@ torch.compile(fullgraph=True) and CUDA-graph capture/replay. Exits 1 if any case
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import sys
 import time
 
 import torch
-import triton
+
+from gpu_cases import Cases
 
 import flashflow
 from flashflow.ops.attention import attention_forward
 from flashflow.reference import attention_naive, attention_varlen_naive
 
 TOL = 1e-2
-results = []
-
-
-def rel(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def record(name, err, ok=None):
-    ok = (err <= TOL and math.isfinite(err)) if ok is None else ok
-    results.append({"case": name, "rel_err": err, "ok": ok})
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {err:.2e}", flush=True)
+_cases = Cases(TOL)
+rel, record, results = _cases.rel, _cases.record, _cases.results
 
 
 def dense_case(dtype, b, sq, sk, h, hk, d, causal=False, window=(-1, -1), softcap=0.0, strided=False):
@@ -145,14 +134,7 @@ def main():
     torch.cuda.synchronize()
     record("cuda graph replay", rel(static_out, attention_naive(q.double(), k.double(), v.double(), causal=True)))
 
-    n_fail = sum(not r["ok"] for r in results)
-    print(f"\n{len(results) - n_fail}/{len(results)} GPU correctness cases pass")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "tolerance": TOL, "cases": results}, fh, indent=1)
-    sys.exit(1 if n_fail else 0)
+    _cases.finish("GPU correctness cases", args.json)
 
 
 if __name__ == "__main__":

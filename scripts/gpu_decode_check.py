@@ -6,29 +6,17 @@ Exits 1 if any case fails.
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import sys
-import time
 
 import torch
-import triton
+
+from gpu_cases import Cases
 
 import flashflow
 from flashflow.reference.decode import kvcache_attention_ref, to_ft_k, to_ft_v
 
 TOL = 1e-2
-results = []
-
-
-def rel(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def record(name, err, ok=None):
-    ok = (err <= TOL and math.isfinite(err)) if ok is None else ok
-    results.append({"case": name, "rel_err": err, "ok": ok})
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {err:.2e}", flush=True)
+_cases = Cases(TOL)
+rel, record, results = _cases.rel, _cases.record, _cases.results
 
 
 def case(dtype, lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_new=0, page=None,
@@ -112,14 +100,7 @@ def main():
         case(dtype, [500, 4000], seqlen_q=3, causal=False, heads=16, kv_heads=2, d=64)
         case(dtype, [300, 1000], d=256, heads=8, kv_heads=8, capacity=1024)
         graph_case(dtype)
-    n_fail = sum(not r["ok"] for r in results)
-    print(f"\n{len(results) - n_fail}/{len(results)} decode GPU cases pass")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                       "tolerance": TOL, "cases": results}, fh, indent=1)
-    sys.exit(1 if n_fail else 0)
+    _cases.finish("decode GPU cases", args.json)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import triton
 
 from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
 from flashflow.ops.attention import _cdiv, _next_pow2, _check_common, _check_softcap, _check_window, _sm_count

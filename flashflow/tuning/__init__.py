@@ -53,9 +53,18 @@ def family_entries(name: str, family: str) -> list[dict]:
     return _table(name)[family]
 
 
+def table(name: str) -> dict:
+    """A config table of this folder (``name``.json), parsed once."""
+    return _table(name)
+
+
+def config_from_entry(entry: dict) -> AttentionConfig:
+    """An :class:`AttentionConfig` from a table entry (the match keys are ignored)."""
+    return AttentionConfig(**{k: entry[k] for k in AttentionConfig.__dataclass_fields__ if k in entry})
+
+
 def attention_fwd_config(head_dim_pad: int, causal: bool, family: str) -> AttentionConfig:
     for entry in _table("attention_fwd")[family]:
         if head_dim_pad <= entry["head_dim_max"] and entry["causal"] in (None, causal):
-            kw = {k: entry[k] for k in AttentionConfig.__dataclass_fields__ if k in entry}
-            return AttentionConfig(**kw)
+            return config_from_entry(entry)
     raise ValueError(f"no attention config for head_dim {head_dim_pad} on {family}")

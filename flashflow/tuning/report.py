@@ -10,11 +10,10 @@ import argparse
 import contextlib
 import json
 import sys
-from pathlib import Path
 
-from flashflow.tuning import AttentionConfig, gpu_family, interpreting
+from flashflow.tuning import AttentionConfig, config_from_entry, gpu_family, interpreting
+from flashflow.tuning import table as tuning_table
 
-_TABLE = Path(__file__).with_name("attention_fwd.json")
 
 # A representative launch: several query tiles per head, so the main loop is the one that runs.
 _BATCH, _SEQLEN, _HEADS = 1, 1024, 4
@@ -25,7 +24,7 @@ NO_GPU = ("No CUDA GPU found: registers per thread, spills and shared memory com
 
 def shipped_configs(family: str | None = None) -> list[dict]:
     """Entries of attention_fwd.json in table order, each with its family; all families if None."""
-    table = json.loads(_TABLE.read_text())
+    table = tuning_table("attention_fwd")
     families = [f for f in table if not f.startswith("_")] if family is None else [family]
     unknown = [f for f in families if f not in table]
     if unknown:
@@ -34,8 +33,7 @@ def shipped_configs(family: str | None = None) -> list[dict]:
     return [{"family": f, **entry} for f in families for entry in table[f]]
 
 
-def _config(entry: dict) -> AttentionConfig:
-    return AttentionConfig(**{k: entry[k] for k in AttentionConfig.__dataclass_fields__ if k in entry})
+_config = config_from_entry
 
 
 def _config_row(entry: dict, causal, variant) -> dict:
