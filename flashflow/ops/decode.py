@@ -194,7 +194,7 @@ class DecodePlan:
             # that lookup (H100: 0.79× -> 0.98× of contiguous at 16×16k, page 64)
             cfg = DecodeConfig(BLOCK_N=min(64, cfg.BLOCK_N), num_warps=4, num_stages=5)
         block_n = cfg.BLOCK_N
-        if layout == 1 and 16 <= page < block_n and page & (page - 1) == 0:
+        if layout == 1 and not self.config_given and 16 <= page < block_n and page & (page - 1) == 0:
             block_n = page  # tiles never straddle a page: one table lookup per tile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,

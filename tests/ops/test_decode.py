@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import flashflow
-from flashflow.ops.decode import DecodePlan, num_splits_heuristic
+from flashflow.ops.decode import DecodeConfig, DecodePlan, num_splits_heuristic
 from flashflow.reference.decode import (kvcache_attention_ref, merge_attention_states_ref, to_ft_k,
                                         to_ft_v)
 from flashflow.tuning import interpreting
@@ -31,7 +31,7 @@ def make_cache(batch, capacity, kv_heads, d, page=None, dtype=torch.float16):
 
 
 def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0, page=None, causal=True,
-             window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16):
+             window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16, config=None):
     batch = len(lens)
     k_cache, v_cache, table = make_cache(batch, capacity, kv_heads, d, page, dtype)
     if kv_layout == "FT":
@@ -44,9 +44,12 @@ def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), seqlens, table, causal=causal, window_size=window,
         softcap=softcap, kv_layout=kv_layout)
+    plan = None if config is None else DecodePlan(batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q,
+                                                  device=DEVICE, num_splits=num_splits, config=config)
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=causal,
-        window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True, kv_layout=kv_layout)
+        window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True, kv_layout=kv_layout,
+        plan=plan)
     assert torch.isfinite(out).all()
     assert rel(out, ref) < TOL, rel(out, ref)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
@@ -65,6 +68,13 @@ def test_ragged_lengths(num_splits):
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_paged_shuffled(page, num_splits):
     run_case([5, 300, 1000], page=page, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("seqlen_q", [1, 3])
+def test_paged_tile_spanning_pages(seqlen_q):
+    # a configured 64-token tile over 16-token pages: 4 table entries per tile, rows gathered;
+    # GQA group 4 × seqlen_q rows of a 16-row tile, so the merge sees padded rows too
+    run_case([5, 300, 1000], page=16, num_splits=5, seqlen_q=seqlen_q, config=DecodeConfig(64, 4, 1))
 
 
 @pytest.mark.parametrize("page", [None, 32])
