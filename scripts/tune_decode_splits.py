@@ -6,8 +6,10 @@ Usage (device): PYTHONPATH=. python scripts/tune_decode_splits.py [--json OUT]
 """
 import argparse
 import json
+from datetime import datetime, timezone
 
 import torch
+import triton
 
 from flashflow.bench.decode import PAGE_SIZE, graph_time_ms, kv_bytes
 from flashflow.ops.decode import DecodeConfig, DecodePlan
@@ -75,8 +77,9 @@ def main():
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": results}, f,
-                      indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(),
+                       "rows": results}, f, indent=1)
 
 
 if __name__ == "__main__":
