@@ -13,11 +13,16 @@ Providers, timed in the same run on caches holding the same values:
     ``enable_gqa=True`` (or K/V expanded to every query head if the backend refuses GQA:
     the row says so, and its effective TB/s still counts the unexpanded bytes).
 Each is timed as CUDA-graph replays of 16 back-to-back steps (what a serving loop runs) and,
-beside, as plain eager launches.
+beside, as plain eager launches. Caches smaller than three L2s are cloned and the steps cycle
+through the clones (up to 16), so a step does not find the previous step's cache in L2: in a
+model the other layers' weights have flushed it (METHOD: repeated runs over one buffer measure
+the cache). Below ~9 MB of KV the clones still fit in L2; those rows stay cache-warm.
 """
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -86,6 +91,18 @@ def _eager_time_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
 
+def rotation(nbytes: int, l2_bytes: int, steps: int = GRAPH_STEPS) -> int:
+    """How many copies of a step's inputs the timed steps cycle through: enough that one pass
+    over them is three L2s, at most ``steps``."""
+    return max(1, min(steps, math.ceil(3 * l2_bytes / max(nbytes, 1))))
+
+
+def cycling(make, copies: int):
+    """A zero-argument callable that runs ``make(i)``'s callables in turn, i = 0..copies-1."""
+    it = itertools.cycle([make(i) for i in range(copies)])
+    return lambda: next(it)()
+
+
 def make_providers(b, s, h, hk, d, dtype):
     import flashflow
 
@@ -95,7 +112,14 @@ def make_providers(b, s, h, hk, d, dtype):
     v_cache = torch.randn(b, s, hk, d, device="cuda", dtype=dtype, generator=g)
     seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     plan = flashflow.plan_decode(b, h, hk, d, s, device="cuda")
-    provs = {"flashflow": lambda: plan.run(q, k_cache, v_cache, cache_seqlens=seqlens)}
+    copies = rotation(kv_bytes(b, s, hk, d), torch.cuda.get_device_properties(0).L2_cache_size)
+
+    def clones(*ts):
+        """``copies`` sets of the same values (copy 0 is the tensors themselves)."""
+        return [ts] + [tuple(t.clone() for t in ts) for _ in range(copies - 1)]
+
+    kv = clones(k_cache, v_cache)
+    provs = {"flashflow": cycling(lambda i: lambda: plan.run(q, *kv[i], cache_seqlens=seqlens), copies)}
 
     # paged copy of the same cache, pages shuffled
     per_seq = s // PAGE_SIZE
@@ -105,41 +129,47 @@ def make_providers(b, s, h, hk, d, dtype):
     v_pages = torch.empty_like(k_pages)
     k_pages[table.flatten().long()] = k_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
     v_pages[table.flatten().long()] = v_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
-    provs["flashflow-paged"] = lambda: plan.run(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table)
+    pages = clones(k_pages, v_pages)
+    provs["flashflow-paged"] = cycling(
+        lambda i: lambda: plan.run(q, *pages[i], cache_seqlens=seqlens, block_table=table), copies)
     # diagnostic: the same pages in allocation order; the gap to the shuffled table is the cost
     # of scattered pages in memory (TLB, DRAM locality), not of the table lookup itself
     ordered = torch.arange(b * per_seq, device="cuda", dtype=torch.int32).reshape(b, per_seq)
-    k_ord = k_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
-    v_ord = v_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
-    provs["flashflow-paged-ordered"] = lambda: plan.run(q, k_ord, v_ord, cache_seqlens=seqlens, block_table=ordered)
+    provs["flashflow-paged-ordered"] = cycling(
+        lambda i: lambda: plan.run(q, *(t.view(b * per_seq, PAGE_SIZE, hk, d) for t in kv[i]),
+                                   cache_seqlens=seqlens, block_table=ordered), copies)
 
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     qt = q.transpose(1, 2)
-    kt = k_cache.transpose(1, 2).contiguous()  # SDPA's own (b, h, s, d) cache
-    vt = v_cache.transpose(1, 2).contiguous()
+    # SDPA's own (b, h, s, d) cache
+    kvt = clones(k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous())
     notes = {}
     for name, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
-        def gqa(backend=backend):
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, enable_gqa=hk != h)
-        try:
-            gqa()
-            provs[name] = gqa
-        except Exception:  # noqa: BLE001 — fall back to K/V expanded to every query head
-            ke, ve = kt.repeat_interleave(h // hk, 1), vt.repeat_interleave(h // hk, 1)
-
-            def expanded(backend=backend, ke=ke, ve=ve):
+        def gqa(i, backend=backend):
+            def step():
                 with sdpa_kernel(backend):
-                    return torch.nn.functional.scaled_dot_product_attention(qt, ke, ve)
-            provs[name] = expanded
+                    return torch.nn.functional.scaled_dot_product_attention(qt, *kvt[i], enable_gqa=hk != h)
+            return step
+        try:
+            gqa(0)()
+            provs[name] = cycling(gqa, copies)
+        except Exception:  # noqa: BLE001 — fall back to K/V expanded to every query head
+            kve = [tuple(t.repeat_interleave(h // hk, 1) for t in pair) for pair in kvt]
+
+            def expanded(i, backend=backend, kve=kve):
+                def step():
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(qt, *kve[i])
+                return step
+            provs[name] = cycling(expanded, copies)
             notes[name] = "K/V expanded to all query heads (backend refused enable_gqa)"
     ref = provs["sdpa-flash"]().transpose(1, 2).float()
     errs = {}
     for name in ("flashflow", "flashflow-paged", "flashflow-paged-ordered"):
         o = provs[name]().float()
         errs[name] = ((o - ref).norm() / ref.norm()).item()
-    return provs, notes, errs, plan.num_splits
+    return provs, notes, errs, plan.num_splits, copies
 
 
 def run(args) -> int:
@@ -157,13 +187,13 @@ def run(args) -> int:
         nbytes = kv_bytes(b, s, hk, d)
         row = {"batch": b, "seqlen": s, "heads": h, "kv_heads": hk, "head_dim": d, "kv_mbytes": nbytes / 1e6}
         try:
-            provs, notes, errs, splits = make_providers(b, s, h, hk, d, dtype)
+            provs, notes, errs, splits, copies = make_providers(b, s, h, hk, d, dtype)
         except torch.cuda.OutOfMemoryError:
             row["error"] = "OOM"
             rows.append(row)
             torch.cuda.empty_cache()
             continue
-        row.update(num_splits=splits, notes=notes, rel_err=errs, graph_us={}, eager_us={}, tbs={})
+        row.update(num_splits=splits, cache_copies=copies, notes=notes, rel_err=errs, graph_us={}, eager_us={}, tbs={})
         for name, fn in provs.items():
             try:
                 tg = graph_time_ms(fn)
@@ -197,14 +227,14 @@ def run(args) -> int:
 
 def markdown_table(result) -> str:
     lines = [f"read ceiling {result['read_ceiling_tbs']:.2f} TB/s; TB/s = KV bytes / median time "
-             f"(CUDA graph of {result['graph_steps']} steps)", "",
-             "| batch | seqlen | heads q/kv | KV MB | splits | flashflow TB/s | paged TB/s | cuDNN TB/s | FLASH TB/s "
+             f"(CUDA graph of {result['graph_steps']} steps, cycling through `copies` clones of the caches)", "",
+             "| batch | seqlen | heads q/kv | KV MB | splits | copies | flashflow TB/s | paged TB/s | cuDNN TB/s | FLASH TB/s "
              "| ÷ cuDNN | % ceiling | paged ÷ contig | pages in order ÷ contig | flashflow µs (graph / eager) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['batch']} | {r['seqlen']} | {r['heads']}/{r['kv_heads']} | {r['kv_mbytes']:.0f} "
-                         f"| {r['error']} |||||||||")
+                         f"| {r['error']} ||||||||||")
             continue
         t = r["tbs"]
 
@@ -213,6 +243,7 @@ def markdown_table(result) -> str:
         g, e = r["graph_us"]["flashflow"], r["eager_us"]["flashflow"]
         lines.append(
             f"| {r['batch']} | {r['seqlen']} | {r['heads']}/{r['kv_heads']} | {r['kv_mbytes']:.0f} | {r['num_splits']} "
+            f"| {r.get('cache_copies', 1)} "
             f"| {f(t['flashflow'])} | {f(t['flashflow-paged'])} | {f(t.get('sdpa-cudnn'))} | {f(t.get('sdpa-flash'))} "
             f"| {f(r['vs_cudnn'])} | {r['pct_ceiling']:.0f}% | {r['paged_vs_contig']:.2f} "
             f"| {f(r.get('paged_ordered_vs_contig'))} | {f(g, '{:.1f}')} / {e:.1f} |")

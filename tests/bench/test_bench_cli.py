@@ -242,3 +242,17 @@ def test_suite_registry_names_its_providers():
 def test_from_json_refuses_a_missing_file(tmp_path, capsys):
     assert cli.main(["bench", "--from-json", str(tmp_path / "none.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_decode_bench_cycles_cache_copies_past_l2():
+    from flashflow.bench.decode import cycling, rotation
+
+    l2 = 50 * 2**20
+    assert rotation(34 * 10**6, l2) == 5          # 1×8k GQA: 5 copies ≈ 170 MB ≥ 3 L2s
+    assert rotation(2 * 10**6, l2) == 16          # tiny caches: capped at the graph's 16 steps
+    assert rotation(537 * 10**6, l2) == 1         # already 10× the L2: no copies
+    seen = []
+    step = cycling(lambda i: lambda: seen.append(i), 3)
+    for _ in range(7):
+        step()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]
