@@ -18,13 +18,29 @@ Rules, the one implementation every other module uses:
 - A finished job's writes happen at the end of its last step: ``writes`` go through the cache
   (write-allocate, for data a later job reads back), ``store_bytes`` stream to DRAM unkept.
   Every written byte reaches DRAM once, so writes cost the same in every order.
+
+Two options bring the machine closer to a real GPU (both off by default):
+
+- ``stagger``: slot i takes its first job at time ``i * stagger // num_slots``. Real CTAs do
+  not run in lockstep: tile times vary by a few percent, so after a few waves the slots' phases
+  are spread over a whole tile, and a tile that shares a panel with one issued just before it
+  reads each block a little later rather than at the same moment. ``stagger`` equal to one
+  job's K-steps is that steady state (phases spread uniformly), with no free parameter.
+- ``partitions``: an L2 cut into partitions (:class:`~flashflow.dataflow.cache.PartitionedL2`);
+  every job runs on one *side* (the near partition of its SM) and reads through it. Concurrent
+  reads merge within a side only. ``placement`` says which side a job runs on:
+  ``"random"`` (a seeded coin per job: once CTAs drift, the next CTA goes to whichever SM frees
+  first, whatever its side), ``"alternate"`` (slot i on side i mod P: a block scheduler that
+  deals consecutive CTAs round-robin over GPCs on both sides) or ``"halves"`` (slots split
+  into P contiguous runs). Writes go into the writer's side.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-from flashflow.dataflow.cache import NEVER, make_cache
+from flashflow.dataflow.cache import NEVER, PartitionedL2, make_cache
 
 Block = tuple[Hashable, int]  # (key, size in bytes)
 
@@ -51,6 +67,8 @@ class TimeStep:
     finished: list[int]      # indices of jobs that finish at the end of this step
     store_bytes: int = 0
     requests: int = 0        # block reads asked for, before concurrent duplicates merge
+    side_reads: list[list[Block]] | None = None    # per side, merged within it (partitions)
+    side_writes: list[list[Block]] | None = None
 
 
 @dataclass
@@ -60,6 +78,8 @@ class Schedule:
     busy: int = 0            # slot-steps doing work
     stalled: int = 0         # slot-steps held by a job waiting on a dependency
     finish_time: dict[int, int] = field(default_factory=dict)
+    partitions: int = 1
+    side_of_job: list[int] | None = None
 
     @property
     def makespan(self) -> int:
@@ -71,11 +91,32 @@ class Schedule:
         return self.busy / total if total else 0.0
 
 
-def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
-    """Run ``jobs`` in issue order on ``num_slots`` slots; return what is accessed when."""
+PLACEMENTS = ("random", "alternate", "halves")
+
+
+def schedule(jobs: Sequence[Job], num_slots: int, *, stagger: int = 0, partitions: int = 1,
+             placement: str = "random", seed: int = 0, tiles_per_sm: int = 1) -> Schedule:
+    """Run ``jobs`` in issue order on ``num_slots`` slots; return what is accessed when.
+    ``stagger``, ``partitions`` and ``placement``: see the module docstring; ``seed`` drives
+    the random placement."""
     if num_slots <= 0:
         raise ValueError(f"num_slots must be positive, got {num_slots!r}")
-    slots: list[list[int] | None] = [None] * num_slots   # [job index, next K-step]
+    if isinstance(stagger, bool) or not isinstance(stagger, int) or stagger < 0:
+        raise ValueError(f"stagger must be an int >= 0 (K-steps), got {stagger!r}")
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise ValueError(f"partitions must be a positive int, got {partitions!r}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if isinstance(tiles_per_sm, bool) or not isinstance(tiles_per_sm, int) or \
+            tiles_per_sm < 1 or num_slots % tiles_per_sm:
+        raise ValueError(f"tiles_per_sm must be a positive divisor of num_slots={num_slots}, "
+                         f"got {tiles_per_sm!r}")
+    num_sms = num_slots // tiles_per_sm
+    sided = partitions > 1
+    rng = random.Random(seed)
+    side_of_job: list[int] = []
+    start = [i * stagger // num_slots for i in range(num_slots)]
+    slots: list[list[int] | None] = [None] * num_slots   # [job index, next K-step, side]
     finish_time: dict[int, int] = {}
     next_job = 0
     steps: list[TimeStep] = []
@@ -83,17 +124,25 @@ def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
     t = 0
     while next_job < len(jobs) or any(s is not None for s in slots):
         for i in range(num_slots):
-            if slots[i] is None and next_job < len(jobs):
-                slots[i] = [next_job, 0]
+            if slots[i] is None and next_job < len(jobs) and t >= start[i]:
+                if placement == "random":
+                    side = rng.randrange(partitions)
+                elif placement == "alternate":
+                    side = i % num_sms % partitions
+                else:
+                    side = i % num_sms * partitions // num_sms
+                side_of_job.append(side)
+                slots[i] = [next_job, 0, side]
                 next_job += 1
         sizes: dict = {}
+        side_sizes: list[dict] = [{} for _ in range(partitions)] if sided else []
         requests = 0
         finished: list[int] = []
         progressed = False
         for slot in slots:
             if slot is None:
                 continue
-            j, k = slot
+            j, k, side = slot
             job = jobs[j]
             if k < len(job.waits) and any(finish_time.get(d, t) >= t for d in job.waits[k]):
                 stalled += 1
@@ -102,30 +151,44 @@ def schedule(jobs: Sequence[Job], num_slots: int) -> Schedule:
             busy += 1
             for key, size in job.steps[k]:
                 sizes[key] = size
+            if sided:
+                side_sizes[side].update(job.steps[k])
             requests += len(job.steps[k])
             slot[1] = k + 1
             if slot[1] == len(job.steps):
                 finished.append(j)
+        if not progressed and any(t < s for s in start):
+            # slots still before their staggered start: the machine idles, it is not stuck
+            steps.append(TimeStep(t, [], [], [], 0, 0, [[] for _ in side_sizes] or None,
+                                  [[] for _ in side_sizes] or None))
+            t += 1
+            continue
         if not progressed:
             waiting = [jobs[s[0]].name for s in slots if s is not None]
             raise DeadlockError(f"at time {t} every slot waits on an unfinished job "
                                 f"(running: {waiting}); issue dependencies first or use "
                                 f"more slots")
         writes: dict = {}
+        side_writes: list[dict] = [{} for _ in range(partitions)] if sided else []
         store = 0
         for j in finished:
             finish_time[j] = t
             for key, size in jobs[j].writes:
                 writes[key] = size
+            if sided:
+                side_writes[side_of_job[j]].update(jobs[j].writes)
             store += jobs[j].store_bytes
         for i, slot in enumerate(slots):
             if slot is not None and slot[0] in finish_time:
                 slots[i] = None
         steps.append(TimeStep(t, [(k, sizes[k]) for k in sorted(sizes)],
                               [(k, writes[k]) for k in sorted(writes)], sorted(finished), store,
-                              requests))
+                              requests,
+                              [sorted(d.items()) for d in side_sizes] if sided else None,
+                              [sorted(d.items()) for d in side_writes] if sided else None))
         t += 1
-    return Schedule(steps, num_slots, busy, stalled, finish_time)
+    return Schedule(steps, num_slots, busy, stalled, finish_time, partitions,
+                    side_of_job if sided else None)
 
 
 @dataclass
@@ -182,8 +245,12 @@ def _next_uses(sched: Schedule) -> list[float]:
 
 
 def replay(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str = "lru",
-           record: bool = False) -> Traffic:
-    """Feed the schedule's accesses through a cache; count DRAM bytes."""
+           record: bool = False, sharing: str = "home") -> Traffic:
+    """Feed the schedule's accesses through a cache; count DRAM bytes. A schedule with
+    partitions runs through a :class:`PartitionedL2` of ``cache_bytes`` in all, whose
+    ``sharing`` rule says what a near miss costs (LRU only)."""
+    if sched.partitions > 1:
+        return _replay_partitioned(sched, jobs, cache_bytes, policy, record, sharing)
     cache = make_cache(policy, cache_bytes)
     nxt = _next_uses(sched) if policy == "belady" else None
     pos = 0
@@ -218,6 +285,49 @@ def replay(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str =
                    records)
 
 
+def _replay_partitioned(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str,
+                        record: bool, sharing: str) -> Traffic:
+    if policy != "lru":
+        # Belady's look-ahead needs one future per partition, which the crossbar couples
+        raise ValueError(f"a partitioned L2 is modelled with policy 'lru' only, got {policy!r}")
+    cache = PartitionedL2(cache_bytes, sched.partitions, sharing)
+    hits = misses = 0
+    read_bytes = write_bytes = 0
+    records: list[StepRecord] | None = [] if record else None
+    since_reads = since_misses = since_bytes = 0
+    for step in sched.steps:
+        step_misses = 0
+        # sides take turns within a step: the first side's miss is then the other sides'
+        # crossbar hit, as a home partition merges concurrent requests for a line
+        for side, reads in enumerate(step.side_reads):
+            for key, size in reads:
+                fetched = cache.access(key, size, side)
+                if fetched:
+                    step_misses += 1
+                    read_bytes += fetched
+                    since_bytes += fetched
+        misses += step_misses
+        hits += step.requests - step_misses
+        since_misses += step_misses
+        since_reads += step.requests
+        for side, writes in enumerate(step.side_writes):
+            for key, size in writes:
+                cache.access(key, size, side)
+                write_bytes += size
+        write_bytes += step.store_bytes
+        if records is not None and step.finished:
+            records.append(StepRecord(step.time, [jobs[j].name for j in step.finished],
+                                      since_reads, since_misses, since_bytes, read_bytes,
+                                      write_bytes, cache.contents()))
+            since_reads = since_misses = since_bytes = 0
+    return Traffic(read_bytes, write_bytes, hits, misses, sched.makespan, sched.utilization,
+                   records)
+
+
 def run(jobs: Sequence[Job], num_slots: int, cache_bytes: int, policy: str = "lru",
-        record: bool = False) -> Traffic:
-    return replay(schedule(jobs, num_slots), jobs, cache_bytes, policy, record)
+        record: bool = False, *, stagger: int = 0, partitions: int = 1,
+        placement: str = "random", sharing: str = "home", seed: int = 0,
+        tiles_per_sm: int = 1) -> Traffic:
+    sched = schedule(jobs, num_slots, stagger=stagger, partitions=partitions,
+                     placement=placement, seed=seed, tiles_per_sm=tiles_per_sm)
+    return replay(sched, jobs, cache_bytes, policy, record, sharing)
