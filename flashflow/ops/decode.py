@@ -139,12 +139,12 @@ class DecodePlan:
             raise ValueError(f"num_splits must be >= 0 (0 = heuristic), got {num_splits}")
         self.num_splits = num_splits or num_splits_heuristic(batch * kv_heads, max_seqlen_k, num_sms,
                                                              self.config.BLOCK_N)
-        if config is None and family == "sm90" and self.num_splits >= 8 and self.head_dim_pad <= 128 \
-                and _cdiv(max_seqlen_k, self.num_splits) <= 1024:
-            # many short slices (batch 1, <= 1k keys each): 128-token tiles won on the H100 (1×8k:
-            # 2.31 vs 2.26 TB/s); longer slices stream better in 64-token tiles, two programs'
-            # worth of stages per SM (1×32k: 2.60 vs 2.52; 1×128k: 3.02 vs 2.95;
-            # bench/results/tune-decode-splits-h100.json)
+        if config is None and family == "sm90" and self.num_splits == 1 and batch * kv_heads > num_sms \
+                and max_seqlen_k >= 2048 and self.head_dim_pad <= 128:
+            # long streams, more programs than SMs: one program per SM with 128-token tiles beat
+            # two with 64-token tiles on the H100 (64×8k GQA 3.10 vs 2.84 TB/s, 16×8k MHA 3.12 vs
+            # 2.75; cold caches, bench/results/tune-decode-large-h100.json). At batch 1 the 64-token
+            # tiles led or tied once caches were cold (tune-decode-small-h100.json).
             self.config = DecodeConfig(BLOCK_N=128, num_warps=4, num_stages=3)
         n = batch * kv_heads
         if self.num_splits > 1:
