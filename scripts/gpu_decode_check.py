@@ -99,6 +99,9 @@ def main():
         case(dtype, [500, 4000], softcap=30.0, heads=32, kv_heads=32)
         case(dtype, [500, 4000], seqlen_q=3, causal=False, heads=16, kv_heads=2, d=64)
         case(dtype, [300, 1000], d=256, heads=8, kv_heads=8, capacity=1024)
+        # more (sequence, KV head) programs than SMs, long streams: the 128-token-tile config
+        case(dtype, [4096, 1, 3000, 17] * 5, capacity=4096)
+        case(dtype, [4096, 1, 3000, 17] * 5, capacity=4096, page=64)
         graph_case(dtype)
     _cases.finish("decode GPU cases", args.json)
 
