@@ -1,12 +1,16 @@
 """`flashflow dataflow ...`: tables and plots of the tile-order / cache-traffic model.
 
     flashflow dataflow table  --M 4096 --N 4096 --K 4096            # orders vs DRAM bytes
+    flashflow dataflow table  --M 8192 --N 8192 --K 8192 --l2-partitions 2 --drift 1 --tiles-per-sm 2
+                                                 # the partitioned H100 model (see docs)
     flashflow dataflow sweep  --M 4096 --N 4096 --K 4096 --png t.png # traffic vs cache size
     flashflow dataflow search --M 512 --N 512 --K 512 --block-m 128 --block-n 128 --cache 256KiB --sms 1
     flashflow dataflow waves  --M 4096 --n-max 16384 --png w.png    # tail / stair-step curve
     flashflow dataflow chain  --M 4096 --hidden 4096 --intermediate 14336
 
-Defaults are an H100 (132 SMs, 50 MiB of L2) running bf16 with 128×128×64 tiles. Sizes take
+Defaults are an H100 (132 SMs, 50 MiB of L2, modelled as one LRU in lockstep waves) running
+bf16 with 128×128×64 tiles; ``--l2-partitions 2`` splits the L2 into near partitions
+(``--sharing``, ``--placement``) and ``--drift`` spreads the slots out of lockstep. Sizes take
 K, M, G suffixes in powers of 1024 (50M = 50 MiB). PNG output needs matplotlib; without it the
 text output is printed and a note says why no PNG was written.
 """
@@ -22,7 +26,9 @@ from flashflow.dataflow import orders as _orders
 from flashflow.dataflow import plots as _plots
 from flashflow.dataflow import search as _search
 from flashflow.dataflow import waves as _waves
-from flashflow.dataflow.model import H100, compare_orders
+from flashflow.dataflow.cache import PartitionedL2
+from flashflow.dataflow.machine import PLACEMENTS
+from flashflow.dataflow.model import H100, H100_PARTITIONED, compare_orders
 from flashflow.dataflow.shape import GemmShape
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
@@ -71,12 +77,53 @@ def _add_tiles(p):
     p.add_argument("--elem-bytes", type=int, default=2, help="bytes per element (bf16: 2)")
 
 
-def _add_machine(p, cache=True):
+def _add_machine(p, cache=True, partitions=False):
     p.add_argument("--sms", type=int, default=H100.num_sms,
                    help="tiles running at once (SMs x resident tiles per SM)")
     if cache:
         p.add_argument("--cache", type=parse_size, default=H100.l2_bytes, help="L2 size")
         p.add_argument("--policy", choices=("lru", "belady", "both"), default="lru")
+    if partitions:
+        p.add_argument("--l2-partitions", type=int, default=1,
+                       help="near L2 partitions, each of cache/N (H100: 2); LRU only")
+        p.add_argument("--sharing", choices=PartitionedL2.SHARING,
+                       default=H100_PARTITIONED.sharing,
+                       help="what a near miss costs: home (a copy in the line's home "
+                            "partition serves it), far (any partition serves it), copies "
+                            "(DRAM always)")
+        p.add_argument("--placement", choices=PLACEMENTS, default=H100_PARTITIONED.placement,
+                       help="which partition's SMs run each tile")
+        p.add_argument("--tiles-per-sm", type=int, default=1,
+                       help="resident tiles per SM: --sms/this are SMs, for --placement")
+        p.add_argument("--drift", type=float, default=0.0,
+                       help="spread of the slots' phases, as a fraction of one tile "
+                            "(0: lockstep waves, 1: fully drifted)")
+
+
+def _machine_options(args) -> dict:
+    if args.l2_partitions < 1:
+        raise SystemExit(f"--l2-partitions must be >= 1, got {args.l2_partitions}")
+    if not 0 <= args.drift <= 1:
+        raise SystemExit(f"--drift must be in [0, 1], got {args.drift}")
+    if args.l2_partitions == 1:
+        return {"drift": args.drift}
+    if args.policy != "lru":
+        raise SystemExit("a partitioned L2 is modelled with --policy lru only")
+    if args.sms % args.tiles_per_sm:
+        raise SystemExit(f"--sms {args.sms} must be a multiple of --tiles-per-sm "
+                         f"{args.tiles_per_sm}")
+    return {"partitions": args.l2_partitions, "sharing": args.sharing,
+            "placement": args.placement, "drift": args.drift, "tiles_per_sm": args.tiles_per_sm}
+
+
+def _machine_text(args) -> str:
+    if args.l2_partitions == 1:
+        text = f"cache {fmt_bytes(args.cache)}"
+    else:
+        text = (f"cache {fmt_bytes(args.cache)} in {args.l2_partitions} partitions "
+                f"(sharing {args.sharing}, placement {args.placement}, "
+                f"{args.tiles_per_sm} tiles/SM)")
+    return text + (f", drift {args.drift:g}" if args.drift else "")
 
 
 def _png(path, draw) -> None:
@@ -93,10 +140,11 @@ def cmd_table(args) -> int:
     shape = _shape(args)
     specs = args.orders.split(",") if args.orders else None
     policies = ("lru", "belady") if args.policy == "both" else (args.policy,)
+    machine = _machine_options(args)
     b = _bounds.bounds(shape, args.cache)
     print(f"GEMM {shape.M}x{shape.N}x{shape.K}, tiles {shape.block_m}x{shape.block_n}x"
           f"{shape.block_k} ({shape.tiles_m}x{shape.tiles_n} grid, {shape.k_steps} K-steps), "
-          f"{args.sms} SMs, cache {fmt_bytes(args.cache)}")
+          f"{args.sms} SMs, {_machine_text(args)}")
     print(f"compulsory reads {fmt_bytes(b.compulsory_read_bytes)}, writes "
           f"{fmt_bytes(b.compulsory_write_bytes)}; red-blue pebble bound "
           f"{fmt_bytes(b.pebble_bytes)} (2MNK/sqrt(S))")
@@ -108,7 +156,8 @@ def cmd_table(args) -> int:
     headers = ["order"]
     for p in policies:
         headers += [f"read ({p})", "x compulsory", "hit rate"]
-    results = {p: compare_orders(shape, args.cache, args.sms, p, specs, extra) for p in policies}
+    results = {p: compare_orders(shape, args.cache, args.sms, p, specs, extra, **machine)
+               for p in policies}
     rows = []
     for i, row in enumerate(results[policies[0]]):
         line = [row.spec]
@@ -138,9 +187,12 @@ def cmd_sweep(args) -> int:
         sizes.append(size)
         size *= 2
     policy = "lru" if args.policy == "both" else args.policy
+    if args.l2_partitions > 1:
+        args.policy = policy
+    machine = _machine_options(args)
     series = {s: [] for s in specs}
     for c in sizes:
-        for row in compare_orders(shape, c, args.sms, policy, specs):
+        for row in compare_orders(shape, c, args.sms, policy, specs, **machine):
             series[row.spec].append(row.traffic.read_bytes)
     lower = [_bounds.bounds(shape, c).read_lower_bound for c in sizes]
     print(_table(["cache"] + specs + ["lower bound"],
@@ -225,7 +277,7 @@ def add_parser(subparsers) -> None:
 
     t = sub.add_parser("table", help="named orders and their DRAM traffic")
     _add_shape(t)
-    _add_machine(t)
+    _add_machine(t, partitions=True)
     t.add_argument("--orders", help="comma-separated specs, e.g. row_major,grouped_m:8")
     t.add_argument("--anneal", type=int, default=0, metavar="ITERS",
                    help="add an annealed order found in ITERS iterations")
@@ -237,7 +289,7 @@ def add_parser(subparsers) -> None:
 
     s = sub.add_parser("sweep", help="traffic vs cache size")
     _add_shape(s)
-    _add_machine(s)
+    _add_machine(s, partitions=True)
     s.add_argument("--orders")
     s.add_argument("--min-cache", type=parse_size, default=parse_size("1M"))
     s.add_argument("--max-cache", type=parse_size, default=parse_size("128M"))

@@ -87,3 +87,29 @@ def test_png_plots(cmd, tmp_path):
     png = tmp_path / "out.png"
     assert main([*cmd, "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_table_partitioned_l2(capsys):
+    from flashflow.dataflow import orders
+    from flashflow.dataflow.cli import fmt_bytes
+    from flashflow.dataflow.model import simulate
+    from flashflow.dataflow.shape import GemmShape
+    assert main(["dataflow", "table", *SMALL, "--orders", "row_major,hilbert",
+                 "--l2-partitions", "2", "--placement", "alternate", "--drift", "1",
+                 "--tiles-per-sm", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "in 2 partitions (sharing home, placement alternate, 2 tiles/SM), drift 1" in out
+    # the table shows what the model says for the same options
+    t = simulate(GemmShape(512, 512, 256), orders.row_major(4, 4), 256 * 1024, 4,
+                 partitions=2, sharing="home", placement="alternate", drift=1.0, tiles_per_sm=2)
+    row = next(line for line in out.splitlines() if line.startswith("row_major"))
+    assert fmt_bytes(t.read_bytes) in row
+
+
+def test_partitioned_l2_rejects_belady_and_bad_options():
+    with pytest.raises(SystemExit, match="lru only"):
+        main(["dataflow", "table", *SMALL, "--l2-partitions", "2", "--policy", "belady"])
+    with pytest.raises(SystemExit, match="drift"):
+        main(["dataflow", "table", *SMALL, "--drift", "2"])
+    with pytest.raises(SystemExit, match="tiles-per-sm"):
+        main(["dataflow", "table", *SMALL, "--l2-partitions", "2", "--tiles-per-sm", "3"])

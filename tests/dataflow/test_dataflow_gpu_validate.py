@@ -109,3 +109,54 @@ def test_kernel_computes_the_gemm_in_any_order(v):
         c = torch.full((40, 48), float("nan"))
         v.launch(a, b, c, v.order_permutation(spec, shape), shape, num_warps=4, num_stages=1)
         torch.testing.assert_close(c, a @ b, rtol=1e-4, atol=1e-4)
+
+
+def test_markdown_table_with_the_partitioned_model(v):
+    row = {"shape": "8192x8192x8192", "order": "row_major", "measured_read_bytes": 2**30,
+           "measured_write_bytes": 2**27, "model_lru": {"read_bytes": 2**31},
+           "model_partitioned": {"read_bytes": 2**30 + 2**29},
+           "model_belady": {"read_bytes": 2**29}, "compulsory_read_bytes": 2**28,
+           "time_us": 1234.5}
+    table = v.markdown_table([row]).splitlines()
+    assert "| model / measured | model partitioned read MiB | partitioned / measured |" in table[0]
+    assert table[1].count("|") == table[0].count("|")
+    assert table[2] == ("| 8192x8192x8192 | row_major | 1024.0 | 2048.0 | 2.00 | 1536.0 | 1.50 "
+                        "| 512.0 | 256.0 | 128.0 | 1234 |")
+
+
+def test_defaults_add_an_out_of_sample_shape_and_order(v):
+    assert v.DEFAULT_SHAPES[:2] == ("8192x8192x8192", "4096x16384x4096")
+    assert "16384x4096x4096" in v.DEFAULT_SHAPES and "grouped_m:4" in v.DEFAULT_ORDERS
+
+
+def test_rank_summary(v):
+    # measured: a < b < c, c far above; the unified model ties a and b, the partitioned one
+    # swaps them (they are 5% apart, so only the pairs with c count)
+    def row(order, measured, lru, part):
+        return {"shape": "s", "order": order, "measured_read_bytes": measured,
+                "model_lru": {"read_bytes": lru}, "model_partitioned": {"read_bytes": part}}
+    rows = [row("a", 100, 7, 2), row("b", 105, 7, 1), row("c", 300, 9, 3),
+            row("d", None, 1, 1)]
+    (entry,) = v.rank_summary(rows)
+    assert entry["orders"] == 3
+    assert entry["model_lru"]["spearman"] == pytest.approx(3 ** 0.5 / 2)
+    assert entry["model_partitioned"]["spearman"] == pytest.approx(0.5)
+    assert (entry["model_partitioned"]["pairs_right"], entry["model_partitioned"]["pairs"]) \
+        == (2, 2)
+    assert "partitioned rho 0.50 (2/2 pairs >10% apart)" in v.rank_lines([entry])
+
+
+def test_rescore_reruns_both_models(v):
+    payload = {"model_hardware": {"num_sms": 4, "l2_bytes": 1 << 20, "tiles_per_sm": 2},
+               "kernel": {"block": [128, 128, 64]},
+               "results": [{"shape": "1024x1024x512", "order": "hilbert",
+                            "measured_read_bytes": 3 << 20, "model_lru": {"read_bytes": 0}}]}
+    (row,) = v.rescore(payload, belady=False)
+    shape = v.gemm_shape((1024, 1024, 512))
+    order = orders.hilbert(8, 8)
+    assert row["model_lru"]["read_bytes"] == simulate(shape, order, 1 << 20, 8).read_bytes
+    assert row["model_partitioned"]["read_bytes"] == simulate(
+        shape, order, 1 << 20, 8, partitions=2, sharing="home", placement="halves",
+        drift=1.0, tiles_per_sm=2).read_bytes
+    assert row["measured_read_bytes"] == 3 << 20 and row["model_belady"]["read_bytes"] is None
+    assert v.partitioned(Hardware(4, 1 << 20, 2)).slots == 8

@@ -134,3 +134,44 @@ def test_big_partitioned_cache_costs_only_compulsory_traffic(sharing, placement)
 def test_partitioned_model_is_lru_only():
     with pytest.raises(ValueError, match="lru"):
         simulate(TINY, orders.row_major(2, 2), 4 * BLOCK, 2, "belady", partitions=2)
+
+
+def test_halves_split_sms_not_slots():
+    # 4 slots on 2 SMs (2 tiles per SM): slot i runs on SM i mod 2, so "halves" puts SM 0's
+    # two slots on side 0 and SM 1's on side 1
+    jobs = gemm_jobs(GemmShape(64, 64, 16, 16, 16, 16, elem_bytes=1), orders.row_major(4, 4))
+    sides = schedule(jobs, 4, partitions=2, placement="halves", tiles_per_sm=2).side_of_job
+    assert sides == [0, 1] * 8
+    with pytest.raises(ValueError, match="tiles_per_sm"):
+        schedule(jobs, 4, partitions=2, tiles_per_sm=3)
+
+
+def test_hardware_carries_the_partitioned_model():
+    from dataclasses import replace
+
+    from flashflow.dataflow.model import H100, H100_PARTITIONED, simulate_on
+    shape = GemmShape(1024, 1024, 512, 128, 128, 64)
+    order = orders.hilbert(8, 8)
+    small = replace(H100_PARTITIONED, num_sms=8, l2_bytes=1 << 20, tiles_per_sm=2)
+    assert simulate_on(shape, order, small).read_bytes == simulate(
+        shape, order, 1 << 20, 16, partitions=2, sharing="home", placement="halves",
+        drift=1.0, tiles_per_sm=2).read_bytes
+    unified = replace(H100, num_sms=8, l2_bytes=1 << 20, tiles_per_sm=2)
+    assert simulate_on(shape, order, unified).read_bytes == simulate(
+        shape, order, 1 << 20, 16).read_bytes
+    assert H100.l2_partitions == 1 and H100_PARTITIONED.l2_partitions == 2
+    with pytest.raises(ValueError, match="drift"):
+        simulate(shape, order, 1 << 20, 16, drift=1.5)
+
+
+def test_spearman_and_separated_pairs():
+    from flashflow.dataflow.stats import ranks, separated_pairs, spearman
+    assert ranks([30, 10, 20, 10]) == [4, 1.5, 3, 1.5]
+    assert spearman([1, 2, 3], [10, 20, 30]) == pytest.approx(1)
+    assert spearman([1, 2, 3], [30, 20, 10]) == pytest.approx(-1)
+    # ties on the model side: ranks (1.5, 1.5, 3) against (1, 2, 3) -> rho = 0.866
+    assert spearman([5, 5, 9], [1, 2, 3]) == pytest.approx(3 ** 0.5 / 2)
+    # measured 100, 105, 200: only the pairs with 200 are > 10% apart; the model swaps the
+    # close pair (not counted) and orders both far pairs right
+    assert separated_pairs([2, 1, 9], [100, 105, 200]) == (2, 2)
+    assert separated_pairs([2, 1, 0], [100, 105, 200]) == (0, 2)
