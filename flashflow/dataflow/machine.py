@@ -28,11 +28,13 @@ Two options bring the machine closer to a real GPU (both off by default):
   job's K-steps is that steady state (phases spread uniformly), with no free parameter.
 - ``partitions``: an L2 cut into partitions (:class:`~flashflow.dataflow.cache.PartitionedL2`);
   every job runs on one *side* (the near partition of its SM) and reads through it. Concurrent
-  reads merge within a side only. ``placement`` says which side a job runs on:
-  ``"random"`` (a seeded coin per job: once CTAs drift, the next CTA goes to whichever SM frees
-  first, whatever its side), ``"alternate"`` (slot i on side i mod P: a block scheduler that
-  deals consecutive CTAs round-robin over GPCs on both sides) or ``"halves"`` (slots split
-  into P contiguous runs). Writes go into the writer's side.
+  reads merge within a side only. Slot i runs on SM ``i mod (num_slots / tiles_per_sm)``: the
+  block scheduler deals one CTA to every SM, in SM order, before any SM gets a second.
+  ``placement`` says which side an SM is on: ``"halves"`` (SM ids split into P contiguous runs,
+  as when ids are numbered GPC by GPC and the first GPCs hang off one partition),
+  ``"alternate"`` (SM s on side s mod P: ids interleaved over the partitions) or ``"random"``
+  (a seeded coin per job, ignoring the slot: the limit where drift has scrambled which SM frees
+  first). Writes go into the writer's side.
 """
 from __future__ import annotations
 
