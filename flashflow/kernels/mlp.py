@@ -8,7 +8,9 @@ element size. Weight bytes W = (2 if gated else 1)·inter·hidden·e + hidden·i
 Two regimes (the op module picks; see :mod:`flashflow.ops.mlp`): decode, M ≤ 64, lives in
 :mod:`flashflow.kernels.ffn` (weights stream once, the intermediate stays on chip). This module
 holds the prefill regime: ``mlp_persistent_kernel`` runs GEMM0 and GEMM1 as ticketed tiles of
-one persistent launch, ordered by a policy, synchronised by per-row-block counters.
+one persistent launch, ordered by a policy, synchronised by per-row-block counters. Its tiles
+load their operands either through host-built TMA descriptors (USE_TMA, sm90+) or through
+masked pointer loads (older GPUs, fp32, unaligned strides, and the interpreter's tests).
 
 Baselines for the bench share the tile code: ``mlp_gemm0_kernel`` / ``mlp_gemm1_kernel`` (two
 kernels in sequence, or a CuSync-style producer/consumer pair on two streams with flags).
@@ -21,7 +23,7 @@ Synchronisation words (one int32 ``SYNC`` buffer, zero before a launch and left 
 ``SYNC[2]``                error flag: a bounded spin ran out (debug; never reset by kernels)
 ``SYNC[8 : 8+2·1024]``     fence scratch, one word per thread (every other word)
 ``SYNC[CNT_OFF + 2r + p]`` GEMM0 tiles finished in row-block r (part p: halfrow's two halves)
-``SYNC[flag_off + r·n1 + c]``  halfrow: first K-half of GEMM1 tile (r, c) is in the partials
+``SYNC[flag_off + r·n1 + c]``  halfrow, seqsplit: first K-half of GEMM1 tile (r, c) is in the partials
 =========================  ===================================================================
 
 Memory ordering (PTX model, ``scope="gpu"``)
@@ -40,6 +42,9 @@ scalar acquire spin would cost a barrier and a shared-memory broadcast per itera
 **every thread** does one ``tl.atomic_add(counter, 0, sem="acquire", scope="gpu")`` and checks
 the value it read, so each thread's later loads of the producer's data are ordered after the
 producer's release without relying on a barrier to carry one thread's acquire to the others.
+With TMA loads, each thread then issues ``fence.proxy.async.global``: the copy engine's reads
+belong to the async proxy, which the generic-proxy acquire does not order by itself. Producers
+store H with ordinary stores (a TMA store would complete asynchronously, after the release).
 
 Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
 counter): every other program has then passed all its waits and signals, and the next launch
@@ -55,7 +60,7 @@ MAX_THREADS = 1024
 CNT_OFF = SYNC_FENCE + 2 * MAX_THREADS
 
 # ticket policies (constexpr codes); "rowblock" is multirow with one row per group
-SEQUENTIAL, MULTIROW, HALFROW = 0, 1, 2
+SEQUENTIAL, MULTIROW, HALFROW, SEQSPLIT = 0, 1, 2, 3
 
 # the same numbers as compile-time constants for the @triton.jit code
 _TICKET = tl.constexpr(SYNC_TICKET)
@@ -66,6 +71,7 @@ _CNT_OFF = tl.constexpr(CNT_OFF)
 _SEQUENTIAL = tl.constexpr(SEQUENTIAL)
 _MULTIROW = tl.constexpr(MULTIROW)
 _HALFROW = tl.constexpr(HALFROW)
+_SEQSPLIT = tl.constexpr(SEQSPLIT)
 
 
 # ------------------------------------------------------------------------------------------
@@ -118,6 +124,15 @@ def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
 
 
 @triton.jit
+def _proxy_fence():
+    """Orders this thread's earlier generic-proxy accesses (the acquire above) before its later
+    async-proxy ones (TMA loads of the producers' tiles): the PTX model does not order the two
+    proxies without it, and the producers stored H with ordinary stores."""
+    tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _grouped_tile(t, tiles_m, tiles_n, group_rows):
     """Tile ``t`` of a (tiles_m × tiles_n) grid walked in groups of ``group_rows`` row-blocks,
     column-major inside a group: consecutive tiles share a weight column (L2 reuse) and rows of
@@ -141,6 +156,11 @@ def ticket_to_tile(t, tiles_m, n0, n1, group_rows, half, POLICY: tl.constexpr):
     * HALFROW: per row-block, GEMM0 columns [0, half) (part 0); GEMM1 over K-part 0 (the
       intermediate those columns hold); GEMM0 columns [half, n0) (part 1); GEMM1 over K-part 1,
       which adds the part-0 partial sums. GEMM1 starts after half a row of GEMM0.
+    * SEQSPLIT: SEQUENTIAL's GEMM0 phase (GEMM0 tile (r, j) counts towards half
+      ``j >= half`` of row-block r), then every GEMM1 tile over K-part 0, then every GEMM1 tile
+      over K-part 1 (adds the part-0 partials), each pass in groups. Part 0 needs only the
+      first GEMM0 columns, which finish a wave or more before the GEMM0 phase ends, so no
+      program idles at the phase change, and the last tiles are half as long (a shorter tail).
     """
     if POLICY == _SEQUENTIAL:
         total0 = tiles_m * n0
@@ -160,6 +180,15 @@ def ticket_to_tile(t, tiles_m, n0, n1, group_rows, half, POLICY: tl.constexpr):
         j = u // rows_g
         kind = is_g1.to(tl.int32)
         part = t * 0
+    elif POLICY == _SEQSPLIT:
+        total0 = tiles_m * n0
+        is_g1 = t >= total0
+        u = tl.where(is_g1, t - total0, t)
+        second = is_g1 & (u >= tiles_m * n1)
+        u = tl.where(second, u - tiles_m * n1, u)
+        r, j = _grouped_tile(u, tiles_m, tl.where(is_g1, n1, n0), group_rows)
+        kind = is_g1.to(tl.int32)
+        part = tl.where(is_g1, second, j >= half).to(tl.int32)
     else:
         per = n0 + 2 * n1
         r = t // per
@@ -187,34 +216,50 @@ def mlp_ticket_map_kernel(OUT, total, tiles_m, n0, n1, group_rows, half, POLICY:
 
 
 @triton.jit
-def _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
+def _gemm0_tile(X, W1, H, XD, WGD, WUD, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
                 BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_K: tl.constexpr,
-                GATED: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                GATED: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                USE_TMA: tl.constexpr):
     """H[r-block, j-block] = act(x·W_gateᵀ) ∘ (x·W_upᵀ) (or act(x·W1ᵀ)), rounded to H's dtype.
 
     Reads BLOCK_M·hidden of x and (2 if gated else 1)·BLOCK_N0·hidden of W1; writes
-    BLOCK_M·BLOCK_N0 of H. Gate row i and up row i + inter are two loads and two dots."""
+    BLOCK_M·BLOCK_N0 of H. Gate row i and up row i + inter are two loads and two dots. With
+    USE_TMA the operands come through host-built descriptors (XD over x, WGD over the gate
+    rows, WUD over the up rows): the copy engine zero-fills what lies outside each tensor, so no
+    masks, and a gate tile past ``inter`` cannot read up rows. H is stored with ordinary stores
+    either way: its consumers synchronise through generic-proxy atomics."""
     offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = j * BLOCK_N0 + tl.arange(0, BLOCK_N0)
-    offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < inter
-    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    wg_ptrs = W1 + offs_n[:, None].to(tl.int64) * stride_w1 + offs_k[None, :]
-    wu_ptrs = wg_ptrs + inter.to(tl.int64) * stride_w1
     acc_g = tl.zeros([BLOCK_M, BLOCK_N0], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N0], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        k_ok = offs_k < hidden - k0
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(wg_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc_g = tl.dot(x, wg.T, acc_g, input_precision=DOT_PRECISION)
-        if GATED:
-            wu = tl.load(wu_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            acc_u = tl.dot(x, wu.T, acc_u, input_precision=DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        wg_ptrs += BLOCK_K
-        wu_ptrs += BLOCK_K
+    if USE_TMA:
+        row_x = r * BLOCK_M
+        row_w = j * BLOCK_N0
+        for k0 in range(0, hidden, BLOCK_K):
+            x = XD.load([row_x, k0])
+            wg = WGD.load([row_w, k0])
+            acc_g = tl.dot(x, wg.T, acc_g, input_precision=DOT_PRECISION)
+            if GATED:
+                wu = WUD.load([row_w, k0])
+                acc_u = tl.dot(x, wu.T, acc_u, input_precision=DOT_PRECISION)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+        wg_ptrs = W1 + offs_n[:, None].to(tl.int64) * stride_w1 + offs_k[None, :]
+        wu_ptrs = wg_ptrs + inter.to(tl.int64) * stride_w1
+        for k0 in range(0, hidden, BLOCK_K):
+            k_ok = offs_k < hidden - k0
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc_g = tl.dot(x, wg.T, acc_g, input_precision=DOT_PRECISION)
+            if GATED:
+                wu = tl.load(wu_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_u = tl.dot(x, wu.T, acc_u, input_precision=DOT_PRECISION)
+            x_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K
+            wu_ptrs += BLOCK_K
     if GATED:
         h = _act(acc_g, ACTIVATION) * acc_u
     else:
@@ -224,25 +269,34 @@ def _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_h
 
 
 @triton.jit
-def _gemm1_tile(H, W2, r, c, k_lo, k_hi, M, hidden, stride_hm, stride_w2,
+def _gemm1_tile(H, W2, HD, W2D, r, c, k_lo, k_hi, M, hidden, stride_hm, stride_w2,
                 BLOCK_M: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
-                DOT_PRECISION: tl.constexpr):
-    """fp32 (BLOCK_M, BLOCK_N1) = H[r-block, k_lo:k_hi]·W_down[c-block, k_lo:k_hi]ᵀ."""
-    offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = c * BLOCK_N1 + tl.arange(0, BLOCK_N1)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_ok = offs_m < M
-    n_ok = offs_n < hidden
-    h_ptrs = H + offs_m[:, None].to(tl.int64) * stride_hm + (k_lo + offs_k)[None, :]
-    w_ptrs = W2 + offs_n[:, None].to(tl.int64) * stride_w2 + (k_lo + offs_k)[None, :]
+                DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr):
+    """fp32 (BLOCK_M, BLOCK_N1) = H[r-block, k_lo:k_hi]·W_down[c-block, k_lo:k_hi]ᵀ (HD, W2D:
+    descriptors over H and W_down with USE_TMA; ``k_lo`` is a multiple of BLOCK_K)."""
     acc = tl.zeros([BLOCK_M, BLOCK_N1], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        k_ok = offs_k < k_hi - k0
-        hh = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(hh, w.T, acc, input_precision=DOT_PRECISION)
-        h_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if USE_TMA:
+        row_h = r * BLOCK_M
+        row_w = c * BLOCK_N1
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            hh = HD.load([row_h, k0])
+            w = W2D.load([row_w, k0])
+            acc = tl.dot(hh, w.T, acc, input_precision=DOT_PRECISION)
+    else:
+        offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = c * BLOCK_N1 + tl.arange(0, BLOCK_N1)
+        offs_k = tl.arange(0, BLOCK_K)
+        m_ok = offs_m < M
+        n_ok = offs_n < hidden
+        h_ptrs = H + offs_m[:, None].to(tl.int64) * stride_hm + (k_lo + offs_k)[None, :]
+        w_ptrs = W2 + offs_n[:, None].to(tl.int64) * stride_w2 + (k_lo + offs_k)[None, :]
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            k_ok = offs_k < k_hi - k0
+            hh = tl.load(h_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            acc = tl.dot(hh, w.T, acc, input_precision=DOT_PRECISION)
+            h_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     return acc
 
 
@@ -268,14 +322,14 @@ def _reset(SYNC, start, count, BLOCK: tl.constexpr):
 
 @triton.jit
 def mlp_persistent_kernel(
-    X, W1, W2, H, OUT, PART, SYNC,
+    X, W1, W2, H, OUT, PART, SYNC, XD, WGD, WUD, HD, W2D,
     M, hidden, inter,
     stride_xm, stride_w1, stride_w2, stride_hm, stride_om,
     tiles_m, n0, n1, group_rows, half, flag_off, spin_limit,
     POLICY: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N0: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_K: tl.constexpr,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, THREADS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr, PROXY_FENCE: tl.constexpr,
 ):
     """Prefill FFN: GEMM0 and GEMM1 as tiles of one persistent launch.
 
@@ -287,9 +341,18 @@ def mlp_persistent_kernel(
     * GEMM0 tile (r, j): H[r, j] = act(...) (H is M × inter in device memory, mostly L2 hits
       for its consumers), then ``_signal`` on the row-block counter SYNC[CNT_OFF + 2r + part].
     * GEMM1 tile (r, c[, part]): ``_wait`` until the row-block counter holds every GEMM0 tile
-      of its K range (the whole row, or halfrow's half), then stream H[r, K-range] and
-      W_down[c, K-range]. Halfrow: part 0 stores fp32 partials to PART and signals flag
-      (r, c); part 1 waits on that flag, adds the partials and stores OUT.
+      of its K range (the whole row, or halfrow's / seqsplit's half), then stream H[r, K-range]
+      and W_down[c, K-range]. Halfrow, seqsplit: part 0 stores fp32 partials to PART and
+      signals flag (r, c); part 1 waits on that flag, adds the partials and stores OUT.
+
+    Loads: with USE_TMA, x, the gate rows, the up rows, H and W_down come through host-built
+    descriptors (XD, WGD, WUD, HD, W2D; block shapes BLOCK_M/BLOCK_N0/BLOCK_N1 × BLOCK_K): the
+    copy engine zero-fills outside each tensor, so the loop carries no masks and no pointer
+    tensors, and the pipeliner keeps num_stages TMA copies in flight. Otherwise masked pointer
+    loads (cp.async). H (GEMM0's output) and OUT are always stored with ordinary stores.
+    PROXY_FENCE (TMA on a GPU; the interpreter has no PTX) fences each GEMM1 wait.
+    H100 config (sm90, Llama-3-8B): 128×128 GEMM0 tiles, two accumulators, and 128×256 GEMM1
+    tiles, 3 stages, 8 warps: 255 registers, no spills, 144 KiB of shared memory.
 
     Deadlock freedom: tickets are taken in increasing order and every tile a ticket waits on
     has a smaller ticket, so it was taken by a program that is already running and that
@@ -302,9 +365,9 @@ def mlp_persistent_kernel(
     Bytes: x, W_gate_up, W_down once if every GEMM's operands stayed in L2; in practice each
     row-group of GEMM0 re-streams W_gate_up and each row-group of GEMM1 re-streams W_down
     (``group_rows`` row-blocks share one pass), plus H written once and read once per GEMM1
-    column-block (L2), halfrow's fp32 partials (2·M·hidden·4 bytes). FLOPs 2·M·W/e.
+    column-block (L2), halfrow's / seqsplit's fp32 partials (2·M·hidden·4 bytes). FLOPs 2·M·W/e.
     """
-    if POLICY == _HALFROW:
+    if (POLICY == _HALFROW) or (POLICY == _SEQSPLIT):
         total = tiles_m * (n0 + 2 * n1)
     else:
         total = tiles_m * (n0 + n1)
@@ -313,11 +376,11 @@ def mlp_persistent_kernel(
         kind, r, j, part = ticket_to_tile(t, tiles_m, n0, n1, group_rows, half, POLICY)
         cnt = _CNT_OFF + 2 * r + part
         if kind == 0:
-            _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
-                        BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION)
+            _gemm0_tile(X, W1, H, XD, WGD, WUD, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
+                        BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION, USE_TMA)
             _signal(SYNC, cnt, THREADS)
         else:
-            if POLICY == _HALFROW:
+            if (POLICY == _HALFROW) or (POLICY == _SEQSPLIT):
                 k_split = tl.minimum(half * BLOCK_N0, inter)
                 k_lo = tl.where(part == 0, 0, k_split)
                 k_hi = tl.where(part == 0, k_split, inter)
@@ -327,9 +390,11 @@ def mlp_persistent_kernel(
                 k_hi = inter
                 expected = n0
             _wait(SYNC, cnt, expected, spin_limit, THREADS)
-            acc = _gemm1_tile(H, W2, r, j, k_lo, k_hi, M, hidden, stride_hm, stride_w2,
-                              BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION)
-            if POLICY == _HALFROW:
+            if PROXY_FENCE:
+                _proxy_fence()
+            acc = _gemm1_tile(H, W2, HD, W2D, r, j, k_lo, k_hi, M, hidden, stride_hm, stride_w2,
+                              BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION, USE_TMA)
+            if (POLICY == _HALFROW) or (POLICY == _SEQSPLIT):
                 offs_m = r * BLOCK_M + tl.arange(0, BLOCK_M)
                 offs_n = j * BLOCK_N1 + tl.arange(0, BLOCK_N1)
                 p_ptrs = PART + offs_m[:, None].to(tl.int64) * hidden + offs_n[None, :]
@@ -351,7 +416,7 @@ def mlp_persistent_kernel(
     tl.debug_barrier()
     done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(0) - 1:
-        if POLICY == _HALFROW:
+        if (POLICY == _HALFROW) or (POLICY == _SEQSPLIT):
             _reset(SYNC, _CNT_OFF, flag_off - _CNT_OFF + tiles_m * n1, 1024)
         else:
             _reset(SYNC, _CNT_OFF, 2 * tiles_m, 1024)
@@ -378,8 +443,8 @@ def mlp_gemm0_kernel(
     row-blocks, column-major inside). With SIGNAL, each tile also bumps its row-block's counter
     (the producer of the two-stream baseline). Bytes: as GEMM0 in the persistent kernel."""
     r, j = _grouped_tile(tl.program_id(0), tiles_m, n0, group_rows)
-    _gemm0_tile(X, W1, H, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
-                BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION)
+    _gemm0_tile(X, W1, H, None, None, None, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
+                BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION, False)
     if SIGNAL:
         _signal(SYNC, _CNT_OFF + 2 * r, THREADS)
 
@@ -404,8 +469,8 @@ def mlp_gemm1_kernel(
         while t < total:
             r, c = _grouped_tile(t, tiles_m, n1, group_rows)
             _wait(SYNC, _CNT_OFF + 2 * r, n0, spin_limit, THREADS)
-            acc = _gemm1_tile(H, W2, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
-                              BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION)
+            acc = _gemm1_tile(H, W2, None, None, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
+                              BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION, False)
             _store_tile(OUT, acc, r, c, M, hidden, stride_om, BLOCK_M, BLOCK_N1)
             t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
         _thread_release(SYNC, THREADS)
@@ -417,6 +482,6 @@ def mlp_gemm1_kernel(
             tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
     else:
         r, c = _grouped_tile(tl.program_id(0), tiles_m, n1, group_rows)
-        acc = _gemm1_tile(H, W2, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
-                          BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION)
+        acc = _gemm1_tile(H, W2, None, None, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
+                          BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION, False)
         _store_tile(OUT, acc, r, c, M, hidden, stride_om, BLOCK_M, BLOCK_N1)

@@ -15,11 +15,15 @@ stores them,
   intermediate and multiplies it straight into fp32 output partials (split-K over the
   intermediate, atomic adds); once every program has arrived, the last few (by id) read the
   sums with atomic exchanges and cast. Weights are read once; the intermediate stays on chip.
-* prefill (``"sequential" | "rowblock" | "multirow[:R]" | "halfrow"``): a persistent kernel
-  whose programs take GEMM0 and GEMM1 tiles from a ticket counter in a dependency-respecting
-  order; GEMM1 tiles wait on per-row-block counters that GEMM0 tiles release.
+* prefill (``"sequential[:R]" | "rowblock" | "multirow[:R]" | "halfrow" | "seqsplit[:R]"``): a
+  persistent kernel whose programs take GEMM0 and GEMM1 tiles from a ticket counter in a
+  dependency-respecting order; GEMM1 tiles wait on per-row-block counters that GEMM0 tiles
+  release. On sm90 the tiles' operands come through host-built TMA descriptors.
 
-``"auto"`` picks split-K for M ≤ 64, halfrow for at most two row-blocks, multirow:8 otherwise.
+``"auto"`` picks split-K for M ≤ 64, seqsplit:8 for at most two row-blocks of a gated FFN,
+halfrow for one row-block of a non-gated one, multirow:8 otherwise (H100, Llama-3-8B, ×
+cuBLAS + CUDA graph: at M = 128 seqsplit 0.96, halfrow 0.91; at M = 256 seqsplit 1.05,
+multirow 0.94, halfrow 0.63; from M = 512 on multirow is as fast or faster).
 
 Baselines for the bench (same tile code): :func:`mlp_two_kernels` (GEMM0+act, then GEMM1) and
 :func:`mlp_two_streams` (CuSync-style: producer and consumer kernels on two streams, flags).
@@ -38,18 +42,21 @@ from typing import Optional
 
 import torch
 
-from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQUENTIAL, SYNC_ERR,
+from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQSPLIT, SEQUENTIAL, SYNC_ERR,
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.ops.ffn import decode_config, launch_decode
 from flashflow.reference.mlp import ACTIVATIONS
 from flashflow.tuning import interpreting
 
 DECODE_MAX_M = 64
-POLICIES = ("auto", "splitk", "sequential", "rowblock", "multirow", "halfrow")
+POLICIES = ("auto", "splitk", "sequential", "rowblock", "multirow", "halfrow", "seqsplit")
+GROUPED_POLICIES = ("sequential", "multirow", "seqsplit")   # take ":R" (row-blocks per group)
 DEFAULT_GROUP_ROWS = 8
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ACT_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
-_POLICY_CODE = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULTIROW, "halfrow": HALFROW}
+_POLICY_CODE = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULTIROW, "halfrow": HALFROW,
+                "seqsplit": SEQSPLIT}
+_SPLIT_K1 = (HALFROW, SEQSPLIT)   # policies whose GEMM1 tiles run as two K-halves
 ACC_OFF = -(-CNT_OFF // 64) * 64   # split-K accumulator, 256-byte aligned, after the fixed words
 
 # Bounded spins (debug): FLASHFLOW_MLP_SPIN_LIMIT=N makes a wait give up after N polls, set the
@@ -90,11 +97,21 @@ class PersistentConfig:
     num_stages: int = 3
     programs_per_sm: int = 1
     maxnreg: Optional[int] = None   # register cap per thread (to fit programs_per_sm > 1)
+    use_tma: bool = False           # host TMA descriptors for x, W1, H, W_down (sm90+, fp16/bf16)
 
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_sms(device: torch.device) -> int:
@@ -108,15 +125,37 @@ def splitk_config(m: int, hidden: int, inter: int, device: torch.device) -> Spli
     return SplitKConfig(**decode_config(m, inter, True, device))
 
 
-def persistent_config(gated: bool, device: torch.device) -> PersistentConfig:
-    """H100, Llama-3-8B at M = 1024 (multirow:8): 128×128 GEMM0 tiles (two 128×128 fp32
-    accumulators when gated, ~236 registers, one program per SM) 667 µs; 128×64 gated tiles
-    778 µs, or 704 µs squeezed to 128 registers for two programs per SM."""
+def persistent_config(gated: bool, device: torch.device, m: Optional[int] = None) -> PersistentConfig:
+    """Tiles of the prefill kernel for M = ``m`` tokens (None: large M).
+
+    sm90+ (H100, 4096 → 14336, bf16, CUDA-graph replays, ``scripts/tune_mlp_prefill.py``,
+    ``bench/results/tune-mlp-prefill-h100.json``): operands through host TMA descriptors,
+    BLOCK_M 128, BLOCK_K 64, 8 warps, one program per SM, and
+
+    * gated, more than 4 row-blocks: 128×128 GEMM0 tiles (two fp32 accumulators), 128×256
+      GEMM1 tiles, 3 stages: 1.02–1.07× cuBLAS at M = 1024 and 4096, against 0.82× for the
+      pointer-load kernel with 128×128 GEMM1 tiles;
+    * gated, at most 4 row-blocks (M ≤ 512): 128×128 GEMM1 tiles (twice as many tiles to spread
+      over the SMs) and 4 stages: 0.94× / 0.96× cuBLAS at M = 256 / 512, against 0.75× / 0.86×
+      with 128×256 GEMM1 tiles;
+    * not gated (one accumulator): 128×256 tiles for both GEMMs, 3 stages: 0.94× cuBLAS at
+      M = 1024 and 4096, against 0.74–0.75× with 128×128 tiles.
+
+    Older GPUs: pointer loads (cp.async), 128×128 tiles everywhere."""
     if device.type != "cuda":
         return PersistentConfig(BLOCK_M=32, BLOCK_N0=32, BLOCK_N1=32, BLOCK_K=32, num_warps=4,
                                 num_stages=1)
-    return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
-                            num_stages=3)
+    if _capability(device)[0] < 9:
+        return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
+                                num_stages=3)
+    if not gated:
+        return PersistentConfig(BLOCK_M=128, BLOCK_N0=256, BLOCK_N1=256, BLOCK_K=64, num_warps=8,
+                                num_stages=3, use_tma=True)
+    if m is not None and _cdiv(m, 128) <= 4:
+        return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
+                                num_stages=4, use_tma=True)
+    return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, BLOCK_K=64, num_warps=8,
+                            num_stages=3, use_tma=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -127,18 +166,19 @@ def persistent_config(gated: bool, device: torch.device) -> PersistentConfig:
 def parse_policy(policy) -> tuple[str, int]:
     """``"multirow:4"`` -> ("multirow", 4); other names get their group size (rows sharing one
     pass over the weights). Raises ValueError naming the accepted forms."""
+    forms = f"one of {POLICIES} or 'NAME:R' with NAME in {GROUPED_POLICIES}"
     if not isinstance(policy, str):
-        raise TypeError(f"policy must be a str, one of {POLICIES} or 'multirow:R', got {type(policy).__name__}")
+        raise TypeError(f"policy must be a str, {forms}, got {type(policy).__name__}")
     name, sep, arg = policy.partition(":")
-    if name not in POLICIES or (sep and name != "multirow"):
-        raise ValueError(f"policy must be one of {POLICIES} or 'multirow:R' (R ≥ 1 row-blocks), got {policy!r}")
+    if name not in POLICIES or (sep and name not in GROUPED_POLICIES):
+        raise ValueError(f"policy must be {forms} (R ≥ 1 row-blocks, e.g. 'multirow:R'), got {policy!r}")
     if sep:
         try:
             rows = int(arg)
         except ValueError:
             rows = 0
         if rows < 1:
-            raise ValueError(f"policy 'multirow:R' needs an integer R ≥ 1, got {policy!r}")
+            raise ValueError(f"policy '{name}:R' needs an integer R ≥ 1 (e.g. 'multirow:R'), got {policy!r}")
         return name, rows
     return name, {"rowblock": 1, "halfrow": 1}.get(name, DEFAULT_GROUP_ROWS)
 
@@ -159,6 +199,9 @@ def issue_order(policy: str, tiles_m: int, n0: int, n1: int, group_rows: int = 1
     if policy == "sequential":
         return ([(0, r, j, 0) for r, j in _grouped(tiles_m, n0, group_rows)]
                 + [(1, r, j, 0) for r, j in _grouped(tiles_m, n1, group_rows)])
+    if policy == "seqsplit":
+        return ([(0, r, j, int(j >= half)) for r, j in _grouped(tiles_m, n0, group_rows)]
+                + [(1, r, j, p) for p in (0, 1) for r, j in _grouped(tiles_m, n1, group_rows)])
     if policy in ("multirow", "rowblock"):
         group_rows = 1 if policy == "rowblock" else group_rows
         out = []
@@ -176,15 +219,17 @@ def issue_order(policy: str, tiles_m: int, n0: int, n1: int, group_rows: int = 1
     raise ValueError(f"no tile order for policy {policy!r}")
 
 
-def dependency_violations(order, n0: int, halfrow: bool) -> list[str]:
-    """Every dependency of a tile must have a smaller ticket (the deadlock-freedom rule)."""
+def dependency_violations(order, n0: int, split: bool) -> list[str]:
+    """Every dependency of a tile must have a smaller ticket (the deadlock-freedom rule).
+    ``split``: GEMM1 runs as two K-halves (halfrow, seqsplit); part p needs GEMM0 columns of
+    half p, and part 1 also needs part 0 of the same tile."""
     half = _cdiv(n0, 2)
     seen, bad = set(), []
     for t, (kind, r, j, part) in enumerate(order):
         if kind == 1:
-            cols = range(n0) if not halfrow else (range(half) if part == 0 else range(half, n0))
-            needs = [(0, r, jj, int(halfrow and jj >= half)) for jj in cols]
-            if halfrow and part == 1:
+            cols = range(n0) if not split else (range(half) if part == 0 else range(half, n0))
+            needs = [(0, r, jj, int(split and jj >= half)) for jj in cols]
+            if split and part == 1:
                 needs.append((1, r, j, 0))
             bad += [f"ticket {t} {order[t]} waits on {d}, not issued before" for d in needs if d not in seen]
         seen.add((kind, r, j, part))
@@ -311,15 +356,19 @@ def _dot_precision(dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None) -> tuple[str, int]:
-    """(policy, group_rows) that ``policy`` runs as for M = ``m`` tokens ("auto" resolved)."""
+def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None,
+                   gated: bool = True) -> tuple[str, int]:
+    """(policy, group_rows) that ``policy`` runs as for M = ``m`` tokens ("auto" resolved).
+    seqsplit was measured for SwiGLU only; non-gated FFNs keep halfrow for one row-block."""
     name, rows = parse_policy(policy)
     if name != "auto":
         return name, rows
     if m <= DECODE_MAX_M:
         return "splitk", 1
     tiles_m = _cdiv(m, (cfg.BLOCK_M if cfg else 128))
-    return ("halfrow", 1) if tiles_m <= 2 else ("multirow", DEFAULT_GROUP_ROWS)
+    if gated and tiles_m <= 2:
+        return "seqsplit", DEFAULT_GROUP_ROWS
+    return ("halfrow", 1) if tiles_m == 1 else ("multirow", DEFAULT_GROUP_ROWS)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,38 +388,77 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     return launch_decode(x2, w1, w2, activation, acc, cfg)
 
 
+def _tma_capable(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return interpreting()   # the interpreter emulates descriptors (tests of the TMA path)
+    return _capability(device)[0] >= 9
+
+
+def _tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Descriptors need 16-byte aligned bases and row strides (the last stride is 1)."""
+    return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
+               for t in tensors)
+
+
+def _descriptors(x2, w1, w2, h, inter, gated, cfg):
+    """Host TMA descriptors (x, gate rows, up rows, H, W_down), or None where the pointer path
+    must run. The gate and up rows get a descriptor each, so a gate tile past ``inter`` is
+    zero-filled instead of reading up rows."""
+    if not (cfg.use_tma and x2.dtype in (torch.float16, torch.bfloat16) and _tma_capable(x2.device)):
+        return None
+    gate, up = (w1[:inter], w1[inter:]) if gated else (w1, w1)
+    if not _tma_aligned(x2, gate, up, w2, h):
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t, block):
+        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
+
+    bm, bk = cfg.BLOCK_M, cfg.BLOCK_K
+    return (desc(x2, [bm, bk]), desc(gate, [cfg.BLOCK_N0, bk]), desc(up, [cfg.BLOCK_N0, bk]),
+            desc(h, [bm, bk]), desc(w2, [cfg.BLOCK_N1, bk]))
+
+
 def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFAULT_GROUP_ROWS,
                       workspace=None, config: Optional[PersistentConfig] = None,
-                      num_programs: Optional[int] = None):
+                      num_programs: Optional[int] = None, out: Optional[torch.Tensor] = None,
+                      h: Optional[torch.Tensor] = None):
+    """Prefill regime. ``out`` (M, hidden) and ``h`` (M, inter), contiguous, may be given (the
+    GPU checks pass NaN-filled ones, so a tile that is never written shows)."""
     m, hidden = x2.shape
     inter = w2.shape[1]
     gated = activation == "swiglu"
-    cfg = config or persistent_config(gated, x2.device)
-    out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
+    cfg = config or persistent_config(gated, x2.device, m)
+    if out is None:
+        out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
     if m == 0:
         return out
     tiles_m, n0, n1 = _cdiv(m, cfg.BLOCK_M), _cdiv(inter, cfg.BLOCK_N0), _cdiv(hidden, cfg.BLOCK_N1)
-    if policy == "halfrow" and n0 < 2:
-        policy = "rowblock"  # one intermediate block: nothing to halve
+    if policy in ("halfrow", "seqsplit") and n0 < 2:
+        policy = "rowblock" if policy == "halfrow" else "sequential"  # one intermediate block: nothing to halve
     group_rows = 1 if policy in ("rowblock", "halfrow") else max(1, group_rows)
     code = _POLICY_CODE[policy]
-    halfrow = code == HALFROW
-    total = tiles_m * (n0 + (2 if halfrow else 1) * n1)
+    split = code in _SPLIT_K1
+    total = tiles_m * (n0 + (2 if split else 1) * n1)
     buf = _buffer(workspace, sync_words(m, hidden, cfg), x2.device)
-    h = torch.empty((m, inter), dtype=x2.dtype, device=x2.device)
-    part = torch.empty((m, hidden), dtype=torch.float32, device=x2.device) if halfrow else out
+    if h is None:
+        h = torch.empty((m, inter), dtype=x2.dtype, device=x2.device)
+    part = torch.empty((m, hidden), dtype=torch.float32, device=x2.device) if split else out
     programs = num_programs or num_sms(x2.device) * cfg.programs_per_sm
     programs = max(1, min(programs, total))
     threads = cfg.num_warps * 32
     assert threads <= MAX_THREADS and cfg.BLOCK_N0 % cfg.BLOCK_K == 0
+    descs = _descriptors(x2, w1, w2, h, inter, gated, cfg)
+    use_tma = descs is not None
     spin = _spin_limit(x2.device)
     mlp_persistent_kernel[(programs,)](
-        x2, w1, w2, h, out, part, buf, m, hidden, inter,
+        x2, w1, w2, h, out, part, buf, *(descs or (None,) * 5), m, hidden, inter,
         x2.stride(0), w1.stride(0), w2.stride(0), h.stride(0), out.stride(0),
         tiles_m, n0, n1, group_rows, _cdiv(n0, 2), CNT_OFF + 2 * tiles_m, spin,
         POLICY=code, BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_N1=cfg.BLOCK_N1,
         BLOCK_K=cfg.BLOCK_K, GATED=gated, ACTIVATION=_ACT_CODE[activation], THREADS=threads,
-        DOT_PRECISION=_dot_precision(x2.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=_dot_precision(x2.dtype), USE_TMA=use_tma, PROXY_FENCE=use_tma and x2.is_cuda,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x2.is_cuda else {}),
     )
     _check_error(buf, spin)
@@ -379,8 +467,8 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
 
 def _fused_mlp_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
                     policy: str, workspace: Optional[MlpWorkspace] = None) -> torch.Tensor:
-    cfg = persistent_config(activation == "swiglu", x2.device)
-    name, rows = resolve_policy(policy, x2.shape[0], cfg)
+    cfg = persistent_config(activation == "swiglu", x2.device, x2.shape[0])
+    name, rows = resolve_policy(policy, x2.shape[0], cfg, activation == "swiglu")
     if name == "splitk":
         return launch_splitk(x2, w1, w2, activation, workspace)
     return launch_persistent(x2, w1, w2, activation, name, rows, workspace, cfg)
@@ -414,7 +502,8 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
         w_down: ``(hidden, intermediate)``.
         activation: ``"swiglu"``, ``"gelu"`` (tanh approximation), ``"silu"`` or ``"relu"``.
         policy: ``"auto"``; ``"splitk"`` (decode kernel, M ≤ 64); or a persistent-kernel tile
-            order: ``"sequential"``, ``"rowblock"``, ``"multirow"`` / ``"multirow:R"``, ``"halfrow"``.
+            order: ``"sequential"``, ``"rowblock"``, ``"multirow"`` / ``"multirow:R"``, ``"halfrow"``,
+            ``"seqsplit"`` (``"sequential"`` and ``"seqsplit"`` also take ``:R``).
         workspace: an :class:`MlpWorkspace` (``max_tokens`` ≥ this call's tokens) to reuse
             across calls and CUDA-graph replays; None allocates a zeroed one per call.
     Returns:

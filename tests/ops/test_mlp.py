@@ -9,7 +9,7 @@ scripts/gpu_mlp.py.
 import pytest
 import torch
 
-from flashflow.kernels.mlp import CNT_OFF, HALFROW, MULTIROW, SEQUENTIAL, mlp_ticket_map_kernel
+from flashflow.kernels.mlp import CNT_OFF, HALFROW, MULTIROW, SEQSPLIT, SEQUENTIAL, mlp_ticket_map_kernel
 from flashflow.ops import mlp
 from flashflow.ops.mlp import (MlpWorkspace, PersistentConfig, SplitKConfig, dependency_violations, fused_mlp,
                                issue_order, launch_persistent, launch_splitk, mlp_two_kernels, mlp_two_streams,
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_availab
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
 DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 TOL = 5e-3
-PERSISTENT = ("sequential", "rowblock", "multirow", "multirow:2", "halfrow")
+PERSISTENT = ("sequential", "rowblock", "multirow", "multirow:2", "halfrow", "seqsplit", "sequential:2")
 
 
 def weights(act, hidden, inter, dtype=torch.float16, seed=0):
@@ -71,7 +71,7 @@ def test_persistent_every_policy_and_activation(act, policy):
     assert rel(out, ref_of(x, w1, w2, act)) < TOL
 
 
-@pytest.mark.parametrize("policy", ["halfrow", "multirow:2", "sequential"])
+@pytest.mark.parametrize("policy", ["halfrow", "multirow:2", "sequential", "seqsplit:2"])
 def test_persistent_odd_m_130(policy):
     x = tokens(130, 48)
     w1, w2 = weights("swiglu", 48, 96)
@@ -114,12 +114,13 @@ def test_custom_op_matches_direct_call():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy,programs", [("halfrow", 1), ("halfrow", 2), ("multirow", 2), ("sequential", 2)])
+@pytest.mark.parametrize("policy,programs", [("halfrow", 1), ("halfrow", 2), ("multirow", 2), ("sequential", 2),
+                                             ("seqsplit", 1), ("seqsplit", 2)])
 def test_fewer_programs_than_tiles(policy, programs):
     x = tokens(70, 48)
     w1, w2 = weights("swiglu", 48, 96)
     cfg = PersistentConfig(BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16, num_warps=4, num_stages=1)
-    tiles = 5 * (6 + (2 if policy == "halfrow" else 1) * 3)      # 5 row-blocks, 6 + 3 tiles each
+    tiles = 5 * (6 + (2 if policy in ("halfrow", "seqsplit") else 1) * 3)      # 5 row-blocks, 6 + 3 tiles each
     assert tiles >= 20 * programs
     ws = MlpWorkspace(48, max_tokens=70, device=DEVICE)
     out = launch_persistent(x, w1, w2, "swiglu", policy, 2, workspace=ws, config=cfg, num_programs=programs)
@@ -127,12 +128,35 @@ def test_fewer_programs_than_tiles(policy, programs):
     assert int(ws.buffer.count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+def test_tma_path_every_policy(act, monkeypatch):
+    """The descriptor path (sm90's default; the interpreter emulates descriptors): odd sizes, so
+    the copy engine's zero fill stands in for every mask (a gate tile past ``inter`` must not
+    read up rows); out and H start as NaN, so a tile never written shows."""
+    made = []
+    real = mlp._descriptors
+    monkeypatch.setattr(mlp, "_descriptors", lambda *a: made.append(real(*a)) or made[-1])
+    m, hidden, inter = 70, 80, 168
+    x = tokens(m, hidden)
+    w1, w2 = weights(act, hidden, inter)
+    ref = ref_of(x, w1, w2, act)
+    cfg = PersistentConfig(BLOCK_M=32, BLOCK_N0=32, BLOCK_N1=32, BLOCK_K=32, num_warps=4, num_stages=1, use_tma=True)
+    for policy, rows in (("sequential", 2), ("multirow", 2), ("rowblock", 1), ("halfrow", 1), ("seqsplit", 2)):
+        ws = MlpWorkspace(hidden, max_tokens=m, device=DEVICE)
+        out = torch.full((m, hidden), float("nan"), dtype=x.dtype, device=DEVICE)
+        h = torch.full((m, inter), float("nan"), dtype=x.dtype, device=DEVICE)
+        launch_persistent(x, w1, w2, act, policy, rows, workspace=ws, config=cfg, out=out, h=h)
+        assert made[-1] is not None, "descriptor path not taken"
+        assert rel(out, ref) < TOL, policy
+        assert int(ws.buffer.count_nonzero()) == 0, policy
+
+
 def test_repeated_calls_share_one_workspace():
     """A counter or accumulator left dirty by one call would corrupt the next one."""
     ws = MlpWorkspace(48, max_tokens=130, device=DEVICE)
     w1, w2 = weights("swiglu", 48, 96)
     calls = [(5, "splitk"), (130, "halfrow"), (5, "splitk"), (64, "splitk"), (70, "sequential"),
-             (130, "multirow:2"), (130, "rowblock"), (1, "auto"), (100, "two-streams")]
+             (130, "multirow:2"), (130, "rowblock"), (130, "seqsplit"), (1, "auto"), (100, "two-streams")]
     for seed, (m, policy) in enumerate(calls):
         x = tokens(m, 48, seed=seed)
         if policy == "two-streams":
@@ -157,16 +181,18 @@ def test_splitk_several_programs_share_the_output():
 _ORDER_CASES = [("sequential", 1, 3, 2, 1), ("sequential", 5, 4, 3, 2), ("sequential", 7, 3, 5, 8),
                 ("rowblock", 3, 5, 2, 1), ("multirow", 5, 4, 3, 2), ("multirow", 7, 2, 3, 3),
                 ("multirow", 2, 6, 4, 8), ("halfrow", 3, 5, 2, 1), ("halfrow", 2, 2, 3, 1),
-                ("halfrow", 4, 7, 1, 1)]
+                ("halfrow", 4, 7, 1, 1), ("seqsplit", 3, 5, 2, 2), ("seqsplit", 1, 2, 3, 8),
+                ("seqsplit", 5, 7, 4, 3)]
 
 
 @pytest.mark.parametrize("policy,tiles_m,n0,n1,rows", _ORDER_CASES)
 def test_ticket_map_matches_python_order_and_respects_dependencies(policy, tiles_m, n0, n1, rows):
     order = issue_order(policy, tiles_m, n0, n1, rows)
-    halfrow = policy == "halfrow"
-    assert len(order) == len(set(order)) == tiles_m * (n0 + (2 if halfrow else 1) * n1)
-    assert dependency_violations(order, n0, halfrow) == []
-    code = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULTIROW, "halfrow": HALFROW}[policy]
+    split = policy in ("halfrow", "seqsplit")
+    assert len(order) == len(set(order)) == tiles_m * (n0 + (2 if split else 1) * n1)
+    assert dependency_violations(order, n0, split) == []
+    code = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULTIROW, "halfrow": HALFROW,
+            "seqsplit": SEQSPLIT}[policy]
     got = torch.full((len(order), 4), -1, dtype=torch.int32, device=DEVICE)
     block = 64
     mlp_ticket_map_kernel[(-(-len(order) // block),)](
@@ -205,12 +231,18 @@ def test_wait_that_cannot_be_met_fails_loudly(monkeypatch):
 
 def test_policy_parsing_and_auto_choice():
     assert parse_policy("multirow:3") == ("multirow", 3)
+    assert parse_policy("sequential:4") == ("sequential", 4)
+    assert parse_policy("seqsplit:2") == ("seqsplit", 2)
+    assert parse_policy("seqsplit") == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
     assert parse_policy("rowblock") == ("rowblock", 1)
     assert parse_policy("multirow") == ("multirow", mlp.DEFAULT_GROUP_ROWS)
     assert resolve_policy("auto", 64)[0] == "splitk"
     gpu = PersistentConfig(BLOCK_M=128, BLOCK_N0=64, BLOCK_N1=128, BLOCK_K=64)
-    assert resolve_policy("auto", 65, gpu) == ("halfrow", 1)
-    assert resolve_policy("auto", 256, gpu) == ("halfrow", 1)
+    assert resolve_policy("auto", 65, gpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
+    assert resolve_policy("auto", 256, gpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
+    assert resolve_policy("auto", 257, gpu) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
+    assert resolve_policy("auto", 256, gpu, gated=False) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
+    assert resolve_policy("auto", 100, gpu, gated=False) == ("halfrow", 1)
     assert resolve_policy("auto", 4096, gpu) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
     assert resolve_policy("sequential", 1) == ("sequential", mlp.DEFAULT_GROUP_ROWS)
     assert CNT_OFF % 2 == 0 and mlp.ACC_OFF >= CNT_OFF and mlp.ACC_OFF % 64 == 0
