@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 import torch
 import triton
 
-from flashflow.bench.decode import PAGE_SIZE, cycling, graph_time_ms, kv_bytes, rotation
+from flashflow.bench.decode import PAGE_SIZE, cycling, graph_time_ms, kv_bytes, paged_copy, rotation
 from flashflow.ops.decode import DecodeConfig, DecodePlan
 
 SETS = {
@@ -44,12 +44,7 @@ def main():
         kc = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16)
         vc = torch.randn_like(kc)
         lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
-        per = s // PAGE_SIZE
-        table = torch.randperm(b * per, device="cuda").reshape(b, per).int()
-        kp = torch.empty(b * per, PAGE_SIZE, hk, d, device="cuda", dtype=torch.bfloat16)
-        vp = torch.empty_like(kp)
-        kp[table.flatten().long()] = kc.reshape(b * per, PAGE_SIZE, hk, d)
-        vp[table.flatten().long()] = vc.reshape(b * per, PAGE_SIZE, hk, d)
+        kp, vp, table = paged_copy(kc, vc, PAGE_SIZE)
         nbytes = kv_bytes(b, s, hk, d)
         copies = rotation(nbytes, l2)
         kv = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]

@@ -103,6 +103,20 @@ def cycling(make, copies: int):
     return lambda: next(it)()
 
 
+def paged_copy(k_cache, v_cache, page: int, generator=None):
+    """The same contiguous ``(b, s, hk, d)`` caches as pages ``(b·s/page, page, hk, d)`` in a
+    shuffled order, with the int32 block table ``(b, s/page)`` that reads them back."""
+    b, s, hk, d = k_cache.shape
+    per_seq = s // page
+    table = torch.randperm(b * per_seq, device=k_cache.device, generator=generator).reshape(b, per_seq).int()
+    pages = []
+    for c in (k_cache, v_cache):
+        p = torch.empty(b * per_seq, page, hk, d, device=c.device, dtype=c.dtype)
+        p[table.flatten().long()] = c[:, :per_seq * page].reshape(b * per_seq, page, hk, d)
+        pages.append(p)
+    return pages[0], pages[1], table
+
+
 def make_providers(b, s, h, hk, d, dtype):
     import flashflow
 
@@ -121,14 +135,8 @@ def make_providers(b, s, h, hk, d, dtype):
     kv = clones(k_cache, v_cache)
     provs = {"flashflow": cycling(lambda i: lambda: plan.run(q, *kv[i], cache_seqlens=seqlens), copies)}
 
-    # paged copy of the same cache, pages shuffled
+    k_pages, v_pages, table = paged_copy(k_cache, v_cache, PAGE_SIZE, generator=g)
     per_seq = s // PAGE_SIZE
-    perm = torch.randperm(b * per_seq, device="cuda", generator=g)
-    table = perm.reshape(b, per_seq).int()
-    k_pages = torch.empty(b * per_seq, PAGE_SIZE, hk, d, device="cuda", dtype=dtype)
-    v_pages = torch.empty_like(k_pages)
-    k_pages[table.flatten().long()] = k_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
-    v_pages[table.flatten().long()] = v_cache.reshape(b * per_seq, PAGE_SIZE, hk, d)
     pages = clones(k_pages, v_pages)
     provs["flashflow-paged"] = cycling(
         lambda i: lambda: plan.run(q, *pages[i], cache_seqlens=seqlens, block_table=table), copies)

@@ -256,3 +256,15 @@ def test_decode_bench_cycles_cache_copies_past_l2():
     for _ in range(7):
         step()
     assert seen == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_decode_bench_paged_copy_reads_back_the_cache():
+    import torch
+
+    from flashflow.bench.decode import paged_copy
+
+    k, v = torch.randn(2, 64, 3, 8), torch.randn(2, 64, 3, 8)
+    kp, vp, table = paged_copy(k, v, 16)
+    assert table.dtype == torch.int32 and tuple(table.shape) == (2, 4)
+    assert torch.equal(kp[table.long()].reshape(2, 64, 3, 8), k)
+    assert torch.equal(vp[table.long()].reshape(2, 64, 3, 8), v)
