@@ -48,10 +48,10 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 TOL = 1e-2
-PHASE_LIMITS_S = {"check": 170, "stress": 90, "bench": 330, "ncu": 420}
+PHASE_LIMITS_S = {"check": 170, "stress": 150, "bench": 400, "ncu": 500}
 QUICK_LIMITS_S = {"check": 120, "stress": 60, "bench": 200, "ncu": 300}
 NCU_METRICS = ("dram__bytes_read.sum", "dram__bytes_write.sum")
-NCU_PROVIDERS = ("sequential", "rowblock", "multirow", "halfrow", "two-kernels", "torch-graph")
+NCU_PROVIDERS = ("sequential", "rowblock", "multirow", "halfrow", "seqsplit", "two-kernels", "torch-graph")
 NCU_TOKENS = (1024, 4096)
 
 
@@ -68,7 +68,8 @@ def check_cases(quick: bool) -> list[tuple]:
     """(dtype name, activation, M, hidden, inter, variant, layout)."""
     odd_small = [(1, 1000, 3000), (7, 520, 1000), (64, 512, 1536)]
     odd_large = [(130, 520, 1000), (300, 1000, 3000)]
-    persistent = ["sequential", "rowblock", "multirow", "multirow:2", "halfrow", "two-kernels", "two-streams"]
+    persistent = ["sequential", "rowblock", "multirow", "multirow:2", "halfrow", "seqsplit", "two-kernels",
+                  "two-streams"]
     cases = []
     plan = [("bfloat16", a) for a in ("swiglu", "gelu", "silu", "relu")]
     plan += [("float16", a) for a in (("swiglu",) if quick else ("swiglu", "gelu"))]
@@ -82,7 +83,7 @@ def check_cases(quick: bool) -> list[tuple]:
             cases.append((dtype, act, m, 520, 1000, "auto", "plain"))
     for m in ((1, 16) if quick else (1, 16, 64)):
         cases.append(("bfloat16", "swiglu", m, 4096, 14336, "splitk", "plain"))
-    for v in (["multirow", "halfrow"] if quick else persistent):
+    for v in (["multirow", "halfrow", "auto"] if quick else persistent + ["auto"]):
         cases.append(("bfloat16", "swiglu", 256, 4096, 14336, v, "plain"))
     cases.append(("bfloat16", "swiglu", 5, 520, 1000, "auto", "3d-strided"))
     cases.append(("bfloat16", "gelu", 200, 520, 1000, "auto", "3d-strided"))
@@ -156,6 +157,7 @@ def phase_stress(args) -> dict:
 
     runs = 100
     variants = [("splitk", 16), ("splitk", 64)] + [(p, 512) for p in ("sequential", "rowblock", "multirow", "halfrow")]
+    variants += [("seqsplit", 256), ("auto", 256), ("multirow", 4096)]
     variants.append(("two-streams", 512))
     out_rows = []
     for policy, m in variants:

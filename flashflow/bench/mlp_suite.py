@@ -33,8 +33,8 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 QUICK_TOKENS = (1, 16, 64, 1024)
 ANCHOR = "torch-graph"
 PROVIDERS = (ANCHOR, "flashflow", "splitk", "sequential", "rowblock", "multirow", "halfrow",
-             "two-kernels", "two-streams")
-POLICY_PROVIDERS = ("splitk", "sequential", "rowblock", "multirow", "halfrow")
+             "seqsplit", "two-kernels", "two-streams")
+POLICY_PROVIDERS = ("splitk", "sequential", "rowblock", "multirow", "halfrow", "seqsplit")
 
 
 def weight_bytes(activation: str, hidden: int, inter: int, elt: int = 2) -> int:
@@ -88,6 +88,30 @@ def make_providers(x, w1, w2, activation, names=PROVIDERS) -> dict:
             continue
         table[p] = (lambda p=p: mlp.fused_mlp(x, w1, w2, activation, p, workspace=ws))
     return {n: table[n] for n in names if n in table}
+
+
+def model_traffic(activation: str, hidden: int, inter: int, m: int, policy: str,
+                  capability=(9, 0), hw=None) -> dict:
+    """DRAM bytes the dataflow model predicts for one call of the persistent kernel: its own
+    tiles (:func:`flashflow.ops.mlp.persistent_config_for`) in its own ticket order
+    (:func:`flashflow.ops.mlp.issue_order`), replayed through ``hw``'s L2 (default: the
+    partitioned H100 model, :data:`flashflow.dataflow.model.H100_PARTITIONED`)."""
+    from flashflow.dataflow.chain import FfnShape, simulate_tickets
+    from flashflow.dataflow.model import H100_PARTITIONED
+    from flashflow.ops import mlp
+
+    gated = activation == "swiglu"
+    cfg = mlp.persistent_config_for(gated, capability, m)
+    name, rows = mlp.resolve_policy(policy, m, cfg, gated)
+    if name == "splitk":
+        raise ValueError(f"the traffic model covers the persistent kernel (M > {mlp.DECODE_MAX_M}), got M={m}")
+    s = FfnShape(m, hidden, inter, cfg.BLOCK_M, cfg.BLOCK_N0, cfg.BLOCK_K, 2, gated, block_n1=cfg.BLOCK_N1)
+    order = mlp.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
+    r = simulate_tickets(s, order, hw or H100_PARTITIONED)
+    if r.deadlocked:
+        return {"policy": f"{name}:{rows}", "error": r.error}
+    return {"policy": f"{name}:{rows}", "read_bytes": r.traffic.read_bytes,
+            "write_bytes": r.traffic.write_bytes, "makespan_ksteps": r.traffic.makespan}
 
 
 def steps_for(m: int) -> int:

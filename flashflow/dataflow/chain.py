@@ -45,11 +45,14 @@ class FfnShape:
     block_k: int = 64
     elem_bytes: int = 2
     gated: bool = True      # W_gate_up holds two matrices (gate and up)
+    block_n1: int = 0       # GEMM1's output tile width; 0: block_n (GEMM0's)
 
     def __post_init__(self):
         for name in ("M", "hidden", "intermediate", "block_m", "block_n", "block_k",
                      "elem_bytes"):
             _positive_int(name, getattr(self, name))
+        if self.block_n1:
+            _positive_int("block_n1", self.block_n1)
         if self.block_n % self.block_k:
             raise ValueError(f"block_n ({self.block_n}) must be a multiple of block_k "
                              f"({self.block_k}): GEMM1 reads GEMM0's tiles in K-steps")
@@ -63,8 +66,12 @@ class FfnShape:
         return -(-self.intermediate // self.block_n)
 
     @property
+    def bn1(self) -> int:
+        return self.block_n1 or self.block_n
+
+    @property
     def tiles_n1(self) -> int:
-        return -(-self.hidden // self.block_n)
+        return -(-self.hidden // self.bn1)
 
     @property
     def k_steps0(self) -> int:
@@ -101,7 +108,7 @@ def _gemm0_job(s: FfnShape, r: int, j: int) -> Job:
 def _gemm1_job(s: FfnShape, r: int, c: int, deps: str, g0_index: dict) -> Job:
     e = s.elem_bytes
     rows = s._rows(r)
-    cols = s._span(s.hidden, s.block_n, c)
+    cols = s._span(s.hidden, s.bn1, c)
     per_tile = s.block_n // s.block_k
     steps, waits = [], []
     for sub in range(s.k_steps1):
@@ -153,6 +160,73 @@ def chain_jobs(s: FfnShape, policy: str, deps: str = "tile") -> list[Job]:
     g0_index = {(r, j): i for i, (kind, r, j) in enumerate(names) if kind == "gemm0"}
     return [_gemm0_job(s, r, j) if kind == "gemm0" else _gemm1_job(s, r, j, deps, g0_index)
             for kind, r, j in names]
+
+
+def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4) -> list[Job]:
+    """The persistent FFN kernel's tiles as model jobs, in the kernel's own ticket order.
+
+    ``order``: ``(kind, r, j, part)`` per ticket, as ``flashflow.ops.mlp.issue_order`` spells
+    the kernel's policies (kind 0: GEMM0 tile (r, j); kind 1: GEMM1 tile (r, j); ``part``:
+    the K-half of a split GEMM1 tile, or which half of the row a GEMM0 tile belongs to).
+    The waits are the kernel's: a GEMM1 tile starts when its row-block counter holds every
+    GEMM0 tile it reads (all of row-block r, or one half when GEMM1 is split in K-halves).
+    A split tile's part 0 writes fp32 partials (``partial_bytes`` each) through the cache
+    (write-allocate: part 1 reads them back); part 1 waits on part 0 after its K loop, reads
+    the partials in its last step and stores the output.
+    """
+    order = [tuple(t) for t in order]
+    split = any(kind == 1 and part == 1 for kind, _, _, part in order)
+    half = -(-s.tiles_n0 // 2)
+    k_split = min(half * s.block_n, s.intermediate)
+    index = {t: i for i, t in enumerate(order)}
+    g0 = {(r, j): i for i, (kind, r, j, _) in enumerate(order) if kind == 0}
+    e = s.elem_bytes
+    jobs = []
+    for kind, r, j, part in order:
+        if kind == 0:
+            jobs.append(_gemm0_job(s, r, j))
+            continue
+        rows, cols = s._rows(r), s._span(s.hidden, s.bn1, j)
+        lo, hi = ((0, k_split) if part == 0 else (k_split, s.intermediate)) if split \
+            else (0, s.intermediate)
+        cols0 = range(s.tiles_n0) if not split else (range(half) if part == 0
+                                                     else range(half, s.tiles_n0))
+        steps = []
+        for sub in range(lo // s.block_k, -(-hi // s.block_k)):
+            depth = s._span(s.intermediate, s.block_k, sub)
+            steps.append([(("H", r, sub), rows * depth * e), (("W1", j, sub), depth * cols * e)])
+        waits = [()] * len(steps)
+        waits[0] = tuple(g0[(r, c)] for c in cols0)
+        partial = (("P", r, j), rows * cols * partial_bytes)
+        if split and part == 1:
+            steps[-1].append(partial)
+            waits[-1] = waits[-1] + (index[(1, r, j, 0)],)
+        if split and part == 0:
+            jobs.append(Job(name=("gemm1", r, j, 0), steps=tuple(map(tuple, steps)),
+                            writes=(partial,), waits=tuple(waits)))
+        else:
+            jobs.append(Job(name=("gemm1", r, j, part), steps=tuple(map(tuple, steps)),
+                            store_bytes=rows * cols * e, waits=tuple(waits)))
+    missing = [t for t in order if t[0] == 1 and any((t[1], c) not in g0 for c in range(s.tiles_n0))]
+    if missing:
+        raise ValueError(f"order has GEMM1 tiles without their GEMM0 row, e.g. {missing[0]}")
+    return jobs
+
+
+def simulate_tickets(s: FfnShape, order, hw, partial_bytes: int = 4) -> ChainResult:
+    """Traffic of the kernel's ticket order on ``hw`` (a :class:`~flashflow.dataflow.model.
+    Hardware`): slots = SMs × tiles per SM, its L2 (unified or partitioned) and drift, the
+    stagger measured in GEMM0 K-steps (one GEMM0 tile's length)."""
+    jobs = ticket_jobs(s, order, partial_bytes)
+    opts = hw.machine_options()
+    stagger = round(opts.pop("drift", 0.0) * s.k_steps0)
+    sharing = opts.pop("sharing", "home")
+    try:
+        sched = schedule(jobs, hw.slots, stagger=stagger, **opts)
+    except DeadlockError as e:
+        return ChainResult("tickets", "kernel", None, None, str(e))
+    return ChainResult("tickets", "kernel", replay(sched, jobs, hw.l2_bytes, "lru", sharing=sharing),
+                       sched)
 
 
 @dataclass

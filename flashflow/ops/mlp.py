@@ -145,7 +145,13 @@ def persistent_config(gated: bool, device: torch.device, m: Optional[int] = None
     if device.type != "cuda":
         return PersistentConfig(BLOCK_M=32, BLOCK_N0=32, BLOCK_N1=32, BLOCK_K=32, num_warps=4,
                                 num_stages=1)
-    if _capability(device)[0] < 9:
+    return persistent_config_for(gated, _capability(device), m)
+
+
+def persistent_config_for(gated: bool, capability: tuple[int, int], m: Optional[int] = None) -> PersistentConfig:
+    """:func:`persistent_config` for a CUDA GPU of compute ``capability`` (no device needed:
+    the bench's traffic model asks what the H100 runs)."""
+    if capability[0] < 9:
         return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
                                 num_stages=3)
     if not gated:
