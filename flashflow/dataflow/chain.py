@@ -180,6 +180,9 @@ def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4) -> list[Job]:
     k_split = min(half * s.block_n, s.intermediate)
     index = {t: i for i, t in enumerate(order)}
     g0 = {(r, j): i for i, (kind, r, j, _) in enumerate(order) if kind == 0}
+    missing = [t for t in order if t[0] == 1 and any((t[1], c) not in g0 for c in range(s.tiles_n0))]
+    if missing:
+        raise ValueError(f"order has GEMM1 tiles without their GEMM0 row, e.g. {missing[0]}")
     e = s.elem_bytes
     jobs = []
     for kind, r, j, part in order:
@@ -207,9 +210,6 @@ def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4) -> list[Job]:
         else:
             jobs.append(Job(name=("gemm1", r, j, part), steps=tuple(map(tuple, steps)),
                             store_bytes=rows * cols * e, waits=tuple(waits)))
-    missing = [t for t in order if t[0] == 1 and any((t[1], c) not in g0 for c in range(s.tiles_n0))]
-    if missing:
-        raise ValueError(f"order has GEMM1 tiles without their GEMM0 row, e.g. {missing[0]}")
     return jobs
 
 
