@@ -12,6 +12,7 @@ import torch
 from gpu_cases import Cases
 
 import flashflow
+from flashflow.ops.decode import DecodeConfig, DecodePlan
 from flashflow.reference.decode import kvcache_attention_ref, to_ft_k, to_ft_v
 
 TOL = 1e-2
@@ -20,7 +21,8 @@ rel, record, results = _cases.rel, _cases.record, _cases.results
 
 
 def case(dtype, lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_new=0, page=None,
-         causal=True, window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD"):
+         causal=True, window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", config=None, poison=False):
+    """``poison``: cache rows past each sequence's length hold NaN (what a reused page may hold)."""
     batch = len(lens)
     if page is None:
         k_cache = torch.randn(batch, capacity, kv_heads, d, dtype=dtype, device="cuda")
@@ -37,20 +39,32 @@ def case(dtype, lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_
     k = torch.randn(batch, n_new, kv_heads, d, dtype=dtype, device="cuda") if n_new else None
     v = torch.randn_like(k) if n_new else None
     seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if poison:
+        for c in (k_cache, v_cache):
+            for i, n in enumerate(lens):
+                pos = torch.arange(n, capacity, device="cuda")
+                if page is None:
+                    c[i, pos] = float("nan")
+                else:
+                    c[table[i, pos // page].long(), pos % page] = float("nan")
     ref, ref_lse, ref_k, ref_v = kvcache_attention_ref(
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), seqlens, table, causal=causal, window_size=window,
         softcap=softcap, kv_layout=kv_layout)
+    plan = None if config is None else DecodePlan(batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q,
+                                                  num_splits=num_splits, config=config)
     out, lse = flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
                                                  block_table=table, causal=causal, window_size=window,
                                                  softcap=softcap, num_splits=num_splits, return_lse=True,
-                                                 kv_layout=kv_layout)
+                                                 kv_layout=kv_layout, plan=plan)
     fin = torch.isfinite(ref_lse)
     ok_lse = bool((lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-2) if fin.any() else True
-    ok_cache = torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)
+    ok_cache = all(torch.allclose(c.double(), r, rtol=0, atol=0, equal_nan=True)
+                   for c, r in ((k_cache, ref_k), (v_cache, ref_v)))
     err = rel(out, ref)
     name = (f"{str(dtype)[6:]} lens={lens} h{heads}/{kv_heads} d{d} sq{seqlen_q} new{n_new} page={page} "
-            f"causal={causal} win={window} softcap={softcap} splits={num_splits} {kv_layout}")
+            f"causal={causal} win={window} softcap={softcap} splits={num_splits} {kv_layout}"
+            + (f" config={config}" if config else "") + (" NaN past the end" if poison else ""))
     record(name, err, err <= TOL and ok_lse and ok_cache and torch.isfinite(out).all().item())
 
 
@@ -102,6 +116,15 @@ def main():
         # more (sequence, KV head) programs than SMs, long streams: the 128-token-tile config
         case(dtype, [4096, 1, 3000, 17] * 5, capacity=4096)
         case(dtype, [4096, 1, 3000, 17] * 5, capacity=4096, page=64)
+        # explicit configs, paged tiles of one page (table entry read a tile ahead) or over two
+        # (rows gathered), over rows past the end that hold NaN
+        for cfg in (DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 5), DecodeConfig(128, 4, 3)):
+            for page in (None, 64, 128, 256):
+                case(dtype, [4096, 1, 3000, 17, 200], capacity=4096, page=page, config=cfg, poison=True)
+                case(dtype, [0, 33, 4000], n_new=2, seqlen_q=2, page=page, num_splits=3, config=cfg)
+            case(dtype, [500, 4000], window=(256, 0), page=64, num_splits=4, config=cfg, poison=True)
+            case(dtype, [500, 4000], softcap=30.0, heads=32, kv_heads=32, page=128, config=cfg)
+            case(dtype, [300, 1000], heads=16, kv_heads=2, d=80, capacity=1024, page=64, config=cfg)
         graph_case(dtype)
     _cases.finish("decode GPU cases", args.json)
 

@@ -31,22 +31,23 @@ import triton.language as tl
 
 
 @triton.jit
-def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, offs_n, offs_d, valid_n,
+def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_d, valid_n,
              sk0, sk1, sk2, sk3, sv0, sv1, sv2, stride_bt,
              PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
              PAGE_ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Pointers to the K and V rows of cache positions ``offs_n`` (tokens) of (b, kvh)."""
+    """Pointers to the K and V rows of cache positions ``offs_n`` (tokens) of (b, kvh); ``page``:
+    the tile's table entry where the tile lies in one page (``PAGE_ALIGNED``), read by the caller."""
     if LAYOUT == 1 and PAGE_ALIGNED:
-        # the whole tile lies in one page: one table entry, rows contiguous (vector loads).
-        # The entry is read as a vector (every lane the same address, one transaction) so that
-        # the software pipeliner treats it like any tensor load and prefetches it a stage early.
-        page = tl.load(BT + b * stride_bt + (tile_start // PAGE_SIZE) + tl.zeros([BLOCK_N], dtype=tl.int32))
-        page = page.to(tl.int64)[:, None]
-        # rows written as start + arange (not offs_n % PAGE_SIZE) so the compiler sees them
-        # contiguous and emits 16-byte vector loads
-        row = tile_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
-        k_ptrs = KC + (page * sk0 + kvh * sk2 + row[:, None] * sk1) + offs_d[None, :]
-        v_ptrs = VC + (page * sv0 + kvh * sv2 + row[:, None] * sv1) + offs_d[None, :]
+        # one table entry (a scalar), rows contiguous: the per-row part of the address is the
+        # same for every tile of a page-sized tile loop (16-byte vector loads; rows written as
+        # start + arange, not offs_n % PAGE_SIZE, so the compiler sees them contiguous)
+        if PAGE_SIZE == BLOCK_N:
+            row = tl.arange(0, BLOCK_N)   # tiles start on multiples of BLOCK_N
+        else:
+            row = tile_start % PAGE_SIZE + tl.arange(0, BLOCK_N)
+        page = page.to(tl.int64)
+        k_ptrs = (KC + (page * sk0 + kvh * sk2)) + (row[:, None] * sk1 + offs_d[None, :])
+        v_ptrs = (VC + (page * sv0 + kvh * sv2)) + (row[:, None] * sv1 + offs_d[None, :])
     elif LAYOUT == 1:
         page = tl.load(BT + b * stride_bt + offs_n // PAGE_SIZE, mask=valid_n, other=0).to(tl.int64)
         row = (offs_n % PAGE_SIZE).to(tl.int64)
@@ -148,12 +149,21 @@ def decode_attention_kernel(
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
     offs_nb = tl.arange(0, BLOCK_N)
+    # paged, a tile per page or less: the table entry is a scalar read one tile ahead, so a
+    # tile's loads wait on no lookup and the entry takes no pipeline stage or shared memory
+    page_aligned: tl.constexpr = LAYOUT == 1 and PAGE_SIZE % BLOCK_N == 0
+    bt_row = BT + b * stride_bt
+    next_page = 0
+    if page_aligned:
+        next_page = tl.load(bt_row + start // PAGE_SIZE, mask=start < end, other=0)
     for start_n in range(start, end, BLOCK_N):
+        page = next_page
+        if page_aligned:
+            next_page = tl.load(bt_row + (start_n + BLOCK_N) // PAGE_SIZE, mask=start_n + BLOCK_N < end, other=0)
         offs_n = start_n + offs_nb
         valid_n = offs_n < end
-        k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, start_n, offs_n, offs_d, valid_n, sk0, sk1, sk2, sk3,
-                                  sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X,
-                                  PAGE_SIZE % BLOCK_N == 0, BLOCK_N)
+        k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, start_n, page, offs_n, offs_d, valid_n, sk0, sk1, sk2,
+                                  sk3, sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, page_aligned, BLOCK_N)
         kv_mask = valid_n[:, None] & d_valid[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -174,7 +184,7 @@ def decode_attention_kernel(
             acc, l_i, m_i = _attend(acc, l_i, m_i, q, kn, vn, pos, valid_j, diag, qk_scale_log2, softcap,
                                     window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
                                     DOT_PRECISION)
-            k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, cache_len, pos, offs_d, valid_j, sk0, sk1, sk2, sk3,
+            k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, cache_len, 0, pos, offs_d, valid_j, sk0, sk1, sk2, sk3,
                                       sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, False, BLOCK_NEW)
             tl.store(k_ptrs, kn.to(KC.dtype.element_ty), mask=new_mask)
             tl.store(v_ptrs, vn.to(VC.dtype.element_ty), mask=new_mask)

@@ -193,13 +193,12 @@ class DecodePlan:
         kn = k if k is not None else q
         vn = v if v is not None else q
         cfg = self.config
-        if layout == 1 and not self.config_given and gpu_family(q.device) == "sm90":
-            # a paged tile's address waits on its table entry: two more pipeline stages hide
-            # that lookup (H100: 0.79× -> 0.98× of contiguous at 16×16k, page 64)
-            cfg = DecodeConfig(BLOCK_N=min(64, cfg.BLOCK_N), num_warps=4, num_stages=5)
+        if layout == 1 and not self.config_given and 16 <= page < cfg.BLOCK_N and page & (page - 1) == 0:
+            # tiles never straddle a page: one table entry per tile, read a tile ahead as a scalar;
+            # one more stage keeps about the same bytes in flight (H100, page 64 for 128-token
+            # tiles: bench/results/tune-decode-paged-h100.json)
+            cfg = DecodeConfig(BLOCK_N=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages + 1)
         block_n = cfg.BLOCK_N
-        if layout == 1 and not self.config_given and 16 <= page < block_n and page & (page - 1) == 0:
-            block_n = page  # tiles never straddle a page: one table lookup per tile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
             block_table if block_table is not None else cache_seqlens,

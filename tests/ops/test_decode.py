@@ -31,9 +31,19 @@ def make_cache(batch, capacity, kv_heads, d, page=None, dtype=torch.float16):
 
 
 def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0, page=None, causal=True,
-             window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16, config=None):
+             window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16, config=None,
+             poison=False):
+    """``poison``: the cache rows past each sequence's length hold NaN (a reused page may)."""
     batch = len(lens)
     k_cache, v_cache, table = make_cache(batch, capacity, kv_heads, d, page, dtype)
+    if poison:
+        for c in (k_cache, v_cache):
+            for i, n in enumerate(lens):
+                pos = torch.arange(n, capacity, device=DEVICE)
+                if page is None:
+                    c[i, pos] = float("nan")
+                else:
+                    c[table[i, pos // page].long(), pos % page] = float("nan")
     if kv_layout == "FT":
         k_cache, v_cache = to_ft_k(k_cache), to_ft_v(v_cache)
     q = torch.randn(batch, seqlen_q, heads, d, dtype=dtype, device=DEVICE)
@@ -56,7 +66,8 @@ def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0
     fin = torch.isfinite(ref_lse)
     assert (lse.double()[fin] - ref_lse[fin]).abs().max() < 1e-2
     # the append landed where the reference put it, and nothing else changed
-    assert torch.equal(k_cache.double(), ref_k) and torch.equal(v_cache.double(), ref_v)
+    assert all(torch.allclose(c.double(), r, rtol=0, atol=0, equal_nan=True)
+               for c, r in ((k_cache, ref_k), (v_cache, ref_v)))
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 7])
@@ -75,6 +86,18 @@ def test_paged_tile_spanning_pages(seqlen_q):
     # a configured 64-token tile over 16-token pages: 4 table entries per tile, rows gathered;
     # GQA group 4 × seqlen_q rows of a 16-row tile, so the merge sees padded rows too
     run_case([5, 300, 1000], page=16, num_splits=5, seqlen_q=seqlen_q, config=DecodeConfig(64, 4, 1))
+
+
+@pytest.mark.parametrize("page", [None, 16, 32, 64])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_rows_past_the_end_hold_nan(page, num_splits):
+    # a reused page (or an unwritten cache row) may hold NaN past a sequence's length: the last
+    # tile reads those rows' addresses, and they must not reach the output (p = 0 there, 0·NaN
+    # is not 0). Pages of one tile or more (table entry read a tile ahead) and tiles over
+    # several pages (rows gathered: config 64 over 16/32-token pages)
+    run_case([5, 300, 1000, 64], page=page, num_splits=num_splits, poison=True)
+    run_case([100, 900], window=(64, 0), page=page, num_splits=num_splits, poison=True, d=48,
+             config=DecodeConfig(64, 4, 1))
 
 
 @pytest.mark.parametrize("page", [None, 32])
