@@ -48,7 +48,12 @@ from flashflow.ops.ffn import decode_config, launch_decode
 from flashflow.reference.mlp import ACTIVATIONS
 from flashflow.tuning import interpreting
 
-DECODE_MAX_M = 64
+DECODE_MAX_M = 64        # the split-K decode kernel takes at most this many tokens
+# `auto` leaves split-K above this: its fp32 atomics grow with M, and from M = 40-48 the
+# persistent kernel (seqsplit / halfrow) is faster (H100, CUDA graphs, all three suite FFNs:
+# bench/results/tune-mlp-crossover-h100.json; at M = 32 split-K leads for Llama-3-8B and GELU
+# and ties for Llama-3-70B, at M = 64 it trails by 15-20%)
+AUTO_SPLITK_MAX_M = 32
 POLICIES = ("auto", "splitk", "sequential", "rowblock", "multirow", "halfrow", "seqsplit")
 GROUPED_POLICIES = ("sequential", "multirow", "seqsplit")   # take ":R" (row-blocks per group)
 DEFAULT_GROUP_ROWS = 8
@@ -369,7 +374,7 @@ def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None,
     name, rows = parse_policy(policy)
     if name != "auto":
         return name, rows
-    if m <= DECODE_MAX_M:
+    if m <= AUTO_SPLITK_MAX_M:
         return "splitk", 1
     tiles_m = _cdiv(m, (cfg.BLOCK_M if cfg else 128))
     if gated and tiles_m <= 2:
@@ -507,7 +512,8 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
             ``(2·intermediate, hidden)``; otherwise fc1's weight ``(intermediate, hidden)``.
         w_down: ``(hidden, intermediate)``.
         activation: ``"swiglu"``, ``"gelu"`` (tanh approximation), ``"silu"`` or ``"relu"``.
-        policy: ``"auto"``; ``"splitk"`` (decode kernel, M ≤ 64); or a persistent-kernel tile
+        policy: ``"auto"`` (split-K up to M = 32, then the persistent kernel); ``"splitk"``
+            (decode kernel, M ≤ 64); or a persistent-kernel tile
             order: ``"sequential"``, ``"rowblock"``, ``"multirow"`` / ``"multirow:R"``, ``"halfrow"``,
             ``"seqsplit"`` (``"sequential"`` and ``"seqsplit"`` also take ``:R``).
         workspace: an :class:`MlpWorkspace` (``max_tokens`` ≥ this call's tokens) to reuse

@@ -156,7 +156,7 @@ def test_repeated_calls_share_one_workspace():
     ws = MlpWorkspace(48, max_tokens=130, device=DEVICE)
     w1, w2 = weights("swiglu", 48, 96)
     calls = [(5, "splitk"), (130, "halfrow"), (5, "splitk"), (64, "splitk"), (70, "sequential"),
-             (130, "multirow:2"), (130, "rowblock"), (130, "seqsplit"), (1, "auto"), (100, "two-streams")]
+             (130, "multirow:2"), (130, "rowblock"), (130, "seqsplit"), (1, "auto"), (40, "auto"), (100, "two-streams")]
     for seed, (m, policy) in enumerate(calls):
         x = tokens(m, 48, seed=seed)
         if policy == "two-streams":
@@ -236,7 +236,9 @@ def test_policy_parsing_and_auto_choice():
     assert parse_policy("seqsplit") == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
     assert parse_policy("rowblock") == ("rowblock", 1)
     assert parse_policy("multirow") == ("multirow", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", 64)[0] == "splitk"
+    assert resolve_policy("auto", mlp.AUTO_SPLITK_MAX_M)[0] == "splitk"
+    assert resolve_policy("auto", mlp.AUTO_SPLITK_MAX_M + 1)[0] == "seqsplit"
+    assert resolve_policy("auto", 64, gated=False)[0] == "halfrow"
     gpu = PersistentConfig(BLOCK_M=128, BLOCK_N0=64, BLOCK_N1=128, BLOCK_K=64)
     assert resolve_policy("auto", 65, gpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
     assert resolve_policy("auto", 256, gpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
@@ -285,7 +287,7 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="'splitk' is the decode kernel"):
         fused_mlp(tokens(65, 48), w1, w2, policy="splitk")
     with pytest.raises(ValueError, match="workspace holds"):
-        fused_mlp(tokens(64, 48), w1, w2, workspace=MlpWorkspace(48, max_tokens=4, device=DEVICE))
+        fused_mlp(tokens(64, 48), w1, w2, policy="splitk", workspace=MlpWorkspace(48, max_tokens=4, device=DEVICE))
     with pytest.raises(TypeError, match="workspace must be a flashflow MlpWorkspace"):
         fused_mlp(x, w1, w2, workspace=torch.zeros(10000, dtype=torch.int32))
     with pytest.raises(ValueError, match="hidden must be a positive int"):
