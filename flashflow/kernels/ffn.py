@@ -9,14 +9,22 @@ Grid: one program per ``BLOCK_I`` slice of the intermediate dimension. A program
    ``BLOCK_K`` steps, with fp32 accumulation; ``h`` stays in registers;
 2. immediately multiplies it into the output: ``out += h·W_down[:, slice]ᵀ``, streaming that
    column slice of ``W_down`` in ``BLOCK_N`` tiles and adding the fp32 partials into a workspace
-   with atomic adds (split-K over the intermediate);
+   with atomic adds (split-K over the intermediate). Triton emits them as 16-byte vector
+   reductions (``atom.global.gpu.relaxed.add.v4.f32`` → SASS ``REDG.E.ADD.F32x4``);
 3. a second, tiny launch (``ffn_cast_kernel``) casts the workspace to the output dtype and
    zeroes it, so the next call (or CUDA-graph replay) starts clean.
 
+``STAGGER`` rotates each program's loops to start at tile ``pid mod tiles`` (1: the output
+loop, 2: the K loop too), so the programs neither read the same x tile nor add into the same
+output tile at the same moment. ``PDL`` (sm90+, with the cast launched programmatically
+dependent): the main kernel lets the cast's programs become resident early; they wait in
+``griddepcontrol.wait``, which returns once the main grid has completed and its writes are
+visible — the same guarantee as stream order, without the launch gap.
+
 Why a second launch for the cast: a last-arriver cast inside the main kernel (CTA barrier,
 per-thread release atomics, then an acq_rel arrival counter) still read incomplete sums on the
-H100 in about one run in three at M = 16 (scripts/gpu_ffn.py's stress test); stream order is the
-ordering guarantee that cannot be got wrong, for ~2 µs inside a CUDA graph.
+H100 in about one run in three at M = 16 (scripts/gpu_ffn.py's stress test); grid completion is
+the ordering guarantee that cannot be got wrong, for ~1–2 µs inside a CUDA graph.
 
 Bytes: every weight byte is read exactly once (3·hidden·inter·2 for SwiGLU in bf16: 352 MB for
 Llama-3-8B), x and the workspace stay in L2. FLOPs: 2·M per weight element — negligible at
@@ -24,6 +32,7 @@ M ≤ 64: the floor is weight bytes over DRAM bandwidth.
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -44,8 +53,11 @@ def ffn_decode_kernel(
     stride_xm, stride_w1, stride_w2,
     BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    STAGGER: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
+    if PDL:  # let the cast launch's programs get resident now; they wait for this grid to end
+        gdc_launch_dependents()
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < M
     offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -62,8 +74,10 @@ def ffn_decode_kernel(
         rows = offs_i
         r_ok = i_ok
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_I if GATED else BLOCK_I], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
-        kk = k0 + offs_k
+    n_k = tl.cdiv(hidden, BLOCK_K)
+    k_first = pid % n_k if STAGGER >= 2 else 0
+    for kt in range(0, n_k):
+        kk = ((kt + k_first) % n_k) * BLOCK_K + offs_k
         k_ok = kk < hidden
         x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(W1 + rows[:, None].to(tl.int64) * stride_w1 + kk[None, :],
@@ -78,8 +92,10 @@ def ffn_decode_kernel(
 
     # 2. multiply the slice straight into the output (split-K over the intermediate)
     offs_n0 = tl.arange(0, BLOCK_N)
-    for n0 in range(0, hidden, BLOCK_N):
-        offs_n = n0 + offs_n0
+    n_n = tl.cdiv(hidden, BLOCK_N)
+    n_first = pid % n_n if STAGGER >= 1 else 0
+    for nt in range(0, n_n):
+        offs_n = ((nt + n_first) % n_n) * BLOCK_N + offs_n0
         n_ok = offs_n < hidden
         w2 = tl.load(W2 + offs_n[:, None].to(tl.int64) * stride_w2 + offs_i[None, :],
                      mask=n_ok[:, None] & i_ok[None, :], other=0.0)
@@ -90,9 +106,11 @@ def ffn_decode_kernel(
 
 
 @triton.jit
-def ffn_cast_kernel(WS, OUT, M, hidden, stride_om, BLOCK: tl.constexpr):
+def ffn_cast_kernel(WS, OUT, M, hidden, stride_om, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = ws.to(dtype); ws = 0 (ready for the next call). Stream order after the main kernel
     makes every program's atomic adds visible here: no in-kernel arrival protocol to get wrong."""
+    if PDL:  # launched early (programmatic dependent launch): wait until the main grid is done
+        gdc_wait()
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M * hidden
     total = tl.load(WS + offs, mask=mask, other=0.0)

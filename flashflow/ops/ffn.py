@@ -7,6 +7,8 @@ partial sums on the H100 at M = 16; stream order is what makes the sums complete
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_kernel
@@ -15,22 +17,51 @@ from flashflow.ops.attention import _cdiv, _next_pow2, _sm_count
 _ACT_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
 
 
+@functools.lru_cache(maxsize=None)
+def _capability_of(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def decode_block_i(inter: int, num_sms: int) -> int:
     """Intermediate slice per program: about two programs per SM, all resident at once."""
     return max(16, min(128, _next_pow2(_cdiv(inter, 2 * num_sms))))
 
 
 def decode_config(m: int, inter: int, gated: bool, device: torch.device) -> dict:
-    """Tiles for the decode kernel. Swept on the H100 (scripts/tune_ffn.py, Llama-3-8B): 64-wide
-    slices, 128-wide K/N steps, 4 warps, 3 stages led at M = 1, 4, 16."""
+    """Tiles and launch options of the decode kernel. Swept on the H100 (scripts/tune_ffn.py,
+    bench/results/tune-ffn-decode-*.json), CUDA-graph replays:
+
+    * 64-wide slices, 128-wide K/N steps, 4 warps, 3 stages (two programs per SM) at M ≤ 32;
+      slices of 128 (70B-class intermediates) take 64-wide steps to fit three stages;
+    * ``stagger`` 2 (each program starts its K loop and its output loop at tile
+      ``program id mod tiles``, so the programs do not all read the same x tile and add into the
+      same output tile at once) for W1 tiles of at most 128 rows (64-wide gated slices):
+      Llama-3-8B 122.73 / 123.87 / 132.50 µs at M = 1 / 4 / 16 with the cast's PDL, against
+      123.95 / 125.86 / 133.33 without either. With 128-wide gated slices (256 rows, 64-wide
+      steps) it cost 2.0–3.5 µs (Llama-3-70B), so those run unstaggered;
+    * ``pdl``: the cast launch is a programmatic dependent launch (sm90+): its programs are
+      resident before the main grid ends and start on its completion (Llama-3-70B 494.86 /
+      504.26 µs at M = 1 / 16, against 495.75 / 505.85);
+    * gated, M > 32 (BLOCK_M 64), 64-wide slices: a program then needs 147 KB of shared memory,
+      one per SM, and 2·SM-count programs run in two waves. Where 128-wide slices fill between
+      3/4 and all of the SMs in one wave, take them, 8 warps, 64-wide steps: half the programs,
+      half the fp32 partials (Llama-3-8B M = 64: 156.33 µs against 199.65)."""
     on_gpu = device.type == "cuda"
-    block_i = decode_block_i(inter, _sm_count(device) if on_gpu else 4)
+    sms = _sm_count(device) if on_gpu else 4
+    block_i = decode_block_i(inter, sms)
+    if on_gpu and gated and m > 32 and block_i == 64 and 3 * sms <= 4 * _cdiv(inter, 128) <= 4 * sms:
+        return {"BLOCK_I": 128, "BLOCK_K": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "stagger": 2,
+                "pdl": False}
     # weight tiles per stage: (2·)BLOCK_I × BLOCK_K of W1 and BLOCK_N × BLOCK_I of W2; wide
     # slices (70B-class intermediates) take narrower K/N steps to fit three stages in smem
     rows = block_i * (2 if gated else 1)
     block_kn = (128 if rows <= 128 else 64) if on_gpu else 32
     return {"BLOCK_I": block_i, "BLOCK_K": block_kn, "BLOCK_N": block_kn, "num_warps": 4,
-            "num_stages": 3 if on_gpu else 1}
+            "num_stages": 3 if on_gpu else 1, "stagger": 2 if rows <= 128 or not on_gpu else 0, "pdl": on_gpu}
 
 
 def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None) -> torch.Tensor:
@@ -43,12 +74,17 @@ def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None) ->
         return out
     cfg = decode_config(m, inter, activation == "swiglu", x2.device)
     cfg.update(config or {})
+    # programmatic dependent launch of the cast: sm90+ only (the interpreter has no grids to chain)
+    sm90 = x2.device.type == "cuda" and _capability(x2.device)[0] >= 9
+    pdl = bool(cfg["pdl"]) and sm90
     ffn_decode_kernel[(_cdiv(inter, cfg["BLOCK_I"]),)](
         x2, w1, w2, ws, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0),
         BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
         GATED=activation == "swiglu", ACTIVATION=_ACT_CODE[activation],
         DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        STAGGER=cfg["stagger"], PDL=pdl,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    ffn_cast_kernel[(_cdiv(m * hidden, 1024),)](ws, out, m, hidden, out.stride(0), BLOCK=1024, num_warps=4)
+    ffn_cast_kernel[(_cdiv(m * hidden, 1024),)](ws, out, m, hidden, out.stride(0), BLOCK=1024, num_warps=4,
+                                                 PDL=pdl, launch_pdl=pdl)
     return out

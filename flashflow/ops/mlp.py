@@ -13,8 +13,8 @@ stores them,
 
 * decode, M ≤ 64 tokens (``policy="splitk"``): each program computes a slice of the
   intermediate and multiplies it straight into fp32 output partials (split-K over the
-  intermediate, atomic adds); once every program has arrived, the last few (by id) read the
-  sums with atomic exchanges and cast. Weights are read once; the intermediate stays on chip.
+  intermediate, atomic adds); a second, tiny launch (programmatically dependent on sm90) casts
+  the sums and re-zeroes them. Weights are read once; the intermediate stays on chip.
 * prefill (``"sequential[:R]" | "rowblock" | "multirow[:R]" | "halfrow" | "seqsplit[:R]"``): a
   persistent kernel whose programs take GEMM0 and GEMM1 tiles from a ticket counter in a
   dependency-respecting order; GEMM1 tiles wait on per-row-block counters that GEMM0 tiles
@@ -90,6 +90,8 @@ class SplitKConfig:
     BLOCK_N: int        # GEMM1 step over hidden (output columns)
     num_warps: int = 4
     num_stages: int = 3
+    stagger: int = 2         # rotate each program's loop start by its id (0 none, 1 output, 2 both)
+    pdl: bool = True         # cast launch programmatically dependent on the main one (sm90+)
 
 
 @dataclass(frozen=True)

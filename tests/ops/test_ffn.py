@@ -59,3 +59,37 @@ def test_accumulator_left_zeroed_for_the_next_call():
 def test_slices_per_program():
     assert decode_block_i(14336, 132) == 64 and decode_block_i(28672, 132) == 128
     assert decode_block_i(160, 4) == 32  # interpreter: 5 programs add into every output element
+
+
+@pytest.mark.parametrize("stagger", [1, 2])
+@pytest.mark.parametrize("m,hidden,inter", [(3, 80, 160), (9, 100, 96)])
+def test_staggered_loop_starts(stagger, m, hidden, inter):
+    # programs start their K and output loops at tile (program id mod tiles) and wrap around:
+    # several programs and several, partly masked, tiles per loop; the cast's PDL flag is a no-op
+    # off sm90 (the interpreter runs the plain launch)
+    x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
+    w1, w2 = weights("swiglu", hidden, inter)
+    acc = torch.zeros(m, hidden, dtype=torch.float32, device=DEVICE)
+    cfg = {"BLOCK_I": 16, "BLOCK_K": 32, "BLOCK_N": 32, "num_stages": 1, "stagger": stagger, "pdl": True}
+    out = launch_decode(x, w1, w2, "swiglu", acc, cfg)
+    assert rel(out, mlp_ref(x.double(), w1.double(), w2.double())) < 5e-3
+    assert (acc == 0).all()
+
+
+
+def test_decode_config_rules(monkeypatch):
+    # the GPU branch of decode_config, with an H100's 132 SMs (no GPU needed to pick tiles)
+    import flashflow.ops.ffn as ffn
+    monkeypatch.setattr(ffn, "_sm_count", lambda device: 132)
+    gpu = torch.device("cuda", 0)
+    c8 = ffn.decode_config(16, 14336, True, gpu)   # Llama-3-8B: 224 programs of 64, staggered
+    assert (c8["BLOCK_I"], c8["BLOCK_K"], c8["stagger"], c8["pdl"]) == (64, 128, 2, True)
+    c70 = ffn.decode_config(16, 28672, True, gpu)  # Llama-3-70B: 128-wide slices, unstaggered
+    assert (c70["BLOCK_I"], c70["BLOCK_K"], c70["stagger"], c70["pdl"]) == (128, 64, 0, True)
+    # M > 32: 112 programs of 128 in one wave instead of 224 of 64 in two
+    w = ffn.decode_config(64, 14336, True, gpu)
+    assert (w["BLOCK_I"], w["BLOCK_K"], w["BLOCK_N"], w["num_warps"]) == (128, 64, 64, 8)
+    assert ffn.decode_config(32, 14336, True, gpu)["BLOCK_I"] == 64
+    assert ffn.decode_config(64, 28672, True, gpu)["BLOCK_I"] == 128 and ffn.decode_config(64, 28672, True, gpu)["num_warps"] == 4
+    assert ffn.decode_config(64, 14336, False, gpu)["BLOCK_I"] == 64  # not gated: unmeasured, unchanged
+    assert ffn.decode_config(64, 8192, True, gpu)["BLOCK_I"] == 32    # 32-wide slices: the rule is for 64
