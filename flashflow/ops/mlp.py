@@ -44,15 +44,17 @@ import torch
 
 from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQSPLIT, SEQUENTIAL, SYNC_ERR,
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
-from flashflow.ops.ffn import decode_config, launch_decode
+from flashflow.ops.ffn import decode_config, launch_decode, wide_one_wave
 from flashflow.reference.mlp import ACTIVATIONS
 from flashflow.tuning import interpreting
 
 DECODE_MAX_M = 64        # the split-K decode kernel takes at most this many tokens
-# `auto` leaves split-K above this: its fp32 atomics grow with M, and from M = 40-48 the
-# persistent kernel (seqsplit / halfrow) is faster (H100, CUDA graphs, all three suite FFNs:
-# bench/results/tune-mlp-crossover-h100.json; at M = 32 split-K leads for Llama-3-8B and GELU
-# and ties for Llama-3-70B, at M = 64 it trails by 15-20%)
+# `auto` leaves split-K above this, unless split-K runs 128-wide slices in one wave there
+# (ops.ffn.wide_one_wave: Llama-3-8B-like FFNs). Its fp32 atomics grow with M, and from M =
+# 40-48 the persistent kernel (seqsplit / halfrow) beat the two-wave split-K configs (H100,
+# CUDA graphs, all three suite FFNs: bench/results/tune-mlp-crossover-h100.json; at M = 32
+# split-K leads for Llama-3-8B and GELU and ties for Llama-3-70B, at M = 64 it trails by
+# 15-20%); the one-wave config measured 156.3 µs at M = 64 against seqsplit's 170.7.
 AUTO_SPLITK_MAX_M = 32
 POLICIES = ("auto", "splitk", "sequential", "rowblock", "multirow", "halfrow", "seqsplit")
 GROUPED_POLICIES = ("sequential", "multirow", "seqsplit")   # take ":R" (row-blocks per group)
@@ -370,13 +372,18 @@ def _dot_precision(dtype) -> str:
 
 
 def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None,
-                   gated: bool = True) -> tuple[str, int]:
+                   gated: bool = True, inter: Optional[int] = None,
+                   device: Optional[torch.device] = None) -> tuple[str, int]:
     """(policy, group_rows) that ``policy`` runs as for M = ``m`` tokens ("auto" resolved).
-    seqsplit was measured for SwiGLU only; non-gated FFNs keep halfrow for one row-block."""
+    seqsplit was measured for SwiGLU only; non-gated FFNs keep halfrow for one row-block.
+    ``inter`` and ``device`` let `auto` keep split-K up to 64 tokens where it runs in one wave."""
     name, rows = parse_policy(policy)
     if name != "auto":
         return name, rows
     if m <= AUTO_SPLITK_MAX_M:
+        return "splitk", 1
+    if m <= DECODE_MAX_M and inter is not None and device is not None and \
+            wide_one_wave(m, inter, gated, device):
         return "splitk", 1
     tiles_m = _cdiv(m, (cfg.BLOCK_M if cfg else 128))
     if gated and tiles_m <= 2:
@@ -481,7 +488,7 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
 def _fused_mlp_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
                     policy: str, workspace: Optional[MlpWorkspace] = None) -> torch.Tensor:
     cfg = persistent_config(activation == "swiglu", x2.device, x2.shape[0])
-    name, rows = resolve_policy(policy, x2.shape[0], cfg, activation == "swiglu")
+    name, rows = resolve_policy(policy, x2.shape[0], cfg, activation == "swiglu", w2.shape[1], x2.device)
     if name == "splitk":
         return launch_splitk(x2, w1, w2, activation, workspace)
     return launch_persistent(x2, w1, w2, activation, name, rows, workspace, cfg)
@@ -514,7 +521,8 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
             ``(2·intermediate, hidden)``; otherwise fc1's weight ``(intermediate, hidden)``.
         w_down: ``(hidden, intermediate)``.
         activation: ``"swiglu"``, ``"gelu"`` (tanh approximation), ``"silu"`` or ``"relu"``.
-        policy: ``"auto"`` (split-K up to M = 32, then the persistent kernel); ``"splitk"``
+        policy: ``"auto"`` (split-K up to M = 32, or 64 where it runs in one wave, then the
+            persistent kernel); ``"splitk"``
             (decode kernel, M ≤ 64); or a persistent-kernel tile
             order: ``"sequential"``, ``"rowblock"``, ``"multirow"`` / ``"multirow:R"``, ``"halfrow"``,
             ``"seqsplit"`` (``"sequential"`` and ``"seqsplit"`` also take ``:R``).
