@@ -77,7 +77,9 @@ def ffn_section() -> str:
     d = _load("ffn-nvidia-h100-80gb-hbm3.json")
     if d is None:
         return ""
-    lines = ["### Fused FFN, decode regime (bf16, `scripts/gpu_ffn.py`)", "", _header(d) +
+    lines = ["### Fused FFN, decode regime (bf16, `scripts/gpu_ffn.py`): the kernel before its staggered "
+             "loops and PDL cast (now 122.7 / 123.9 / 132.5 µs at M = 1 / 4 / 16: docs/mlp.md, "
+             "`tune-ffn-decode-atomics-h100-run2.json`)", "", _header(d) +
              " Both timed as CUDA-graph replays of 10 calls in the same run; TB/s = weight bytes / time.", "",
              "| FFN | M | weights MB | flashflow µs | TB/s | torch+graph µs | TB/s | speedup |",
              "|:--|--:|--:|--:|--:|--:|--:|--:|"]
@@ -88,6 +90,25 @@ def ffn_section() -> str:
     ok = sum(c["ok"] for c in d["checks"])
     lines += ["", f"Correctness on the GPU: {ok}/{len(d['checks'])} checks within 1e-2 of float64 "
               "(every activation, bf16/fp16, odd shapes, 100 back-to-back runs, 100 graph replays)."]
+    return "\n".join(lines) + "\n"
+
+
+def paged_section() -> str:
+    after, before = _load("tune-decode-paged-h100.json"), _load("tune-decode-paged-h100-before.json")
+    if after is None or before is None:
+        return ""
+    old = {tuple(r["shape"]): r for r in before["rows"]}
+    lines = ["### Decode, paged vs contiguous after the scalar page lookup (`scripts/tune_decode_paged.py`)", "",
+             _header(after) + " 64-token pages, shuffled block tables, cold L2, CUDA graphs; each ratio "
+             "against contiguous measured in the same run (the two runs are separate).", "",
+             "| batch | seqlen | heads / kv heads | contiguous TB/s (after's run) | paged before | ÷ contiguous | paged after "
+             "| ÷ contiguous |", "|--:|--:|:--|--:|--:|--:|--:|--:|"]
+    for r in after["rows"]:
+        b, sq, h, hk = r["shape"]
+        o = old.get(tuple(r["shape"]))
+        ob = f"{o['tbs']['paged']:.3f} | {o['paged_over_contig']:.3f}" if o else " | "
+        lines.append(f"| {b} | {sq} | {h}/{hk} | {r['tbs']['contig']:.3f} | {ob} | {r['tbs']['paged']:.3f} "
+                     f"| {r['paged_over_contig']:.3f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -120,7 +141,7 @@ def mlp_section() -> str:
 
 
 def render() -> str:
-    parts = [attention_section(), decode_section(), ffn_section(), mlp_section(), info_section(),
+    parts = [attention_section(), decode_section(), paged_section(), ffn_section(), mlp_section(), info_section(),
              validation_section()]
     return "\n".join(p for p in parts if p)
 
