@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Re-measure on the GPU what the last CPU-only changes have not been through (one device call
+# per phase: each stays under the device tool's 10-minute limit).
+#
+#   bash scripts/gpu_verify.sh decode    OUT   # decode check (bf16/fp16 vs float64, graphs) + full decode suite
+#   bash scripts/gpu_verify.sh mlp       OUT   # fused FFN check + stress + full mlp suite (auto's crossover rule,
+#                                              # the decode kernel's stagger / PDL cast through fused_mlp)
+#   bash scripts/gpu_verify.sh crossover OUT   # split-K vs persistent for M = 8..128, all three FFNs
+#   bash scripts/gpu_verify.sh ncu       OUT   # DRAM bytes per FFN policy (then, on the CPU:
+#                                              # python scripts/mlp_ncu_model.py OUT/mlp-*.json)
+#
+# Outputs (JSON) go to OUT; copy them to bench/results/ and re-render the tables with
+# `python scripts/results_md.py --write docs/results.md`.
+set -euo pipefail
+phase=${1:?phase: decode | mlp | crossover | ncu}
+out=${2:?output directory}
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu,power.draw --format=csv
+case "$phase" in
+  decode)
+    timeout 200 python scripts/gpu_decode_check.py --json "$out/gpu-decode-check-h100.json" | tail -15
+    timeout 380 python -m flashflow.cli bench --suite decode --out "$out" 2>/dev/null | tail -80
+    ;;
+  mlp)
+    timeout 560 python scripts/gpu_mlp.py --phases check,stress,bench --out "$out" | grep -v '^PASS' | tail -70
+    ;;
+  crossover)
+    timeout 560 python scripts/tune_mlp_crossover.py --out "$out/tune-mlp-crossover-h100.json"
+    ;;
+  ncu)
+    timeout 560 python scripts/gpu_mlp.py --phases ncu --out "$out" | tail -25
+    ;;
+  *)
+    echo "unknown phase $phase (decode | mlp | crossover | ncu)" >&2
+    exit 2
+    ;;
+esac
