@@ -252,58 +252,44 @@ def replay(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str =
     partitions runs through a :class:`PartitionedL2` of ``cache_bytes`` in all, whose
     ``sharing`` rule says what a near miss costs (LRU only)."""
     if sched.partitions > 1:
-        return _replay_partitioned(sched, jobs, cache_bytes, policy, record, sharing)
-    cache = make_cache(policy, cache_bytes)
-    nxt = _next_uses(sched) if policy == "belady" else None
-    pos = 0
-    hits = misses = 0
-    read_bytes = write_bytes = 0
-    records: list[StepRecord] | None = [] if record else None
-    since_reads = since_misses = since_bytes = 0
-    for step in sched.steps:
-        step_misses = 0
-        for key, size in step.reads:
-            hit = cache.access(key, size, nxt[pos] if nxt else NEVER)
-            pos += 1
-            if not hit:
-                step_misses += 1
-                read_bytes += size
-                since_bytes += size
-        misses += step_misses
-        hits += step.requests - step_misses
-        since_misses += step_misses
-        since_reads += step.requests
-        for key, size in step.writes:
-            cache.access(key, size, nxt[pos] if nxt else NEVER)
-            pos += 1
-            write_bytes += size
-        write_bytes += step.store_bytes
-        if records is not None and step.finished:
-            records.append(StepRecord(step.time, [jobs[j].name for j in step.finished],
-                                      since_reads, since_misses, since_bytes, read_bytes,
-                                      write_bytes, cache.contents()))
-            since_reads = since_misses = since_bytes = 0
-    return Traffic(read_bytes, write_bytes, hits, misses, sched.makespan, sched.utilization,
-                   records)
+        if policy != "lru":
+            # Belady's look-ahead needs one future per partition, which the crossbar couples
+            raise ValueError(f"a partitioned L2 is modelled with policy 'lru' only, got {policy!r}")
+        l2 = PartitionedL2(cache_bytes, sched.partitions, sharing)
 
-
-def _replay_partitioned(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str,
-                        record: bool, sharing: str) -> Traffic:
-    if policy != "lru":
-        # Belady's look-ahead needs one future per partition, which the crossbar couples
-        raise ValueError(f"a partitioned L2 is modelled with policy 'lru' only, got {policy!r}")
-    cache = PartitionedL2(cache_bytes, sched.partitions, sharing)
-    hits = misses = 0
-    read_bytes = write_bytes = 0
-    records: list[StepRecord] | None = [] if record else None
-    since_reads = since_misses = since_bytes = 0
-    for step in sched.steps:
-        step_misses = 0
         # sides take turns within a step: the first side's miss is then the other sides'
         # crossbar hit, as a home partition merges concurrent requests for a line
-        for side, reads in enumerate(step.side_reads):
+        def sides(step, reads):
+            return enumerate(step.side_reads if reads else step.side_writes)
+
+        def access(key, size, side):   # bytes fetched from DRAM
+            return l2.access(key, size, side)
+
+        contents = l2.contents
+    else:
+        cache = make_cache(policy, cache_bytes)
+        nxt = _next_uses(sched) if policy == "belady" else None
+        pos = 0
+
+        def sides(step, reads):
+            return ((0, step.reads if reads else step.writes),)
+
+        def access(key, size, side):
+            nonlocal pos
+            hit = cache.access(key, size, nxt[pos] if nxt else NEVER)
+            pos += 1
+            return 0 if hit else size
+
+        contents = cache.contents
+    hits = misses = 0
+    read_bytes = write_bytes = 0
+    records: list[StepRecord] | None = [] if record else None
+    since_reads = since_misses = since_bytes = 0
+    for step in sched.steps:
+        step_misses = 0
+        for side, reads in sides(step, True):
             for key, size in reads:
-                fetched = cache.access(key, size, side)
+                fetched = access(key, size, side)
                 if fetched:
                     step_misses += 1
                     read_bytes += fetched
@@ -312,15 +298,15 @@ def _replay_partitioned(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, 
         hits += step.requests - step_misses
         since_misses += step_misses
         since_reads += step.requests
-        for side, writes in enumerate(step.side_writes):
+        for side, writes in sides(step, False):
             for key, size in writes:
-                cache.access(key, size, side)
+                access(key, size, side)
                 write_bytes += size
         write_bytes += step.store_bytes
         if records is not None and step.finished:
             records.append(StepRecord(step.time, [jobs[j].name for j in step.finished],
                                       since_reads, since_misses, since_bytes, read_bytes,
-                                      write_bytes, cache.contents()))
+                                      write_bytes, contents()))
             since_reads = since_misses = since_bytes = 0
     return Traffic(read_bytes, write_bytes, hits, misses, sched.makespan, sched.utilization,
                    records)
