@@ -375,8 +375,12 @@ def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None,
                    gated: bool = True, inter: Optional[int] = None,
                    device: Optional[torch.device] = None) -> tuple[str, int]:
     """(policy, group_rows) that ``policy`` runs as for M = ``m`` tokens ("auto" resolved).
-    seqsplit was measured for SwiGLU only; non-gated FFNs keep halfrow for one row-block.
-    ``inter`` and ``device`` let `auto` keep split-K up to 64 tokens where it runs in one wave."""
+    ``inter`` and ``device`` let `auto` keep split-K up to 64 tokens where it runs in one wave.
+
+    One or two row-blocks (H100, mlp suite, bench/results/mlp-nvidia-h100-80gb-hbm3.json):
+    seqsplit, whose GEMM1 K-halves double GEMM1's parallelism, except for one row-block of a
+    non-gated FFN, where halfrow and seqsplit tie (GPT-3 GELU M = 64: 147.7 / 148.3 µs). GELU at
+    M = 256: seqsplit 158.8 µs against multirow 199.5 and halfrow 214.8."""
     name, rows = parse_policy(policy)
     if name != "auto":
         return name, rows
@@ -386,9 +390,11 @@ def resolve_policy(policy: str, m: int, cfg: Optional[PersistentConfig] = None,
             wide_one_wave(m, inter, gated, device):
         return "splitk", 1
     tiles_m = _cdiv(m, (cfg.BLOCK_M if cfg else 128))
-    if gated and tiles_m <= 2:
+    if tiles_m == 1 and not gated:
+        return "halfrow", 1
+    if tiles_m <= 2:
         return "seqsplit", DEFAULT_GROUP_ROWS
-    return ("halfrow", 1) if tiles_m == 1 else ("multirow", DEFAULT_GROUP_ROWS)
+    return "multirow", DEFAULT_GROUP_ROWS
 
 
 # --------------------------------------------------------------------------------------------
