@@ -8,6 +8,31 @@ import torch
 import triton
 
 
+def worst_over_graph_replays(fn, x, ref_of, replays: int = 100, new_input_every: int = 25) -> float:
+    """Capture ``fn()`` in a CUDA graph (after a warm-up call on a side stream), replay it
+    ``replays`` times, drawing fresh values into the static input ``x`` every
+    ``new_input_every`` replays; the worst relative error of the graph's output against
+    ``ref_of(x)`` (float64)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    worst = 0.0
+    for i in range(replays):
+        if i % new_input_every == 0:
+            x.copy_(torch.randn_like(x))
+            ref = ref_of(x)
+        g.replay()
+        torch.cuda.synchronize()
+        worst = max(worst, Cases.rel(out, ref))
+    del g
+    return worst
+
+
 class Cases:
     def __init__(self, tol: float):
         self.tol, self.results = tol, []

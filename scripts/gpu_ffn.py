@@ -17,6 +17,7 @@ import triton
 from flashflow.bench.decode import graph_time_ms
 from flashflow.ops.mlp import MlpWorkspace, fused_mlp
 from flashflow.reference.mlp import activation_ref, mlp_ref
+from gpu_cases import worst_over_graph_replays
 
 TOL = 1e-2
 
@@ -72,23 +73,8 @@ def main():
     outs = [fused_mlp(x, w1, w2, workspace=ws, policy="splitk") for _ in range(100)]
     torch.cuda.synchronize()
     worst = max(rel(o, ref) for o in outs)
-    static = [None]
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fused_mlp(x, w1, w2, workspace=ws, policy="splitk")
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static[0] = fused_mlp(x, w1, w2, workspace=ws, policy="splitk")
-    worst_g = 0.0
-    for i in range(100):
-        if i % 25 == 0:
-            x.copy_(torch.randn_like(x))
-            ref = mlp_ref(x.double(), w1.double(), w2.double())
-        g.replay()
-        torch.cuda.synchronize()
-        worst_g = max(worst_g, rel(static[0], ref))
+    worst_g = worst_over_graph_replays(lambda: fused_mlp(x, w1, w2, workspace=ws, policy="splitk"), x,
+                                       lambda x: mlp_ref(x.double(), w1.double(), w2.double()))
     for name, w in (("100 back-to-back runs", worst), ("100 CUDA-graph replays", worst_g)):
         ok = w < TOL
         fails += not ok
