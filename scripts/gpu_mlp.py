@@ -157,7 +157,7 @@ def phase_stress(args) -> dict:
 
     runs = 100
     variants = [("splitk", 16), ("splitk", 64)] + [(p, 512) for p in ("sequential", "rowblock", "multirow", "halfrow")]
-    variants += [("seqsplit", 256), ("auto", 256), ("multirow", 4096)]
+    variants += [("seqsplit", 256), ("multirow", 4096)]   # auto at M = 256 is seqsplit:8
     variants.append(("two-streams", 512))
     out_rows = []
     for policy, m in variants:

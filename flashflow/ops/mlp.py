@@ -20,10 +20,11 @@ stores them,
   dependency-respecting order; GEMM1 tiles wait on per-row-block counters that GEMM0 tiles
   release. On sm90 the tiles' operands come through host-built TMA descriptors.
 
-``"auto"`` picks split-K for M ≤ 64, seqsplit:8 for at most two row-blocks of a gated FFN,
-halfrow for one row-block of a non-gated one, multirow:8 otherwise (H100, Llama-3-8B, ×
-cuBLAS + CUDA graph: at M = 128 seqsplit 0.96, halfrow 0.91; at M = 256 seqsplit 1.05,
-multirow 0.94, halfrow 0.63; from M = 512 on multirow is as fast or faster).
+``"auto"`` (:func:`resolve_policy`) picks split-K up to M = 32 (up to 64 where split-K runs in
+one wave), then seqsplit:8 for at most two row-blocks (halfrow for one row-block of a
+non-gated FFN), multirow:8 otherwise (H100, Llama-3-8B, × cuBLAS + CUDA graph: at M = 128
+seqsplit 0.96, halfrow 0.91; at M = 256 seqsplit 1.05, multirow 0.94, halfrow 0.63; from
+M = 512 on multirow is as fast or faster).
 
 Baselines for the bench (same tile code): :func:`mlp_two_kernels` (GEMM0+act, then GEMM1) and
 :func:`mlp_two_streams` (CuSync-style: producer and consumer kernels on two streams, flags).
@@ -44,7 +45,7 @@ import torch
 
 from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQSPLIT, SEQUENTIAL, SYNC_ERR,
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
-from flashflow.ops.ffn import decode_config, launch_decode, wide_one_wave
+from flashflow.ops.ffn import _capability, decode_config, launch_decode, wide_one_wave
 from flashflow.reference.mlp import ACTIVATIONS
 from flashflow.tuning import interpreting
 
@@ -112,15 +113,6 @@ class PersistentConfig:
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_of(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def num_sms(device: torch.device) -> int:
