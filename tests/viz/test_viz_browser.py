@@ -90,3 +90,27 @@ def test_click_path_undo_and_compare_with_model(page):
     read, _ = _settled(page, 16)
     from flashflow.dataflow.orders import hilbert
     assert read == simulate(shape, hilbert(4, 4), 160 * 1024).read_bytes
+
+
+def test_slow_click_after_editing_a_field_still_takes_the_tile(page):
+    # Regression: the press blurs the edited field, whose change event re-renders the grid;
+    # with the tile taken on "click", a render between press and release lost the tile
+    # (CI saw it as a timeout waiting for the path to grow).
+    page.fill("#M", "384")
+    page.fill("#N", "256")
+    page.locator("#N").blur()              # fires the change (filling #N blurred #M: another)
+    _settled(page, 0)                      # the latest answer drawn: the grid stays put now
+    page.fill("#cache_kib", "96")          # left focused and edited: the press will blur it
+    box = page.locator('rect.tile[data-m="2"][data-n="1"]').bounding_box()
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    page.wait_for_timeout(300)             # the change's answer lands before the release
+    page.mouse.up()
+    _settled(page, 1)
+    assert page.locator("#steps tbody tr").count() == 1
+    assert "(2,1)" in page.inner_text("#steps tbody")
+    # a right press takes nothing
+    box = page.locator('rect.tile[data-m="0"][data-n="0"]').bounding_box()
+    page.mouse.click(box["x"] + 5, box["y"] + 5, button="right")
+    page.wait_for_timeout(200)
+    assert page.get_attribute("#traffic", "data-path-length") == "1"

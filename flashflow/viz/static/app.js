@@ -120,10 +120,9 @@ function render() {
       const idx = position.get(key);
       const fill = idx === undefined ? "#f2f2f6"
         : doneBy.has(key) ? tileColor(idx, state.path.length) : "#e2e2ea";
-      const rect = el("rect", { class: "tile" + (current.has(key) ? " current" : ""),
+      el("rect", { class: "tile" + (current.has(key) ? " current" : ""),
                                 x: margin + n * cell, y: margin + m * cell, width: cell,
                                 height: cell, fill, "data-m": m, "data-n": n }, svg);
-      rect.addEventListener("click", () => clickTile(m, n));
       if (idx !== undefined && cell >= 18) {
         const t = el("text", { class: "tile-label", x: margin + n * cell + cell / 2,
                                y: margin + m * cell + cell / 2 }, svg);
@@ -244,6 +243,15 @@ async function init() {
   $("reset").addEventListener("click", () => { state.path = []; state.searchInfo = ""; refresh(); });
   $("load-order").addEventListener("click", loadOrder);
   $("search").addEventListener("click", searchBest);
+  // A tile is taken on the primary button's press, through one listener on the SVG: a
+  // "click" needs press and release on the same element, and a render landing in between
+  // (say, the answer to the change event that the press's blur of a form field fired)
+  // replaces every tile, so the click would be lost.
+  $("grid").addEventListener("pointerdown", (e) => {
+    if (e.button !== 0) return;
+    const tile = e.target.closest("rect.tile");
+    if (tile) clickTile(Number(tile.dataset.m), Number(tile.dataset.n));
+  });
   $("step").addEventListener("input", (e) => { state.step = Number(e.target.value); render(); });
   // a new shape keeps the tiles of the path that still exist
   $("shape-form").addEventListener("change", () => {
