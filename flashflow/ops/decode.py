@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,7 +26,7 @@ MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
 def _ft_x(dtype: torch.dtype) -> int:
-    return 16 // torch.empty((), dtype=dtype).element_size()
+    return 16 // dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -154,6 +156,8 @@ class DecodePlan:
             self.counters = torch.zeros(n, dtype=torch.int32, device=device)
         else:
             self.ws_acc = self.ws_ml = self.counters = torch.empty(1, dtype=torch.float32, device=device)
+        self._no_lse = torch.empty(1, dtype=torch.float32, device=device)   # never written
+        self._full_lens: dict[int, torch.Tensor] = {}   # cache_seqlens=None, built outside capture
 
     def run(self, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, return_lse=False,
@@ -173,7 +177,13 @@ class DecodePlan:
         n_new = 0 if k is None else k.shape[1]
         if n_new and cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
-        cache_seqlens = _seqlens_tensor(cache_seqlens, batch, capacity - n_new, q.device)
+        if cache_seqlens is None and not _capturing(q.device):
+            full = self._full_lens.get(capacity)
+            if full is None:
+                full = self._full_lens[capacity] = _seqlens_tensor(None, batch, capacity, q.device)
+            cache_seqlens = full
+        else:
+            cache_seqlens = _seqlens_tensor(cache_seqlens, batch, capacity - n_new, q.device)
         left, right = _check_window(window_size)
         if causal:
             right = 0
@@ -182,7 +192,8 @@ class DecodePlan:
         qk_scale_log2 = scale / softcap if softcap > 0 else scale * 1.4426950408889634
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch, heads, seqlen_q) if return_lse else (1,), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse \
+            else self._no_lse
         ls = lse.stride() if return_lse else (0, 0, 0)
         if layout == 2:
             sk = k_cache.stride()[:4]
@@ -217,6 +228,40 @@ class DecodePlan:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return (out, lse) if return_lse else out
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_EAGER_PLANS: "OrderedDict[tuple, DecodePlan]" = OrderedDict()
+_EAGER_PLANS_MAX = 16
+_EAGER_PLANS_LOCK = threading.Lock()
+
+
+def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, num_splits) -> DecodePlan:
+    """The plan of a call that passed none, kept per (layout, device, stream) for the next call:
+    its workspace and counters are reused instead of three allocations and the counters' memset
+    per call. Reuse on one stream is ordered, and every launch leaves the counters at zero; an
+    evicted plan's memory returns to the allocator on that same stream. During graph capture a
+    fresh plan is built as before: a graph must not keep pointers into a workspace that this
+    cache may drop."""
+    if _capturing(device):
+        return DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
+                          num_splits=num_splits)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, str(device), stream)
+    with _EAGER_PLANS_LOCK:
+        plan = _EAGER_PLANS.get(key)
+        if plan is None:
+            plan = DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
+                              num_splits=num_splits)
+            _EAGER_PLANS[key] = plan
+            if len(_EAGER_PLANS) > _EAGER_PLANS_MAX:
+                _EAGER_PLANS.popitem(last=False)
+        else:
+            _EAGER_PLANS.move_to_end(key)
+    return plan
 
 
 def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, device="cuda", num_splits=0):
@@ -260,27 +305,50 @@ def _seqlens_tensor(cache_seqlens, batch, default, device):
 
 
 def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page, batch):
-    """Checks that need device values on the host (one sync); skipped during graph capture."""
-    if cache_seqlens is None or isinstance(cache_seqlens, int):
-        lens = None if cache_seqlens is None else [cache_seqlens] * batch
-    else:
-        if cache_seqlens.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    """Checks that need device values on the host: lengths within the capacity, and the pages a
+    sequence uses within ``[0, num_blocks)``. Computed on the device and read back in one
+    transfer whatever the batch (none for an int or absent ``cache_seqlens`` without a block
+    table): a host synchronisation per row would stall the launch queue ``batch`` times per
+    call. Skipped during graph capture. Only a failing check reads more, to name the row."""
+    if isinstance(cache_seqlens, int) or cache_seqlens is None:
+        n = capacity - n_new if cache_seqlens is None else cache_seqlens
+        if n < 0 or n + n_new > capacity:
+            raise ValueError(f"cache_seqlens[0] = {n} plus {n_new} new tokens exceeds the cache capacity "
+                             f"({capacity} tokens)")
+        if block_table is None:
             return
-        lens = cache_seqlens.tolist()
-    if lens is not None:
-        for i, n in enumerate(lens):
+    lens_given = isinstance(cache_seqlens, torch.Tensor)
+    probe = cache_seqlens if lens_given else block_table
+    if probe.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    if block_table is None:   # lengths only: one copy to the host, a Python loop (fewest launches)
+        for i, n in enumerate(cache_seqlens.tolist()):
             if n < 0 or n + n_new > capacity:
-                raise ValueError(f"cache_seqlens[{i}] = {n} plus {n_new} new tokens exceeds the cache capacity "
-                                 f"({capacity} tokens)")
+                raise ValueError(f"cache_seqlens[{i}] = {n} plus {n_new} new tokens exceeds the cache "
+                                 f"capacity ({capacity} tokens)")
+        return
+    if lens_given:
+        lens = cache_seqlens.to(torch.int64)
+        bad_len = (lens < 0) | (lens + n_new > capacity)
+        flags = [bad_len.any()]
+    else:
+        lens = torch.full((batch,), n, dtype=torch.int64, device=block_table.device)
+        flags = []
     if block_table is not None:
-        if block_table.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return
-        lens = lens or [capacity - n_new] * block_table.shape[0]
-        for i, n in enumerate(lens):
-            used = block_table[i, :_cdiv(n + n_new, page)]
-            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= num_blocks):
-                raise ValueError(f"block_table[{i}] holds page indices outside [0, {num_blocks}) "
-                                 f"(num_blocks of k_cache): {used.tolist()}")
+        pages = torch.div(lens.clamp(min=0) + n_new + page - 1, page, rounding_mode="floor")
+        pages = pages.clamp(max=block_table.shape[1])
+        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
+        bad_page = used & ((block_table < 0) | (block_table >= num_blocks))
+        flags.append(bad_page.any())
+    if not any(torch.stack(flags).tolist()):   # the one transfer
+        return
+    if lens_given and bool(bad_len.any()):
+        i = int(bad_len.nonzero()[0, 0])
+        raise ValueError(f"cache_seqlens[{i}] = {int(lens[i])} plus {n_new} new tokens exceeds the cache "
+                         f"capacity ({capacity} tokens)")
+    i = int(bad_page.any(dim=1).nonzero()[0, 0])
+    raise ValueError(f"block_table[{i}] holds page indices outside [0, {num_blocks}) (num_blocks of k_cache): "
+                     f"{block_table[i, :int(pages[i])].tolist()}")
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
@@ -316,8 +384,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     n_new = 0 if k is None else k.shape[1]
     if plan is None:
         _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page, batch)
-        plan = DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=q.device,
-                          num_splits=num_splits)
+        plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits)
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
                     softcap, return_lse, kv_layout)
 

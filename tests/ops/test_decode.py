@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import flashflow
-from flashflow.ops.decode import DecodeConfig, DecodePlan, num_splits_heuristic
+from flashflow.ops.decode import DecodeConfig, DecodePlan, _check_values, num_splits_heuristic
 from flashflow.reference.decode import (kvcache_attention_ref, merge_attention_states_ref, to_ft_k,
                                         to_ft_v)
 from flashflow.tuning import interpreting
@@ -181,6 +181,18 @@ def test_merge_of_two_halves_equals_whole():
     assert rel(out, whole.double()) < TOL and (lse - whole_lse).abs().max() < 1e-3
 
 
+def test_calls_without_a_plan_reuse_one_and_stay_correct():
+    # the eager path keeps its plan (workspace, merge counters) for the next call of the same
+    # layout: back-to-back split calls with other lengths, appends and caches stay correct
+    from flashflow.ops import decode as od
+    od._EAGER_PLANS.clear()
+    for lens, n_new in (([3, 200, 77], 0), ([150, 1, 9], 2), ([0, 31, 250], 1)):
+        run_case(lens, capacity=256, n_new=n_new, num_splits=3)
+    assert len(od._EAGER_PLANS) == 1
+    run_case([5, 6, 7], capacity=256, num_splits=2)     # another split count: another plan
+    assert len(od._EAGER_PLANS) == 2
+
+
 # --- bad inputs -------------------------------------------------------------------------------
 
 
@@ -199,6 +211,57 @@ def test_block_table_out_of_range():
     q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
     with pytest.raises(ValueError, match=r"block_table\[1\] holds page indices outside"):
         flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=10, block_table=table)
+
+
+def test_block_table_padding_past_each_sequence_is_not_checked():
+    # serving engines pad a block table's unused tail (-1 here); only the pages a sequence
+    # uses are checked and read, so the call succeeds and matches the reference
+    lens = [5, 40, 0, 33]
+    page, capacity = 16, 64
+    k_cache, v_cache, table = make_cache(len(lens), capacity, 2, 32, page=page)
+    for i, n in enumerate(lens):
+        table[i, -(-(n + 1) // page):] = -1          # +1: the appended token's page is used
+    q = torch.randn(len(lens), 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    new = torch.randn(len(lens), 1, 2, 32, dtype=torch.float16, device=DEVICE)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref, *_ = kvcache_attention_ref(q.double(), k_cache.double(), v_cache.double(), new.double(),
+                                    new.double(), seqlens, table.clamp(min=0))
+    out = flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens,
+                                            block_table=table)
+    assert rel(out, ref) < TOL
+    # one page too few for row 2 once its appended token counts: now it is checked, and named
+    table[2, 0] = -1
+    with pytest.raises(ValueError, match=r"block_table\[2\] holds page indices outside \[0, \d+\).*\[-1\]"):
+        flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens,
+                                          block_table=table)
+
+
+@pytest.mark.parametrize("bad", ["length", "page", None])
+def test_value_checks_read_the_device_once(monkeypatch, bad):
+    # a host read per row would stall the launch queue batch times per call: the lengths and
+    # the block table are checked on the device and read back in one transfer
+    batch, page, capacity = 24, 16, 64
+    k_cache, v_cache, table = make_cache(batch, capacity, 2, 32, page=page)
+    lens = torch.randint(0, capacity, (batch,), dtype=torch.int32, device=DEVICE)
+    if bad == "length":
+        lens[batch - 3] = capacity + 1
+    elif bad == "page":
+        lens[batch - 5] = capacity
+        table[batch - 5, capacity // page - 1] = k_cache.shape[0]
+    reads = []
+    for name in ("tolist", "item", "__int__", "__bool__", "__index__", "cpu", "numpy"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    q = torch.randn(batch, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    if bad is None:
+        _check_values(lens, 0, capacity, table, k_cache.shape[0], page, batch)
+        assert reads == ["tolist"]
+    else:
+        row = batch - 3 if bad == "length" else batch - 5
+        what = "cache_seqlens" if bad == "length" else "block_table"
+        with pytest.raises(ValueError, match=rf"{what}\[{row}\]"):
+            flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, block_table=table)
 
 
 def test_wrong_head_counts():
