@@ -31,13 +31,14 @@ Baselines for the bench (same tile code): :func:`mlp_two_kernels` (GEMM0+act, th
 
 State: a :class:`MlpWorkspace` (one zeroed int32 buffer: counters, and the split-K fp32
 accumulator) that every kernel leaves zeroed again, so one workspace serves back-to-back calls
-and CUDA-graph replays with no reset launch. Without one, each call allocates a zeroed buffer
-(one small memset). Use one workspace per stream.
+and CUDA-graph replays with no reset launch. Without one, a call takes the buffer flashflow keeps
+per (device, stream) (during graph capture, a fresh zeroed one). Use one workspace per stream.
 """
 from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -281,9 +282,31 @@ class MlpWorkspace:
                 f"device={self.buffer.device}, {self.buffer.numel() * 4} bytes)")
 
 
+_IMPLICIT: dict = {}   # (device, stream) -> the zeroed buffer of calls that passed no workspace
+_IMPLICIT_LOCK = threading.Lock()
+
+
+def _implicit_buffer(words: int, device) -> torch.Tensor:
+    """The workspace of a call that passed none: kept per (device, stream) and grown on demand,
+    so an eager call costs no allocation and no memset. Every kernel leaves it zeroed, and
+    calls on one stream are ordered. During graph capture a fresh zeroed buffer is made as
+    before: a graph must not keep a pointer into a buffer this cache may replace."""
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(words, dtype=torch.int32, device=device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    with _IMPLICIT_LOCK:
+        buf = _IMPLICIT.get(key)
+        if buf is None or buf.numel() < words:
+            buf = _IMPLICIT[key] = torch.zeros(max(words, 2 * (0 if buf is None else buf.numel())),
+                                               dtype=torch.int32, device=device)
+    return buf
+
+
 def _buffer(workspace: Optional[MlpWorkspace], words: int, device) -> torch.Tensor:
     if workspace is None:
-        return torch.zeros(words, dtype=torch.int32, device=device)
+        return _implicit_buffer(words, device)
     if not isinstance(workspace, MlpWorkspace):
         raise TypeError(f"workspace must be a flashflow MlpWorkspace or None, got {type(workspace).__name__}")
     if workspace.buffer.device != device:
@@ -525,7 +548,8 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
             order: ``"sequential"``, ``"rowblock"``, ``"multirow"`` / ``"multirow:R"``, ``"halfrow"``,
             ``"seqsplit"`` (``"sequential"`` and ``"seqsplit"`` also take ``:R``).
         workspace: an :class:`MlpWorkspace` (``max_tokens`` ≥ this call's tokens) to reuse
-            across calls and CUDA-graph replays; None allocates a zeroed one per call.
+            across calls and CUDA-graph replays; None takes one kept per (device, stream) by
+            flashflow (a fresh zeroed one while a CUDA graph is being captured).
     Returns:
         ``(..., hidden)`` in x's dtype. The intermediate is rounded to x's dtype, as the
         unfused FFN rounds it; accumulation is fp32.

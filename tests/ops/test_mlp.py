@@ -167,6 +167,24 @@ def test_repeated_calls_share_one_workspace():
         assert int(ws.buffer.count_nonzero()) == 0, (m, policy)
 
 
+def test_calls_without_a_workspace_share_the_kept_one():
+    """Calls that pass no workspace take flashflow's, kept per (device, stream) and grown on
+    demand: a growth, then smaller calls of every kind, each correct, the buffer left zeroed."""
+    from flashflow.ops import mlp as om
+    om._IMPLICIT.clear()
+    w1, w2 = weights("swiglu", 48, 96)
+    calls = [(3, "splitk"), (130, "multirow:2"), (7, "auto"), (64, "halfrow"), (1, "splitk"), (100, "two-streams")]
+    sizes = []
+    for seed, (m, policy) in enumerate(calls):
+        x = tokens(m, 48, seed=seed)
+        out = mlp_two_streams(x, w1, w2, "swiglu") if policy == "two-streams" else fused_mlp(x, w1, w2, "swiglu", policy)
+        assert rel(out, ref_of(x, w1, w2, "swiglu")) < TOL, (m, policy)
+        (buf,) = om._IMPLICIT.values()
+        assert int(buf.count_nonzero()) == 0, (m, policy)
+        sizes.append(buf.numel())
+    assert sizes == sorted(sizes) and len(set(sizes)) >= 2     # grew once at least, never shrank
+
+
 def test_splitk_several_programs_share_the_output():
     # intermediate 160 in slices of 16: ten programs add into every output element
     x = tokens(9, 48)
