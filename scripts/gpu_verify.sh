@@ -8,11 +8,13 @@
 #   bash scripts/gpu_verify.sh crossover OUT   # split-K vs persistent for M = 8..128, all three FFNs
 #   bash scripts/gpu_verify.sh ncu       OUT   # DRAM bytes per FFN policy (then, on the CPU:
 #                                              # python scripts/mlp_ncu_model.py OUT/mlp-*.json)
+#   bash scripts/gpu_verify.sh mlp-small OUT   # few row-blocks (M = 64..256): the non-gated 128x128 tiles now
+#                                              # shipped against the 128x256 ones, and 64-row / 64-wide tiles
 #
 # Outputs (JSON) go to OUT; copy them to bench/results/ and re-render the tables with
 # `python scripts/results_md.py --write docs/results.md`.
 set -euo pipefail
-phase=${1:?phase: decode | mlp | crossover | ncu}
+phase=${1:?phase: decode | mlp | crossover | ncu | mlp-small}
 out=${2:?output directory}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -32,8 +34,16 @@ case "$phase" in
   ncu)
     timeout 560 python scripts/gpu_mlp.py --phases ncu --out "$out" | tail -25
     ;;
+  mlp-small)
+    v=gelu/auto,gelu/tma3b256:halfrow,gelu/tma3b256:seqsplit:8,gelu/tma4:halfrow,gelu/tma4:seqsplit:8
+    v=$v,gelu/tma4n64:seqsplit:8,gelu/tma5m64:halfrow,gelu/tma5m64:seqsplit:8,gelu/tma5m64n64:seqsplit:8
+    v=$v,gelu/tma4m64w4:seqsplit:8,gelu/tma4m64n64w4:seqsplit:8
+    v=$v,auto,tma4:seqsplit:8,tma5m64:seqsplit:8,tma5m64n64:seqsplit:8
+    timeout 560 python scripts/tune_mlp_prefill.py --variants "$v" --tokens 64,128,256 --rounds 3 \
+        --no-stress --out "$out" | tail -60
+    ;;
   *)
-    echo "unknown phase $phase (decode | mlp | crossover | ncu)" >&2
+    echo "unknown phase $phase (decode | mlp | crossover | ncu | mlp-small)" >&2
     exit 2
     ;;
 esac

@@ -48,7 +48,7 @@ from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQS
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.ops.ffn import _capability, decode_config, launch_decode, wide_one_wave
 from flashflow.reference.mlp import ACTIVATIONS
-from flashflow.tuning import interpreting
+from flashflow.tuning import interpreting, offline_capability
 
 DECODE_MAX_M = 64        # the split-K decode kernel takes at most this many tokens
 # `auto` leaves split-K above this, unless split-K runs 128-wide slices in one wave there
@@ -140,8 +140,14 @@ def persistent_config(gated: bool, device: torch.device, m: Optional[int] = None
     * gated, at most 4 row-blocks (M ≤ 512): 128×128 GEMM1 tiles (twice as many tiles to spread
       over the SMs) and 4 stages: 0.94× / 0.96× cuBLAS at M = 256 / 512, against 0.75× / 0.86×
       with 128×256 GEMM1 tiles;
-    * not gated (one accumulator): 128×256 tiles for both GEMMs, 3 stages: 0.94× cuBLAS at
-      M = 1024 and 4096, against 0.74–0.75× with 128×128 tiles.
+    * not gated (one accumulator), more than 4 row-blocks: 128×256 tiles for both GEMMs, 3
+      stages: 0.94× cuBLAS at M = 1024 and 4096, against 0.74–0.75× with 128×128 tiles;
+    * not gated, at most 4 row-blocks: 128×128 tiles for both GEMMs and 4 stages, the gated
+      rule's reason: at M ≤ 128 the 128×256 tiles give GPT-3's GELU FFN 56 GEMM0 and 16 GEMM1
+      tiles (88 with seqsplit's K-halves) for 132 SMs, and the suite measured 141–148 µs at
+      M = 1–64 against torch's 90–95 (the weights alone take 78 µs). 128×128 gives 176.
+      *Not yet measured on a GPU* (no device was lent when it was made);
+      ``scripts/gpu_verify.sh mlp-small`` times it against the 128×256 tiles.
 
     Older GPUs: pointer loads (cp.async), 128×128 tiles everywhere."""
     if device.type != "cuda":
@@ -156,10 +162,11 @@ def persistent_config_for(gated: bool, capability: tuple[int, int], m: Optional[
     if capability[0] < 9:
         return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
                                 num_stages=3)
-    if not gated:
+    few_rows = m is not None and _cdiv(m, 128) <= 4
+    if not gated and not few_rows:
         return PersistentConfig(BLOCK_M=128, BLOCK_N0=256, BLOCK_N1=256, BLOCK_K=64, num_warps=8,
                                 num_stages=3, use_tma=True)
-    if m is not None and _cdiv(m, 128) <= 4:
+    if few_rows:
         return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
                                 num_stages=4, use_tma=True)
     return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, BLOCK_K=64, num_warps=8,
@@ -348,7 +355,7 @@ def _check(x, w_gate_up, w_down, activation) -> None:
     if not (x.device == w_gate_up.device == w_down.device):
         raise ValueError(f"x, w_gate_up, w_down must be on one device, got {x.device}, {w_gate_up.device}, "
                          f"{w_down.device}")
-    if x.device.type != "cuda" and not interpreting():
+    if x.device.type != "cuda" and not interpreting() and offline_capability() is None:
         raise ValueError(f"flashflow's fused_mlp runs on CUDA tensors; got x on {x.device} "
                          "(or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)")
     if not isinstance(activation, str) or activation not in ACTIVATIONS:

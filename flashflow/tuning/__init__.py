@@ -39,8 +39,20 @@ def _table(name: str) -> dict:
         return json.load(f)
 
 
+# (major, minor) while flashflow.tuning.offline.pretend_cuda_capability is active: CPU tensors
+# then stand for a GPU of that capability (kernels are compiled for it, never run)
+_OFFLINE_CAPABILITY = None
+
+
+def offline_capability():
+    """The capability CPU tensors stand for while compiling offline, else None."""
+    return _OFFLINE_CAPABILITY
+
+
 def gpu_family(device) -> str:
     """'interpreter', 'sm90' (Hopper and newer) or 'sm80' (Ampere/Ada and anything older)."""
+    if device.type != "cuda" and _OFFLINE_CAPABILITY is not None and not interpreting():
+        return "sm90" if _OFFLINE_CAPABILITY[0] >= 9 else "sm80"
     if interpreting() or device.type != "cuda":
         return "interpreter"
     import torch

@@ -1,0 +1,64 @@
+"""flashflow.tuning.offline: compiling for the H100 on a machine without one. Runs in a child
+process, since the test session's TRITON_INTERPRET=1 replaces the kernels at import time."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+CHILD = textwrap.dedent("""
+    import json, torch
+    from flashflow.ops import mlp
+    from flashflow.ops.decode import flash_attn_with_kvcache
+    from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
+
+    out = {}
+    # the fused FFN as the H100 ran it in bench/results/tune-mlp-prefill-h100.json
+    m, hidden, inter = 1024, 4096, 14336
+    x = torch.empty(m, hidden, dtype=torch.bfloat16)
+    w1 = torch.empty(2 * inter, hidden, dtype=torch.bfloat16)
+    w2 = torch.empty(hidden, inter, dtype=torch.bfloat16)
+    ws = mlp.MlpWorkspace(hidden, max_tokens=m, device="cpu")
+    for name, cfg in (("tma3n256", mlp.PersistentConfig(128, 128, 256, 64, 8, 3, use_tma=True)),
+                      ("ptr3", mlp.PersistentConfig(128, 128, 128, 64, 8, 3, use_tma=False))):
+        with pretend_cuda_capability():
+            (r,) = compile_offline(lambda: mlp.launch_persistent(x, w1, w2, "swiglu", "multirow", 8, workspace=ws,
+                                                                 config=cfg),
+                                   overrides={"PROXY_FENCE": cfg.use_tma})
+        out[name] = [r.registers, r.spill_bytes, r.shared, r.num_warps, r.num_stages]
+    # a decode step, through the public op: one kernel per launch, nothing run
+    q = torch.empty(1, 1, 32, 128, dtype=torch.float16)
+    kc = torch.empty(1, 4096, 8, 128, dtype=torch.float16)
+    with pretend_cuda_capability():
+        rs = compile_offline(lambda: flash_attn_with_kvcache(q, kc, kc, cache_seqlens=4000, num_splits=4))
+    out["decode"] = [[r.name, r.registers, r.shared, r.num_stages] for r in rs]
+    print(json.dumps(out))
+""")
+
+
+def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode and "cuobjdump" in proc.stderr and "No such file" in proc.stderr:
+        pytest.skip("Triton's cuobjdump is not installed with this Triton")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    # what the H100 reported for the same kernels (n_regs, n_spills·4, shared): identical
+    assert got["tma3n256"] == [255, 0, 147512, 8, 3]
+    assert got["ptr3"] == [247, 0, 147456, 8, 3]
+    (name, regs, shared, stages), = got["decode"]    # the sm90 config: 3 stages, not the interpreter's 1
+    assert name == "decode_attention_kernel" and 0 < regs <= 255 and shared > 0 and stages == 3
+
+
+def test_refuses_under_the_interpreter():
+    from triton import knobs
+
+    from flashflow.tuning.offline import offline_target
+
+    if not knobs.runtime.interpret:
+        pytest.skip("runs only in the interpreter session")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        with offline_target():
+            pass
