@@ -19,7 +19,8 @@ from flashflow.tuning import table as tuning_table
 _BATCH, _SEQLEN, _HEADS = 1, 1024, 4
 
 NO_GPU = ("No CUDA GPU found: registers per thread, spills and shared memory come from compiling "
-          "for a GPU, so only the shipped configs are listed.")
+          "for a GPU, so only the shipped configs are listed (`flashflow info --offline` compiles "
+          "for each family's GPU here).")
 
 
 def shipped_configs(family: str | None = None) -> list[dict]:
@@ -119,6 +120,29 @@ def _resources(cfg: AttentionConfig, head_dim: int, causal: bool, **launch) -> l
     return found
 
 
+_OFFLINE_CAPABILITY = {"sm90": (9, 0), "sm80": (8, 0)}
+
+
+def _resources_offline(cfg: AttentionConfig, head_dim: int, causal: bool, family: str, **launch) -> list[dict]:
+    """:func:`_resources` without a GPU: the same launch on CPU tensors, compiled for the
+    family's GPU by :mod:`flashflow.tuning.offline` (ptxas's figures; nothing runs)."""
+    import torch
+
+    from flashflow.ops.attention import attention_forward
+    from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
+
+    q, k, v = (torch.empty(_BATCH, _SEQLEN, _HEADS, head_dim, dtype=torch.bfloat16) for _ in range(3))
+    capability = _OFFLINE_CAPABILITY[family]
+    with pretend_cuda_capability(capability):
+        found = compile_offline(
+            lambda: attention_forward(q, k, v, softmax_scale=head_dim ** -0.5,
+                                      window_right=0 if causal else None, heavy_first=causal,
+                                      return_lse=False, config=cfg, **launch),
+            capability=capability[0] * 10 + capability[1])
+    return [{"kernel": r.name, "n_regs": r.registers, "n_spills": r.spill_bytes // 4, "shared": r.shared}
+            for r in found]
+
+
 def _variants(cfg: AttentionConfig, causal: bool):
     """(name, config, extra launch arguments) of each code path a config ships.
 
@@ -135,28 +159,40 @@ def _variants(cfg: AttentionConfig, causal: bool):
         yield "tail split", cfg, {"num_sms": 2 * tiles}
 
 
-def kernel_resource_report(family: str | None = None) -> list[dict]:
+def kernel_resource_report(family: str | None = None, offline: bool = False) -> list[dict]:
     """One dict per (shipped config, causal, code path, launched kernel) with ``n_regs``,
     ``n_spills`` and ``shared`` (bytes of shared memory) from compiling on the current CUDA GPU.
 
-    ``family`` defaults to the GPU's. Without a CUDA GPU (or under the interpreter) nothing is
-    compiled: one dict per config (all families by default) with those three set to None.
-    A config that fails to compile or launch gets its message under ``error``.
+    ``family`` defaults to the GPU's. ``offline``: compile on this machine, GPU or not, for
+    each family's GPU (sm90: the H100; all families by default) without running anything.
+    Otherwise, without a CUDA GPU (or under the interpreter) nothing is compiled: one dict per
+    config (all families by default) with those three set to None. A config that fails to
+    compile or launch gets its message under ``error``.
     """
     import torch
 
     empty = {"kernel": None, "n_regs": None, "n_spills": None, "shared": None, "error": None}
-    if not torch.cuda.is_available() or interpreting():
+    if offline and interpreting():
+        raise ValueError("--offline compiles for a GPU: unset TRITON_INTERPRET")
+    if not offline and (not torch.cuda.is_available() or interpreting()):
         return [{**_config_row(e, e["causal"], None), **empty}
                 for e in shipped_configs(family)]
-    family = family or gpu_family(torch.device("cuda", torch.cuda.current_device()))
+    if offline:
+        if family is not None and family not in _OFFLINE_CAPABILITY:
+            raise ValueError(f"--offline compiles for {', '.join(_OFFLINE_CAPABILITY)}, not {family!r}")
+        entries = [e for e in shipped_configs(family) if e["family"] in _OFFLINE_CAPABILITY]
+    else:
+        entries = shipped_configs(family or gpu_family(torch.device("cuda", torch.cuda.current_device())))
     rows = []
-    for entry in shipped_configs(family):
+    for entry in entries:
         for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
             for variant, cfg, launch in _variants(_config(entry), causal):
                 base = {**_config_row(entry, causal, variant), **empty}
                 try:
-                    kernels = _resources(cfg, entry["head_dim_max"], causal, **launch)
+                    if offline:
+                        kernels = _resources_offline(cfg, entry["head_dim_max"], causal, entry["family"], **launch)
+                    else:
+                        kernels = _resources(cfg, entry["head_dim_max"], causal, **launch)
                 except Exception as e:  # noqa: BLE001 — e.g. out of shared memory: report, go on
                     rows.append({**base, "error": f"{type(e).__name__}: {str(e).strip()[:300]}"})
                     continue
@@ -208,13 +244,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--family", default=None,
                    help="config family to report (default: the GPU's; every family without one)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--offline", action="store_true",
+                   help="compile for each family's GPU on this machine (no GPU needed; nothing runs)")
     p.set_defaults(func=main)
 
 
-def _heading(on_gpu: bool, device, family) -> str:
+def _heading(on_gpu: bool, device, family, offline: bool = False) -> str:
     import torch
     import triton
 
+    if offline:
+        return (f"attention forward configs compiled on this machine for each family's GPU "
+                f"(sm90: the H100; triton {triton.__version__}, ptxas; nothing run), for a bf16 "
+                f"input of batch {_BATCH}, seqlen {_SEQLEN}, {_HEADS} heads, head_dim = d<=:")
     if on_gpu:
         return (f"attention forward configs for {family} on {device} (triton {triton.__version__}), "
                 f"each compiled and launched on a bf16 input of batch {_BATCH}, seqlen {_SEQLEN}, "
@@ -229,18 +271,20 @@ def main(args: argparse.Namespace) -> int:
     import torch
     import triton
 
-    on_gpu = torch.cuda.is_available() and not interpreting()
+    offline = getattr(args, "offline", False)
+    on_gpu = torch.cuda.is_available() and not interpreting() and not offline
     try:
-        rows = kernel_resource_report(args.family)
+        rows = kernel_resource_report(args.family, offline=offline)
     except ValueError as e:
         print(f"flashflow info: {e}", file=sys.stderr)
         return 2
     device = torch.cuda.get_device_name() if on_gpu else None
+    compiled = on_gpu or offline
     if args.json:
         print(json.dumps({"device": device, "triton": triton.__version__, "torch": torch.__version__,
-                          "compiled": on_gpu, "rows": rows}, indent=1))
+                          "compiled": compiled, "offline": offline, "rows": rows}, indent=1))
     else:
-        print(_heading(on_gpu, device, rows[0]["family"] if rows else args.family) + "\n")
-        print(format_table(rows, with_resources=on_gpu) if rows else "(no configs)")
+        print(_heading(on_gpu, device, rows[0]["family"] if rows else args.family, offline) + "\n")
+        print(format_table(rows, with_resources=compiled) if rows else "(no configs)")
     # a config that did not compile or launch fails the command, for scripts that call it
     return 1 if any(r["error"] for r in rows) else 0

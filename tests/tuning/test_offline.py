@@ -62,3 +62,24 @@ def test_refuses_under_the_interpreter():
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         with offline_target():
             pass
+
+
+def test_info_offline_reproduces_the_h100_report():
+    """`flashflow info --offline` on this CPU machine gives, row for row, the registers, spills
+    and shared memory that `flashflow info` printed on the H100 (bench/results/info-h100.json)."""
+    from pathlib import Path
+
+    gpu = json.loads((Path(__file__).resolve().parents[2] / "bench/results/info-h100.json").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "flashflow.cli", "info", "--offline", "--json",
+                           "--family", "sm90"], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["compiled"] and got["offline"]
+
+    def key(r):
+        return r["family"], r["head_dim_max"], r["causal"], r["variant"], r["kernel"]
+
+    offline = {key(r): (r["n_regs"], r["n_spills"], r["shared"]) for r in got["rows"]}
+    measured = {key(r): (r["n_regs"], r["n_spills"], r["shared"]) for r in gpu["rows"]}
+    assert offline == measured
