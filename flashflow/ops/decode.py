@@ -372,7 +372,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             seqlen_q + i``.
         num_splits: key-range splits per (sequence, KV head); 0 = heuristic from batch × KV heads,
             sequence length and SM count.
-        plan: a :class:`DecodePlan` to reuse (no allocation, no host synchronisation).
+        plan: a :class:`DecodePlan` to reuse (no allocation, no host synchronisation). Without
+            one, the lengths and the pages each sequence uses are checked on the device and read
+            back once (skipped while a CUDA graph is captured), and the plan is taken from a
+            small cache per (layout, device, stream).
     Returns ``out`` ``(batch, seqlen_q, heads, head_dim)``, or ``(out, lse)`` with lse float32
     ``(batch, heads, seqlen_q)``.
     """
