@@ -311,8 +311,9 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
     table): a host synchronisation per row would stall the launch queue ``batch`` times per
     call. Skipped during graph capture. Only a failing check reads more, to name the row."""
     if isinstance(cache_seqlens, int) or cache_seqlens is None:
-        n = capacity - n_new if cache_seqlens is None else cache_seqlens
-        if n < 0 or n + n_new > capacity:
+        # None: the whole capacity (appending then raises in DecodePlan.run: no position given)
+        n = max(capacity - n_new, 0) if cache_seqlens is None else cache_seqlens
+        if cache_seqlens is not None and (n < 0 or n + n_new > capacity):
             raise ValueError(f"cache_seqlens[0] = {n} plus {n_new} new tokens exceeds the cache capacity "
                              f"({capacity} tokens)")
         if block_table is None:
