@@ -13,14 +13,9 @@ def worst_over_graph_replays(fn, x, ref_of, replays: int = 100, new_input_every:
     ``replays`` times, drawing fresh values into the static input ``x`` every
     ``new_input_every`` replays; the worst relative error of the graph's output against
     ``ref_of(x)`` (float64)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
+    from flashflow.bench.decode import capture_graph
+
+    g, out = capture_graph(fn)
     worst = 0.0
     for i in range(replays):
         if i % new_input_every == 0:

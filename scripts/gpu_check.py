@@ -15,6 +15,7 @@ import torch
 from gpu_cases import Cases
 
 import flashflow
+from flashflow.bench.decode import capture_graph
 from flashflow.ops.attention import attention_forward
 from flashflow.reference import attention_naive, attention_varlen_naive
 
@@ -120,15 +121,7 @@ def main():
     except Exception as e:  # noqa: BLE001
         print("compile failed:", type(e).__name__, str(e)[:500])
         record("torch.compile fullgraph", float("inf"), False)
-    static_out = None
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        flashflow.flash_attn_func(q, k, v, causal=True)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = flashflow.flash_attn_func(q, k, v, causal=True)
+    graph, static_out = capture_graph(lambda: flashflow.flash_attn_func(q, k, v, causal=True))
     q.copy_(torch.randn_like(q))
     graph.replay()
     torch.cuda.synchronize()

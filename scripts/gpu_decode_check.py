@@ -12,6 +12,7 @@ import torch
 from gpu_cases import Cases
 
 import flashflow
+from flashflow.bench.decode import capture_graph
 from flashflow.ops.decode import DecodeConfig, DecodePlan
 from flashflow.reference.decode import kvcache_attention_ref, to_ft_k, to_ft_v
 
@@ -76,14 +77,7 @@ def graph_case(dtype):
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(b, 1, h, d, dtype=dtype, device="cuda")
     seqlens = torch.tensor([100, 2000, 5000, 8000], dtype=torch.int32, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        plan.run(q, k_cache, v_cache, cache_seqlens=seqlens)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = plan.run(q, k_cache, v_cache, cache_seqlens=seqlens)
+    g, out = capture_graph(lambda: plan.run(q, k_cache, v_cache, cache_seqlens=seqlens))
     worst = 0.0
     for step in range(20):
         q.copy_(torch.randn_like(q))

@@ -152,6 +152,8 @@ def phase_check(args) -> dict:
 def phase_stress(args) -> dict:
     import torch
 
+    from gpu_cases import worst_over_graph_replays
+
     from flashflow.bench.mlp_suite import make_inputs, torch_ffn
     from flashflow.ops import mlp
 
@@ -180,24 +182,8 @@ def phase_stress(args) -> dict:
         worst_b2b = max(rel(o, ref) for o in outs)
         del outs
         # CUDA graph: capture once, replay; change the input every 25 replays
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            call()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = call()
-        worst_graph = 0.0
-        for i in range(runs):
-            if i % 25 == 0:
-                x.copy_(torch.randn_like(x))
-                ref = torch_ffn(x.float(), w1.float(), w2.float(), "swiglu")
-            graph.replay()
-            torch.cuda.synchronize()
-            worst_graph = max(worst_graph, rel(static, ref))
-        del graph
+        worst_graph = worst_over_graph_replays(
+            call, x, lambda xi: torch_ffn(xi.float(), w1.float(), w2.float(), "swiglu"), replays=runs)
         clean = int(ws.buffer.count_nonzero().item()) == 0
         ok = worst_b2b <= TOL and worst_graph <= TOL and clean
         row = {"case": f"{policy} M={m}", "worst_back_to_back": worst_b2b, "worst_graph": worst_graph,

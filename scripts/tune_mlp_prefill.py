@@ -306,6 +306,7 @@ def phase_time(variants, tokens, rep, rounds):
 def phase_stress(cases, runs=50):
     import torch
 
+    from flashflow.bench.decode import capture_graph
     from flashflow.ops import mlp
 
     rows = []
@@ -318,15 +319,7 @@ def phase_stress(cases, runs=50):
         torch.cuda.synchronize()
         b2b_bad = sum(not torch.equal(o, expect) for o in outs)
         del outs
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            call(x, w1, w2, "swiglu", v, ws)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static = call(x, w1, w2, "swiglu", v, ws)
+        graph, static = capture_graph(lambda: call(x, w1, w2, "swiglu", v, ws))
         graph_bad = 0
         for i in range(runs):
             if i % 25 == 0:

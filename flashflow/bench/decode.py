@@ -65,20 +65,29 @@ def read_ceiling_tbs() -> float:
     return best
 
 
-def graph_time_ms(fn, steps=GRAPH_STEPS, warmup: int = 25, rep: int = 100) -> float:
-    """Median time of one call, from CUDA-graph replays of ``steps`` back-to-back calls (what a
-    serving loop runs: no launch gaps, no Python in the loop)."""
-    import triton
-
+def capture_graph(fn, steps: int = 1):
+    """``(graph, output of the last captured call)`` of ``steps`` back-to-back calls of ``fn``,
+    after one warm-up call on a side stream (compiles, and allocations stay out of the graph)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         fn()
     torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
+    out = None
     with torch.cuda.graph(g):
         for _ in range(steps):
-            fn()
+            out = fn()
+    return g, out
+
+
+def graph_time_ms(fn, steps=GRAPH_STEPS, warmup: int = 25, rep: int = 100) -> float:
+    """Median time of one call, from CUDA-graph replays of ``steps`` back-to-back calls (what a
+    serving loop runs: no launch gaps, no Python in the loop)."""
+    import triton
+
+    g, _ = capture_graph(fn, steps)
     ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / steps
     del g
     return ms
