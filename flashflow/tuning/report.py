@@ -95,18 +95,25 @@ def _compiled_kernel(handle: int):
     return None
 
 
-def _resources(cfg: AttentionConfig, head_dim: int, causal: bool, **launch) -> list[dict]:
-    """Launch the forward once with ``cfg``; one dict per kernel the launch ran."""
+def _forward(device: str, cfg: AttentionConfig, head_dim: int, causal: bool, **launch) -> None:
+    """The report's forward launch on ``device``, with the arguments flash_attn_func passes, so
+    the kernel is the one the benchmark times."""
     import torch
 
     from flashflow.ops.attention import attention_forward
 
-    q, k, v = (torch.randn(_BATCH, _SEQLEN, _HEADS, head_dim, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(_BATCH, _SEQLEN, _HEADS, head_dim, device=device, dtype=torch.bfloat16)
                for _ in range(3))
+    attention_forward(q, k, v, softmax_scale=head_dim ** -0.5, window_right=0 if causal else None,
+                      heavy_first=causal, return_lse=False, config=cfg, **launch)
+
+
+def _resources(cfg: AttentionConfig, head_dim: int, causal: bool, **launch) -> list[dict]:
+    """Launch the forward once with ``cfg``; one dict per kernel the launch ran."""
+    import torch
+
     with _launches() as seen:
-        # the arguments flash_attn_func passes, so this is the kernel the benchmark times
-        attention_forward(q, k, v, softmax_scale=head_dim ** -0.5, window_right=0 if causal else None,
-                          heavy_first=causal, return_lse=False, config=cfg, **launch)
+        _forward("cuda", cfg, head_dim, causal, **launch)
         torch.cuda.synchronize()
     found = []
     for name, handle in dict.fromkeys(seen):
@@ -126,19 +133,12 @@ _OFFLINE_CAPABILITY = {"sm90": (9, 0), "sm80": (8, 0)}
 def _resources_offline(cfg: AttentionConfig, head_dim: int, causal: bool, family: str, **launch) -> list[dict]:
     """:func:`_resources` without a GPU: the same launch on CPU tensors, compiled for the
     family's GPU by :mod:`flashflow.tuning.offline` (ptxas's figures; nothing runs)."""
-    import torch
-
-    from flashflow.ops.attention import attention_forward
     from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
 
-    q, k, v = (torch.empty(_BATCH, _SEQLEN, _HEADS, head_dim, dtype=torch.bfloat16) for _ in range(3))
     capability = _OFFLINE_CAPABILITY[family]
     with pretend_cuda_capability(capability):
-        found = compile_offline(
-            lambda: attention_forward(q, k, v, softmax_scale=head_dim ** -0.5,
-                                      window_right=0 if causal else None, heavy_first=causal,
-                                      return_lse=False, config=cfg, **launch),
-            capability=capability[0] * 10 + capability[1])
+        found = compile_offline(lambda: _forward("cpu", cfg, head_dim, causal, **launch),
+                                capability=capability[0] * 10 + capability[1])
     return [{"kernel": r.name, "n_regs": r.registers, "n_spills": r.spill_bytes // 4, "shared": r.shared}
             for r in found]
 
