@@ -6,8 +6,8 @@ Usage (TRITON_INTERPRET unset):
     PYTHONPATH=. python scripts/offline_resources.py --json F   # and the rows as JSON
 
 Rows: the decode-attention step of the suite's small-batch shapes (through the public op, so
-the shipped sm90 config and split count); the FFN decode kernel with the configs
-`ops.ffn.decode_config` gives on the H100; the prefill kernel's shipped configs and the
+the shipped sm90 config and split count); the FFN decode kernel through its launcher (the
+configs `ops.ffn.decode_config` gives on the H100); the prefill kernel's shipped configs and the
 candidates of `scripts/gpu_verify.sh mlp-small`. A row "over" the 227 KB limit would not load.
 """
 from __future__ import annotations
@@ -47,28 +47,20 @@ def decode_rows():
 def ffn_decode_rows():
     import torch
 
-    from flashflow.ops.ffn import decode_block_i, launch_decode
+    from flashflow.ops.ffn import decode_config, launch_decode
     from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
 
-    sms, rows = 132, []
-    for name, hidden, inter, m, wide in (("llama3-8b", 4096, 14336, 16, False), ("llama3-8b", 4096, 14336, 64, True),
-                                         ("llama3-70b", 8192, 28672, 16, False)):
-        # what ops.ffn.decode_config returns on the H100 (it reads the device; here there is none)
-        if wide:
-            cfg = dict(BLOCK_I=128, BLOCK_K=64, BLOCK_N=64, num_warps=8, num_stages=3, stagger=2, pdl=False)
-        else:
-            block_i = decode_block_i(inter, sms)
-            kn = 128 if 2 * block_i <= 128 else 64
-            cfg = dict(BLOCK_I=block_i, BLOCK_K=kn, BLOCK_N=kn, num_warps=4, num_stages=3,
-                       stagger=2 if 2 * block_i <= 128 else 0, pdl=True)
+    rows = []
+    for name, hidden, inter, m in (("llama3-8b", 4096, 14336, 16), ("llama3-8b", 4096, 14336, 64),
+                                   ("llama3-70b", 8192, 28672, 16)):
         x = torch.empty(m, hidden, dtype=torch.bfloat16)
         w1 = torch.empty(2 * inter, hidden, dtype=torch.bfloat16)
         w2 = torch.empty(hidden, inter, dtype=torch.bfloat16)
         acc = torch.zeros(m, hidden)
-        with pretend_cuda_capability():
-            found = compile_offline(lambda: launch_decode(x, w1, w2, "swiglu", acc, cfg),
-                                    overrides={"PDL": cfg["pdl"], "launch_pdl": cfg["pdl"]})
-        rows += [(f"ffn decode {name} M={m} {cfg['BLOCK_I']}-wide", r) for r in found]
+        with pretend_cuda_capability():   # decode_config as on the H100 (132 SMs)
+            width = decode_config(m, inter, True, x.device)["BLOCK_I"]
+            found = compile_offline(lambda: launch_decode(x, w1, w2, "swiglu", acc))
+        rows += [(f"ffn decode {name} M={m} {width}-wide", r) for r in found]
     return rows
 
 
@@ -97,8 +89,7 @@ def ffn_prefill_rows():
         ws = mlp.MlpWorkspace(hidden, max_tokens=m, device="cpu")
         with pretend_cuda_capability():
             found = compile_offline(lambda: mlp.launch_persistent(x, w1, w2, "swiglu" if gated else "gelu", policy,
-                                                                  8, workspace=ws, config=cfg),
-                                    overrides={"PROXY_FENCE": cfg.use_tma})
+                                                                  8, workspace=ws, config=cfg))
         label = (f"{name}: {cfg.BLOCK_M}x{cfg.BLOCK_N0}/{cfg.BLOCK_N1} {cfg.num_warps}w {cfg.num_stages}st "
                  f"{policy} M={m}")
         rows += [(label, r) for r in found]

@@ -13,6 +13,7 @@ import torch
 
 from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_kernel
 from flashflow.ops.attention import _cdiv, _next_pow2, _sm_count
+from flashflow.tuning import offline_capability, offline_sm_count
 
 _ACT_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
 
@@ -26,6 +27,17 @@ def _capability(device: torch.device) -> tuple[int, int]:
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def _on_gpu(device: torch.device) -> bool:
+    """A CUDA device, or CPU tensors standing for one (flashflow.tuning.offline)."""
+    return device.type == "cuda" or offline_capability() is not None
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return _sm_count(device)
+    return offline_sm_count() or 4   # the interpreter runs programs one by one: a few suffice
+
+
 def decode_block_i(inter: int, num_sms: int) -> int:
     """Intermediate slice per program: about two programs per SM, all resident at once."""
     return max(16, min(128, _next_pow2(_cdiv(inter, 2 * num_sms))))
@@ -35,9 +47,9 @@ def wide_one_wave(m: int, inter: int, gated: bool, device: torch.device) -> bool
     """Whether :func:`decode_config` runs a gated FFN at M > 32 with 128-wide slices in one wave
     (they fill between 3/4 and all of the SMs). Only then does split-K beat the persistent
     kernel above M = 32 (Llama-3-8B, M = 64: 156.3 µs against seqsplit's 170.7)."""
-    if device.type != "cuda" or not gated or m <= 32:
+    if not _on_gpu(device) or not gated or m <= 32:
         return False
-    sms = _sm_count(device)
+    sms = _num_sms(device)
     return decode_block_i(inter, sms) == 64 and 3 * sms <= 4 * _cdiv(inter, 128) <= 4 * sms
 
 
@@ -60,8 +72,8 @@ def decode_config(m: int, inter: int, gated: bool, device: torch.device) -> dict
       one per SM, and 2·SM-count programs run in two waves. Where 128-wide slices fill between
       3/4 and all of the SMs in one wave, take them, 8 warps, 64-wide steps: half the programs,
       half the fp32 partials (Llama-3-8B M = 64: 156.33 µs against 199.65)."""
-    on_gpu = device.type == "cuda"
-    sms = _sm_count(device) if on_gpu else 4
+    on_gpu = _on_gpu(device)
+    sms = _num_sms(device)
     block_i = decode_block_i(inter, sms)
     if wide_one_wave(m, inter, gated, device):
         return {"BLOCK_I": 128, "BLOCK_K": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "stagger": 2,
@@ -85,7 +97,7 @@ def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None) ->
     cfg = decode_config(m, inter, activation == "swiglu", x2.device)
     cfg.update(config or {})
     # programmatic dependent launch of the cast: sm90+ only (the interpreter has no grids to chain)
-    sm90 = x2.device.type == "cuda" and _capability(x2.device)[0] >= 9
+    sm90 = _on_gpu(x2.device) and _capability(x2.device)[0] >= 9
     pdl = bool(cfg["pdl"]) and sm90
     ffn_decode_kernel[(_cdiv(inter, cfg["BLOCK_I"]),)](
         x2, w1, w2, ws, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0),

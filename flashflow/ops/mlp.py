@@ -46,7 +46,7 @@ import torch
 
 from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQSPLIT, SEQUENTIAL, SYNC_ERR,
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
-from flashflow.ops.ffn import _capability, decode_config, launch_decode, wide_one_wave
+from flashflow.ops.ffn import _capability, _on_gpu, decode_config, launch_decode, wide_one_wave
 from flashflow.reference.mlp import ACTIVATIONS
 from flashflow.tuning import interpreting, offline_capability
 
@@ -505,9 +505,9 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
         tiles_m, n0, n1, group_rows, _cdiv(n0, 2), CNT_OFF + 2 * tiles_m, spin,
         POLICY=code, BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_N1=cfg.BLOCK_N1,
         BLOCK_K=cfg.BLOCK_K, GATED=gated, ACTIVATION=_ACT_CODE[activation], THREADS=threads,
-        DOT_PRECISION=_dot_precision(x2.dtype), USE_TMA=use_tma, PROXY_FENCE=use_tma and x2.is_cuda,
+        DOT_PRECISION=_dot_precision(x2.dtype), USE_TMA=use_tma, PROXY_FENCE=use_tma and _on_gpu(x2.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and x2.is_cuda else {}),
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg and _on_gpu(x2.device) else {}),
     )
     _check_error(buf, spin)
     return out

@@ -39,14 +39,20 @@ def _table(name: str) -> dict:
         return json.load(f)
 
 
-# (major, minor) while flashflow.tuning.offline.pretend_cuda_capability is active: CPU tensors
-# then stand for a GPU of that capability (kernels are compiled for it, never run)
+# (major, minor) and SM count while flashflow.tuning.offline.pretend_cuda_capability is active:
+# CPU tensors then stand for that GPU (kernels are compiled for it, never run)
 _OFFLINE_CAPABILITY = None
+_OFFLINE_SM_COUNT = None
 
 
 def offline_capability():
     """The capability CPU tensors stand for while compiling offline, else None."""
     return _OFFLINE_CAPABILITY
+
+
+def offline_sm_count():
+    """The SM count of the GPU CPU tensors stand for while compiling offline, else None."""
+    return _OFFLINE_SM_COUNT
 
 
 def gpu_family(device) -> str:

@@ -7,9 +7,10 @@ launch a *warm-up*: the kernel is specialised on the real arguments (CPU tensors
 dtypes, shapes and alignment matter) and compiled down to a cubin by ptxas, but nothing runs.
 The cubin's resource usage is read with ``cuobjdump`` (shipped with Triton).
 
-What differs from a GPU run: the launchers see CPU tensors, so anything they decide from
-``tensor.is_cuda`` (e.g. the fused FFN's proxy fence, ``maxnreg``) is decided as on a CPU;
-:func:`pretend_cuda_capability` patches the capability lookups that pick configs and paths.
+What differs from a GPU run: the launchers see CPU tensors. :func:`pretend_cuda_capability`
+makes flashflow's ops take them for a GPU of a given capability and SM count (configs, TMA,
+the FFN's proxy fence and PDL); a launcher outside flashflow that reads ``tensor.is_cuda``
+itself can be corrected with :func:`offline_target`'s ``overrides``.
 The numbers are ptxas's: what the GPU would load, byte for byte, for that specialisation.
 """
 from __future__ import annotations
@@ -105,7 +106,7 @@ def offline_target(capability: int = 90, overrides: Optional[dict] = None) -> It
     """Within the block, launches compile for ``sm_{capability}`` and do not run; the compiled
     kernels are appended to the yielded list in launch order. ``overrides``: launch keywords
     to replace where a launch passes them (what a launcher derives from ``tensor.is_cuda``,
-    e.g. the fused FFN's ``PROXY_FENCE``). Not with TRITON_INTERPRET=1."""
+    e.g. a third-party launcher's). Not with TRITON_INTERPRET=1."""
     from triton import knobs
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction, KernelInterface
@@ -139,22 +140,28 @@ def offline_target(capability: int = 90, overrides: Optional[dict] = None) -> It
 
 
 @contextlib.contextmanager
-def pretend_cuda_capability(capability: tuple[int, int] = (9, 0)) -> Iterator[None]:
+def pretend_cuda_capability(capability: tuple[int, int] = (9, 0), sm_count: int = 132) -> Iterator[None]:
     """Make flashflow's ops take CPU tensors for a GPU of ``capability``: its family's configs
     (``flashflow.tuning.gpu_family``), TMA descriptors where it has them, and no "runs on CUDA
-    tensors" refusal. Decisions that need the GPU itself (SM count, stream) keep their CPU
-    answers; pass explicit configs where those matter."""
+    tensors" refusal; ``sm_count`` (the H100's 132 by default) where a config depends on it.
+    flashflow's launchers then also choose the GPU's launch options (proxy fence, PDL,
+    ``maxnreg``)."""
     import flashflow.tuning as tuning
     from flashflow.ops import ffn, mlp
 
-    saved = (tuning._OFFLINE_CAPABILITY, mlp._tma_capable, ffn._capability, mlp._capability)
-    tuning._OFFLINE_CAPABILITY = tuple(capability)
+    if tuning.interpreting():
+        raise RuntimeError("pretend_cuda_capability is for offline compilation: unset TRITON_INTERPRET")
+
+    saved = (tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT, mlp._tma_capable, ffn._capability,
+             mlp._capability)
+    tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT = tuple(capability), sm_count
     mlp._tma_capable = lambda device: capability[0] >= 9
     ffn._capability = mlp._capability = lambda device: tuple(capability)
     try:
         yield
     finally:
-        tuning._OFFLINE_CAPABILITY, mlp._tma_capable, ffn._capability, mlp._capability = saved
+        (tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT, mlp._tma_capable, ffn._capability,
+         mlp._capability) = saved
 
 
 def compile_offline(launch: Callable[[], object], capability: int = 90, name: Optional[str] = None,
