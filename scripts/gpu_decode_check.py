@@ -90,11 +90,64 @@ def graph_case(dtype):
            worst <= TOL and bool((plan.counters == 0).all()))
 
 
+def pdl_case(dtype, num_splits, graph):
+    """Programmatic dependent launches, back to back: each step appends a token that the next
+    step attends, and a torch kernel bumps ``cache_seqlens`` between steps, so a launch that read
+    anything before its ``griddepcontrol.wait`` returned would read stale lengths or keys. Eager,
+    or captured once and replayed (caches and lengths reset before each replay)."""
+    b, h, hk, d, cap, steps = 3, 32, 8, 128, 4096, 8
+    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", num_splits=num_splits, pdl=True)
+    k_cache = torch.randn(b, cap, hk, d, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    k0, v0 = k_cache.clone(), v_cache.clone()
+    lens0 = torch.tensor([5, 1000, 3000], dtype=torch.int32, device="cuda")
+    lens = lens0.clone()
+    qs = torch.randn(steps, b, 1, h, d, dtype=dtype, device="cuda")
+    ks = torch.randn(steps, b, 1, hk, d, dtype=dtype, device="cuda")
+    vs = torch.randn_like(ks)
+
+    def loop():
+        outs = []
+        for i in range(steps):
+            outs.append(plan.run(qs[i], k_cache, v_cache, ks[i], vs[i], cache_seqlens=lens))
+            lens.add_(1)
+        return outs
+
+    refs, rk, rv, rl = [], k0.double(), v0.double(), lens0.clone()
+    for i in range(steps):
+        ref, _, rk, rv = kvcache_attention_ref(qs[i].double(), rk, rv, ks[i].double(), vs[i].double(), rl)
+        refs.append(ref)
+        rl = rl + 1
+    worst, rounds = 0.0, 10 if graph else 1
+    g, outs = capture_graph(loop) if graph else (None, None)
+    for _ in range(rounds):
+        k_cache.copy_(k0)
+        v_cache.copy_(v0)
+        lens.copy_(lens0)
+        if graph:
+            g.replay()
+        else:
+            outs = loop()
+        torch.cuda.synchronize()
+        worst = max([worst] + [rel(o, r) for o, r in zip(outs, refs)])
+        ok_cache = torch.equal(k_cache.double(), rk) and torch.equal(v_cache.double(), rv)
+        worst = worst if ok_cache else float("inf")
+    record(f"{str(dtype)[6:]} PDL x{steps} appending steps, {num_splits} splits, "
+           f"{'graph replays x' + str(rounds) if graph else 'eager'} (pdl={plan.pdl})", worst,
+           worst <= TOL and plan.pdl and (num_splits == 1 or bool((plan.counters == 0).all())))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cases", choices=("all", "pdl"), default="all")
     args = ap.parse_args()
     for dtype in (torch.bfloat16, torch.float16):
+        for splits in (1, 4):
+            for graph in (False, True):
+                pdl_case(dtype, splits, graph)
+        if args.cases == "pdl":
+            continue
         case(dtype, [1, 17, 1000])
         case(dtype, [1, 17, 1000], num_splits=1)
         case(dtype, [4000, 3, 2222], page=16)

@@ -8,13 +8,15 @@
 #   bash scripts/gpu_verify.sh crossover OUT   # split-K vs persistent for M = 8..128, all three FFNs
 #   bash scripts/gpu_verify.sh ncu       OUT   # DRAM bytes per FFN policy (then, on the CPU:
 #                                              # python scripts/mlp_ncu_model.py OUT/mlp-*.json)
+#   bash scripts/gpu_verify.sh decode-pdl OUT  # decode launched programmatically dependent: the PDL
+#                                              # correctness cases, then steps and a layer timed off vs on
 #   bash scripts/gpu_verify.sh mlp-small OUT   # few row-blocks (M = 64..256): the non-gated 128x128 tiles now
 #                                              # shipped against the 128x256 ones, and 64-row / 64-wide tiles
 #
 # Outputs (JSON) go to OUT; copy them to bench/results/ and re-render the tables with
 # `python scripts/results_md.py --write docs/results.md`.
 set -euo pipefail
-phase=${1:?phase: decode | mlp | crossover | ncu | mlp-small}
+phase=${1:?phase: decode | decode-pdl | mlp | crossover | ncu | mlp-small}
 out=${2:?output directory}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -24,6 +26,10 @@ case "$phase" in
   decode)
     timeout 200 python scripts/gpu_decode_check.py --json "$out/gpu-decode-check-h100.json" | tail -15
     timeout 380 python -m flashflow.cli bench --suite decode --out "$out" 2>/dev/null | tail -80
+    ;;
+  decode-pdl)
+    timeout 150 python scripts/gpu_decode_check.py --cases pdl --json "$out/gpu-decode-check-pdl-h100.json" | tail -10 || echo "PDL check FAILED"
+    timeout 400 python scripts/tune_decode_pdl.py --json "$out/tune-decode-pdl-h100.json" | tail -30
     ;;
   mlp)
     timeout 560 python scripts/gpu_mlp.py --phases check,stress,bench --out "$out" | grep -v '^PASS' | tail -70
@@ -43,7 +49,7 @@ case "$phase" in
         --no-stress --out "$out" | tail -60
     ;;
   *)
-    echo "unknown phase $phase (decode | mlp | crossover | ncu | mlp-small)" >&2
+    echo "unknown phase $phase (decode | decode-pdl | mlp | crossover | ncu | mlp-small)" >&2
     exit 2
     ;;
 esac

@@ -29,8 +29,9 @@ def decode_rows():
     from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
 
     rows = []
-    for batch, seqlen, kv_heads, page in ((1, 8192, 8, None), (1, 32768, 8, None), (64, 4096, 8, None),
-                                          (16, 4096, 8, 64)):
+    for batch, seqlen, kv_heads, page, pdl in ((1, 8192, 8, None, None), (1, 8192, 8, None, True),
+                                               (1, 32768, 8, None, None), (64, 4096, 8, None, None),
+                                               (16, 4096, 8, 64, None)):
         q = torch.empty(batch, 1, 32, 128, dtype=torch.bfloat16)
         if page:
             kc = torch.empty(batch * seqlen // page, page, kv_heads, 128, dtype=torch.bfloat16)
@@ -39,8 +40,9 @@ def decode_rows():
             kc, table = torch.empty(batch, seqlen, kv_heads, 128, dtype=torch.bfloat16), None
         with pretend_cuda_capability():
             found = compile_offline(lambda: flash_attn_with_kvcache(q, kc, kc, cache_seqlens=seqlen,
-                                                                    block_table=table))
-        rows += [(f"decode b{batch} s{seqlen} hk{kv_heads}" + (f" page {page}" if page else ""), r) for r in found]
+                                                                    block_table=table, pdl=pdl))
+        rows += [(f"decode b{batch} s{seqlen} hk{kv_heads}" + (f" page {page}" if page else "")
+                  + (" pdl" if pdl else ""), r) for r in found]
     return rows
 
 

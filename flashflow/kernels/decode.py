@@ -20,6 +20,12 @@ New tokens (``k``/``v`` given) are attended from the inputs directly by the last
 into the cache by that same program: nothing in the launch reads those cache rows, so there is
 no race between the append and the attention.
 
+``PDL`` (sm90+, the launch made programmatically dependent): the grid's launch and placement
+overlap the previous kernel's tail; ``griddepcontrol.wait`` comes before the first load, so
+what the op reads is what stream order gives. Each program releases its dependents once its
+K/V stream is done, so a following PDL launch (the next layer's projection, or the next decode
+step) overlaps this grid's merge and exit.
+
 Cache layouts (``LAYOUT``): 0 contiguous ``(b, s, hk, d)``; 1 paged ``(blocks, page, hk, d)``
 through ``block_table``; 2 FasterTransformer: K ``(b, hk, d/x, s, x)``, V ``(b, hk, s, d)``.
 
@@ -28,6 +34,7 @@ in bf16, the floor of the whole op; FLOPs (4 · heads · seqlen · d per token) 
 """
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -115,7 +122,13 @@ def decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
     HAS_NEW: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:
+        # launched programmatically dependent (sm90+): this grid may start while the previous
+        # one (which may write q, k/v, cache_seqlens, the block table or the cache) is still
+        # running; wait until it has completed and its writes are visible, before any load
+        gdc_wait()
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
@@ -169,6 +182,11 @@ def decode_attention_kernel(
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap,
                                 window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
+    if PDL:
+        # this program's stream is done: once every program got here (or exited), a dependent
+        # launch may place its programs; they wait in griddepcontrol.wait until this grid has
+        # completed (append and merge included), so the trigger's place affects only timing
+        gdc_launch_dependents()
 
     if HAS_NEW:
         if split == NUM_SPLITS - 1:

@@ -22,6 +22,9 @@ from flashflow.ops.attention import _cdiv, _next_pow2, _check_common, _check_sof
 from flashflow.tuning import gpu_family, interpreting, offline_capability
 
 KV_LAYOUTS = ("NHD", "FT")
+# programmatic dependent launch when a plan leaves ``pdl`` unset: off until it is timed on the
+# H100 against plain stream order (``scripts/gpu_verify.sh decode-pdl``)
+PDL_DEFAULT = False
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
@@ -120,8 +123,10 @@ class DecodePlan:
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, max_seqlen_k: int, *,
                  seqlen_q: int = 1, device="cuda", num_splits: int = 0, num_sms: Optional[int] = None,
-                 config: Optional[DecodeConfig] = None):
+                 config: Optional[DecodeConfig] = None, pdl: Optional[bool] = None):
         device = torch.device(device)
+        if pdl is not None and not isinstance(pdl, bool):
+            raise TypeError(f"pdl must be True, False or None (the default), got {pdl!r}")
         if heads % kv_heads:
             raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
         group = heads // kv_heads
@@ -133,6 +138,9 @@ class DecodePlan:
         self.head_dim_pad = max(16, _next_pow2(head_dim))
         self.block_r = max(16, _next_pow2(group * seqlen_q))
         family = gpu_family(device)
+        # griddepcontrol exists from sm90; elsewhere (and in the interpreter) launches keep
+        # plain stream order whatever was asked
+        self.pdl = family == "sm90" and (PDL_DEFAULT if pdl is None else pdl)
         self.config_given = config is not None
         self.config = config or decode_config(family, self.head_dim_pad)
         if num_sms is None:
@@ -225,7 +233,7 @@ class DecodePlan:
             FT_X=_ft_x(q.dtype) if layout == 2 else 1,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=self.pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
         )
         return (out, lse) if return_lse else out
 
@@ -239,7 +247,7 @@ _EAGER_PLANS_MAX = 16
 _EAGER_PLANS_LOCK = threading.Lock()
 
 
-def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, num_splits) -> DecodePlan:
+def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, num_splits, pdl=None) -> DecodePlan:
     """The plan of a call that passed none, kept per (layout, device, stream) for the next call:
     its workspace and counters are reused instead of three allocations and the counters' memset
     per call. Reuse on one stream is ordered, and every launch leaves the counters at zero; an
@@ -248,14 +256,14 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
     cache may drop."""
     if _capturing(device):
         return DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
-                          num_splits=num_splits)
+                          num_splits=num_splits, pdl=pdl)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, str(device), stream)
+    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, pdl, str(device), stream)
     with _EAGER_PLANS_LOCK:
         plan = _EAGER_PLANS.get(key)
         if plan is None:
             plan = DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
-                              num_splits=num_splits)
+                              num_splits=num_splits, pdl=pdl)
             _EAGER_PLANS[key] = plan
             if len(_EAGER_PLANS) > _EAGER_PLANS_MAX:
                 _EAGER_PLANS.popitem(last=False)
@@ -264,10 +272,11 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
     return plan
 
 
-def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, device="cuda", num_splits=0):
+def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, device="cuda", num_splits=0,
+                pdl=None):
     """Plan a decode step (see :class:`DecodePlan`)."""
     return DecodePlan(batch, heads, kv_heads, head_dim, max_seqlen_k, seqlen_q=seqlen_q, device=device,
-                      num_splits=num_splits)
+                      num_splits=num_splits, pdl=pdl)
 
 
 def _check_decode_inputs(q, k, v):
@@ -354,7 +363,7 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None):
+                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None, pdl=None):
     """Attention of a few query tokens against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
     Args:
@@ -377,6 +386,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             one, the lengths and the pages each sequence uses are checked on the device and read
             back once (skipped while a CUDA graph is captured), and the plan is taken from a
             small cache per (layout, device, stream).
+        pdl: launch programmatically dependent on the previous kernel (sm90+; ignored elsewhere):
+            the grid is placed while that kernel ends and waits for it before its first load.
+            None: ``PDL_DEFAULT``. With ``plan``, the plan's setting is used.
     Returns ``out`` ``(batch, seqlen_q, heads, head_dim)``, or ``(out, lse)`` with lse float32
     ``(batch, heads, seqlen_q)``.
     """
@@ -388,7 +400,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     n_new = 0 if k is None else k.shape[1]
     if plan is None:
         _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page, batch)
-        plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits)
+        plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits, pdl)
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
                     softcap, return_lse, kv_layout)
 

@@ -287,3 +287,24 @@ def test_bad_layouts_and_types():
     with pytest.raises(ValueError, match="this plan is for"):
         DecodePlan(2, 4, 2, 32, 64, device=DEVICE).run(torch.randn(1, 1, 4, 32, dtype=torch.float16,
                                                                    device=DEVICE), kc[:1], kc[:1])
+
+
+def test_pdl_option():
+    """``pdl`` is checked, kept by the plan, and off where there is no griddepcontrol (the
+    interpreter, pre-sm90); with it asked the result is unchanged. (That sm90 compiles the wait
+    and the trigger, and marks the launch, is tests/tuning/test_offline.py's check.)"""
+    with pytest.raises(TypeError, match="pdl must be True, False or None"):
+        DecodePlan(1, 4, 2, 32, 64, device=DEVICE, pdl="yes")
+    q = torch.randn(1, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(1, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    vc = torch.randn_like(kc)
+    with pytest.raises(TypeError, match="pdl must be"):
+        flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40, pdl=1)
+    plan = DecodePlan(1, 4, 2, 32, 64, device=DEVICE, pdl=True, num_splits=2)
+    expect = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
+    assert plan.pdl is expect
+    ref, _, _, _ = kvcache_attention_ref(q.double(), kc.double(), vc.double(), None, None,
+                                         torch.tensor([40], dtype=torch.int32, device=DEVICE))
+    for out in (plan.run(q, kc, vc, cache_seqlens=40),
+                flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40, pdl=True)):
+        assert rel(out, ref) < TOL

@@ -34,6 +34,14 @@ CHILD = textwrap.dedent("""
     with pretend_cuda_capability():
         rs = compile_offline(lambda: flash_attn_with_kvcache(q, kc, kc, cache_seqlens=4000, num_splits=4))
     out["decode"] = [[r.name, r.registers, r.shared, r.num_stages] for r in rs]
+    # programmatic dependent launch: the instructions and the launch option, only when asked
+    from flashflow.tuning.offline import offline_target
+    for pdl in (None, False, True):
+        with pretend_cuda_capability(), offline_target() as ks:
+            flash_attn_with_kvcache(q, kc, kc, cache_seqlens=4000, num_splits=4, pdl=pdl)
+        ptx = ks[0].asm["ptx"]
+        out[f"pdl={pdl}"] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
+                             bool(ks[0].metadata.launch_pdl)]
     print(json.dumps(out))
 """)
 
@@ -50,6 +58,10 @@ def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
     assert got["ptr3"] == [247, 0, 147456, 8, 3]
     (name, regs, shared, stages), = got["decode"]    # the sm90 config: 3 stages, not the interpreter's 1
     assert name == "decode_attention_kernel" and 0 < regs <= 255 and shared > 0 and stages == 3
+    from flashflow.ops.decode import PDL_DEFAULT
+    assert got["pdl=True"] == [True, True, True]
+    assert got["pdl=False"] == [False, False, False]
+    assert got["pdl=None"] == [PDL_DEFAULT] * 3
 
 
 def test_refuses_under_the_interpreter():
