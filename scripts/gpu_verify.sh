@@ -10,13 +10,15 @@
 #                                              # python scripts/mlp_ncu_model.py OUT/mlp-*.json)
 #   bash scripts/gpu_verify.sh decode-pdl OUT  # decode launched programmatically dependent: the PDL
 #                                              # correctness cases, then steps and a layer timed off vs on
+#   bash scripts/gpu_verify.sh ffn-group OUT   # decode FFN with 2-8 slices' partials summed on chip
+#                                              # (fewer fp32 adds: M = 16's cost over M = 1) vs the default
 #   bash scripts/gpu_verify.sh mlp-small OUT   # few row-blocks (M = 64..256): the non-gated 128x128 tiles now
 #                                              # shipped against the 128x256 ones, and 64-row / 64-wide tiles
 #
 # Outputs (JSON) go to OUT; copy them to bench/results/ and re-render the tables with
 # `python scripts/results_md.py --write docs/results.md`.
 set -euo pipefail
-phase=${1:?phase: decode | decode-pdl | mlp | crossover | ncu | mlp-small}
+phase=${1:?phase: decode | decode-pdl | ffn-group | mlp | crossover | ncu | mlp-small}
 out=${2:?output directory}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -30,6 +32,10 @@ case "$phase" in
   decode-pdl)
     timeout 150 python scripts/gpu_decode_check.py --cases pdl --json "$out/gpu-decode-check-pdl-h100.json" | tail -10 || echo "PDL check FAILED"
     timeout 400 python scripts/tune_decode_pdl.py --json "$out/tune-decode-pdl-h100.json" | tail -30
+    ;;
+  ffn-group)
+    timeout 570 python scripts/tune_ffn.py --variants default,g2,g4n32,g4n64,g8n16 --rounds 3 \
+        --json "$out/tune-ffn-decode-group-h100.json" | grep -v '^PASS' | tail -40
     ;;
   mlp)
     timeout 560 python scripts/gpu_mlp.py --phases check,stress,bench --out "$out" | grep -v '^PASS' | tail -70
@@ -49,7 +55,7 @@ case "$phase" in
         --no-stress --out "$out" | tail -60
     ;;
   *)
-    echo "unknown phase $phase (decode | decode-pdl | mlp | crossover | ncu | mlp-small)" >&2
+    echo "unknown phase $phase (decode | decode-pdl | ffn-group | mlp | crossover | ncu | mlp-small)" >&2
     exit 2
     ;;
 esac

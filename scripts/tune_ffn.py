@@ -10,6 +10,9 @@ Usage (device): PYTHONPATH=. python scripts/tune_ffn.py [--json OUT] [--rounds R
    ``--rounds`` interleaved rounds (the H100 drifts with heat; each round rotates the order).
    Llama-3-8B at M = 1, 4, 16, 32, 64 and Llama-3-70B at M = 1, 16, and a diagnostic: M = 16 with
    one x row read 16 times (M = 16's atomics, M = 1's x traffic).
+
+Variants g2 / g4n32 / g4n64 / g8n16 run ffn_decode_grouped_kernel (the partials of 2-8 slices
+summed on chip before the atomic adds); they target M = 16's extra cost over M = 1.
 """
 import argparse
 import json
@@ -23,7 +26,8 @@ import triton
 
 from flashflow.bench.decode import graph_time_ms
 from flashflow.bench.mlp_suite import make_inputs, torch_ffn, weight_bytes
-from flashflow.kernels.ffn import ffn_decode_kernel
+from flashflow.kernels.ffn import ffn_decode_grouped_kernel, ffn_decode_kernel
+from flashflow.kernels.mlp import CNT_OFF
 from flashflow.ops.ffn import decode_config, launch_decode
 from flashflow.reference.mlp import mlp_ref
 from gpu_cases import worst_over_graph_replays
@@ -44,13 +48,24 @@ VARIANTS = {
     "bi128w8": {**_BI128, "stagger": 2},
     "bi128w8st4": {**_BI128, "stagger": 2, "num_stages": 4},
     "bi128w8st5": {**_BI128, "stagger": 2, "num_stages": 5},
+    # partials of 2/4/8 slices summed on chip (ffn_decode_grouped_kernel): 2-8x fewer fp32 adds;
+    # GEMM1 steps narrowed to keep two programs per SM (72-82 KB of smem, 168-192 registers)
+    "g2": {"group": 2, "BLOCK_N": 64},
+    "g4n32": {"group": 4, "BLOCK_N": 32},
+    "g4n64": {"group": 4, "BLOCK_N": 64},
+    "g8n16": {"group": 8, "BLOCK_N": 16},
 }
-VARIANTS_70B = ("shipped", "default", "sn+pdl", "skn+pdl")
+VARIANTS_70B = ("shipped", "default", "sn+pdl", "skn+pdl", "g2", "g4n32")
 # (model, hidden, inter, M, x rows aliased): the aliased case reads one x row 16 times (stride 0),
 # so it has M = 16's atomics with M = 1's x traffic from L2 (a diagnostic, not a result)
 CASES = ([("llama3-8b", 4096, 14336, m, False) for m in (1, 4, 16, 32, 64)] + [("llama3-8b", 4096, 14336, 16, True)]
          + [("llama3-70b", 8192, 28672, m, False) for m in (1, 16)])
-DIAG_VARIANTS = ("shipped", "default")
+DIAG_VARIANTS = ("shipped", "default", "g4n32")
+
+
+def applies(name, m):
+    """Grouped variants are for M ≤ 32 (at M = 64 the wide slices' groups overflow shared memory)."""
+    return m <= 32 or "group" not in VARIANTS[name]
 
 
 def rel(a, b):
@@ -66,15 +81,24 @@ def resolve(overrides, inter, gated=True):
     return overrides
 
 
+def decoder(act, acc, overrides):
+    """launch_decode with the accumulator and, for the grouped kernel, counters kept across
+    calls (both left zeroed by every call), as fused_mlp's workspace keeps them."""
+    sync = torch.zeros(CNT_OFF + 4096, dtype=torch.int32, device=acc.device) if overrides.get("group") else None
+    return lambda x, w1, w2: launch_decode(x, w1, w2, act, acc, overrides, sync=sync,
+                                           grp_off=CNT_OFF if sync is not None else None)
+
+
 def caller(x, w1, w2, act, overrides):
     m, hidden = x.shape
     acc = torch.zeros(m, hidden, dtype=torch.float32, device=x.device)
-    cfg = resolve(overrides, w2.shape[1], act == "swiglu")
-    return lambda: launch_decode(x, w1, w2, act, acc, cfg)
+    run = decoder(act, acc, resolve(overrides, w2.shape[1], act == "swiglu"))
+    return lambda: run(x, w1, w2)
 
 
 def _compiled():
-    return {id(k): k for kc, *_ in ffn_decode_kernel.device_caches.values() for k in kc.values()}
+    return {id(k): k for fn in (ffn_decode_kernel, ffn_decode_grouped_kernel)
+            for kc, *_ in fn.device_caches.values() for k in kc.values()}
 
 
 def ptx_report(x, w1, w2, overrides):
@@ -109,11 +133,11 @@ def stress(name, overrides, log):
     w2 = torch.randn(4096, 14336, dtype=torch.bfloat16, device="cuda") / 120
     ref = mlp_ref(x.double(), w1.double(), w2.double())
     ws = torch.zeros(16, 4096, dtype=torch.float32, device="cuda")
-    overrides = resolve(overrides, 14336)
-    outs = [launch_decode(x, w1, w2, "swiglu", ws, overrides) for _ in range(100)]
+    run = decoder("swiglu", ws, resolve(overrides, 14336))
+    outs = [run(x, w1, w2) for _ in range(100)]
     torch.cuda.synchronize()
     worst = max(rel(o, ref) for o in outs)
-    worst_g = worst_over_graph_replays(lambda: launch_decode(x, w1, w2, "swiglu", ws, overrides), x,
+    worst_g = worst_over_graph_replays(lambda: run(x, w1, w2), x,
                                        lambda x: mlp_ref(x.double(), w1.double(), w2.double()))
     zero = int(ws.count_nonzero()) == 0
     return [log({"variant": name, "case": "100 back-to-back M16", "rel_err": worst, "ok": worst < TOL and zero}),
@@ -145,7 +169,7 @@ def main():
     x = torch.randn(16, 4096, dtype=torch.bfloat16, device="cuda")
     w1, w2 = make_inputs("swiglu", 4096, 14336, 1, torch.bfloat16)[1:]
     for n in names:
-        for m in (1, 16, 32, 64):
+        for m in [mm for mm in (1, 16, 32, 64) if applies(n, mm)]:
             result["ptx"][f"{n} M{m}"] = r = ptx_report(torch.randn(m, 4096, dtype=x.dtype, device="cuda"),
                                                         w1, w2, VARIANTS[n])
             print("PTX", n, m, json.dumps(r), flush=True)
@@ -155,13 +179,13 @@ def main():
     if not args.no_checks:
         for n in names:
             odd = [("swiglu", 7, 1000, 3000), ("gelu", 7, 1000, 3000), ("swiglu", 3, 1001, 3003)]
-            for act, m, hidden, inter in [("swiglu", mm, 4096, 14336) for mm in (1, 4, 5, 16, 64)] + (
-                    odd if "BLOCK_N" not in VARIANTS[n] else []):
+            for act, m, hidden, inter in [("swiglu", mm, 4096, 14336) for mm in (1, 4, 5, 16, 64) if applies(n, mm)] + (
+                    odd if "BLOCK_N" not in VARIANTS[n] or "group" in VARIANTS[n] else []):
                 x_, w1_, w2_ = make_inputs(act, hidden, inter, m, torch.bfloat16, seed=m)
                 ref = mlp_ref(x_.double(), w1_.double(), w2_.double(), act)
                 out = torch.full((m, hidden), float("nan"), dtype=x_.dtype, device="cuda")
                 acc = torch.zeros(m, hidden, dtype=torch.float32, device="cuda")
-                out.copy_(launch_decode(x_, w1_, w2_, act, acc, resolve(VARIANTS[n], inter, act == "swiglu")))
+                out.copy_(decoder(act, acc, resolve(VARIANTS[n], inter, act == "swiglu"))(x_, w1_, w2_))
                 err = rel(out, ref)
                 result["checks"].append(log({"variant": n, "case": f"{act} M{m} {hidden}->{inter}", "rel_err": err,
                                              "ok": err < TOL and bool(torch.isfinite(out).all()) and int(acc.count_nonzero()) == 0}))
@@ -175,7 +199,8 @@ def main():
             torch.cuda.empty_cache()
             x_, w1_, w2_ = make_inputs("swiglu", hidden, inter, 64, torch.bfloat16)
         xm = x_[:1].expand(m, hidden) if alias else x_[:m].contiguous()
-        vs = [n for n in names if (model == "llama3-8b" or n in VARIANTS_70B) and (not alias or n in DIAG_VARIANTS)]
+        vs = [n for n in names if (model == "llama3-8b" or n in VARIANTS_70B) and (not alias or n in DIAG_VARIANTS)
+              and applies(n, m)]
         fns = {"torch-graph": lambda xm=xm, a=w1_, b=w2_: torch_ffn(xm, a, b, "swiglu")}
         fns.update({n: caller(xm, w1_, w2_, "swiglu", VARIANTS[n]) for n in vs})
         cases.append({"model": model + (" x-aliased" if alias else ""), "M": m, "hidden": hidden, "inter": inter, "fns": fns,

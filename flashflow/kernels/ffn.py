@@ -34,6 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from flashflow.kernels.mlp import _DONE, _TICKET, _reset, _signal, _thread_release, _wait
+
 
 @triton.jit
 def _act(a, ACTIVATION: tl.constexpr):
@@ -44,6 +46,58 @@ def _act(a, ACTIVATION: tl.constexpr):
         return a / (1.0 + tl.exp(-2.0 * u))  # 0.5·(1 + tanh(u)) = sigmoid(2u)
     else:  # relu
         return tl.maximum(a, 0.0)
+
+
+@triton.jit
+def _h_slice(X, W1, sl, M, hidden, inter, stride_xm, stride_w1, offs_m, m_ok,
+             BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+             ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr, STAGGER: tl.constexpr):
+    """``h = act(x·W_gate[slice]ᵀ) ∘ (x·W_up[slice]ᵀ)`` (or ``act(x·W1[slice]ᵀ)``) for slice ``sl``
+    of ``BLOCK_I`` intermediate columns, all M tokens, rounded to the weights' dtype as the
+    unfused FFN rounds it. For SwiGLU the gate row i and the up row i + inter are loaded
+    interleaved into one tile, so a single dot yields both, split after."""
+    offs_k = tl.arange(0, BLOCK_K)
+    if GATED:
+        offs_r = tl.arange(0, 2 * BLOCK_I)
+        rows = sl * BLOCK_I + offs_r // 2 + (offs_r % 2) * inter
+        r_ok = (sl * BLOCK_I + offs_r // 2) < inter
+    else:
+        rows = sl * BLOCK_I + tl.arange(0, BLOCK_I)
+        r_ok = rows < inter
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_I if GATED else BLOCK_I], dtype=tl.float32)
+    n_k = tl.cdiv(hidden, BLOCK_K)
+    k_first = sl % n_k if STAGGER >= 2 else 0
+    for kt in range(0, n_k):
+        kk = ((kt + k_first) % n_k) * BLOCK_K + offs_k
+        k_ok = kk < hidden
+        x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(W1 + rows[:, None].to(tl.int64) * stride_w1 + kk[None, :],
+                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
+    if GATED:
+        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_I, 2]))
+        h = _act(gate, ACTIVATION) * up
+    else:
+        h = _act(acc, ACTIVATION)
+    return h.to(W1.dtype.element_ty)
+
+
+@triton.jit
+def _add_into_output(WS, W2, h, offs_i, i_ok, n_lo, n_hi, rot, M, hidden, stride_w2, offs_m, m_ok,
+                     BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``ws[:, n_lo:n_hi] += h·W_down[n_lo:n_hi, offs_i]ᵀ`` in ``BLOCK_N`` steps, fp32 atomic adds
+    (16-byte vector reductions on sm90), the loop started at step ``rot`` (mod steps)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    n_n = tl.cdiv(n_hi - n_lo, BLOCK_N)
+    n_first = rot % n_n
+    for nt in range(0, n_n):
+        offs_n = n_lo + ((nt + n_first) % n_n) * BLOCK_N + offs_n0
+        n_ok = offs_n < n_hi
+        w2 = tl.load(W2 + offs_n[:, None].to(tl.int64) * stride_w2 + offs_i[None, :],
+                     mask=n_ok[:, None] & i_ok[None, :], other=0.0)
+        part = tl.dot(h, w2.T, input_precision=DOT_PRECISION)
+        tl.atomic_add(WS + offs_m[:, None] * hidden + offs_n[None, :], part,
+                      mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -62,47 +116,79 @@ def ffn_decode_kernel(
     m_ok = offs_m < M
     offs_i = pid * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = offs_i < inter
-    offs_k = tl.arange(0, BLOCK_K)
-
-    # 1. this program's slice of the intermediate. For SwiGLU the gate row i and the up row
-    #    i + inter are loaded interleaved into one tile, so a single dot yields both, split after.
-    if GATED:
-        offs_r = tl.arange(0, 2 * BLOCK_I)
-        rows = pid * BLOCK_I + offs_r // 2 + (offs_r % 2) * inter
-        r_ok = (pid * BLOCK_I + offs_r // 2) < inter
-    else:
-        rows = offs_i
-        r_ok = i_ok
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_I if GATED else BLOCK_I], dtype=tl.float32)
-    n_k = tl.cdiv(hidden, BLOCK_K)
-    k_first = pid % n_k if STAGGER >= 2 else 0
-    for kt in range(0, n_k):
-        kk = ((kt + k_first) % n_k) * BLOCK_K + offs_k
-        k_ok = kk < hidden
-        x = tl.load(X + offs_m[:, None] * stride_xm + kk[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(W1 + rows[:, None].to(tl.int64) * stride_w1 + kk[None, :],
-                    mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, w.T, acc, input_precision=DOT_PRECISION)
-    if GATED:
-        gate, up = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_I, 2]))
-        h = _act(gate, ACTIVATION) * up
-    else:
-        h = _act(acc, ACTIVATION)
-    h = h.to(W2.dtype.element_ty)  # the intermediate rounds to the weights' dtype, as in torch
-
+    # 1. this program's slice of the intermediate
+    h = _h_slice(X, W1, pid, M, hidden, inter, stride_xm, stride_w1, offs_m, m_ok, BLOCK_M, BLOCK_I, BLOCK_K,
+                 GATED, ACTIVATION, DOT_PRECISION, STAGGER)
     # 2. multiply the slice straight into the output (split-K over the intermediate)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    n_n = tl.cdiv(hidden, BLOCK_N)
-    n_first = pid % n_n if STAGGER >= 1 else 0
-    for nt in range(0, n_n):
-        offs_n = ((nt + n_first) % n_n) * BLOCK_N + offs_n0
-        n_ok = offs_n < hidden
-        w2 = tl.load(W2 + offs_n[:, None].to(tl.int64) * stride_w2 + offs_i[None, :],
-                     mask=n_ok[:, None] & i_ok[None, :], other=0.0)
-        part = tl.dot(h, w2.T, input_precision=DOT_PRECISION)
-        tl.atomic_add(WS + offs_m[:, None] * hidden + offs_n[None, :], part,
-                      mask=m_ok[:, None] & n_ok[None, :], sem="relaxed")
+    _add_into_output(WS, W2, h, offs_i, i_ok, 0, hidden, pid if STAGGER >= 1 else 0, M, hidden,
+                     stride_w2, offs_m, m_ok, BLOCK_N, DOT_PRECISION)
 
+
+@triton.jit
+def ffn_decode_grouped_kernel(
+    X, W1, W2, WS, H, SYNC,
+    M, hidden, inter, n_slices, n_groups, n_chunks, chunk_n, grp_off, spin_limit,
+    stride_xm, stride_w1, stride_w2,
+    BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    THREADS: tl.constexpr, STAGGER: tl.constexpr = 0, PDL: tl.constexpr = False,
+):
+    """Split-K with the partials of ``GROUP`` slices summed on chip: G× fewer fp32 atomics.
+
+    Persistent, tickets (``SYNC[0]``) in dependency order:
+
+    * tickets ``[0, n_slices)``: slice ``t`` of h (as ``ffn_decode_kernel``'s step 1), stored to
+      ``H`` (M × inter, the weights' dtype), then ``_signal`` on its group's counter
+      ``SYNC[grp_off + t // GROUP]``;
+    * then ``n_chunks`` items per group ``g``, item ``c`` adding
+      ``h[:, group g]·W_down[chunk c, group g]ᵀ`` into output columns
+      ``[c·chunk_n, (c+1)·chunk_n)`` (no chunk empty): ``_wait`` until the group's counter holds all its slices,
+      load the ``GROUP·BLOCK_I`` columns of h, stream the W_down tile rows, atomic-add fp32.
+
+    Every weight byte is still read once. Bytes added to the accumulator: ``n_groups · M ·
+    hidden · 4`` instead of ``n_slices · M · hidden · 4``; h goes through L2 (M · inter · e
+    written once, read ``n_chunks`` times).
+
+    Memory ordering: ``flashflow.kernels.mlp``'s producer/consumer protocol (per-thread release
+    then CTA barrier then a release add; relaxed spin then per-thread acquire), and its
+    deadlock argument: an item waits only on slices with smaller tickets, taken by running
+    programs. The last program out resets the ticket, the group counters and the done counter
+    (``SYNC[1]``), so the next launch or graph replay starts from zero. The accumulator is
+    cast and zeroed by ``ffn_cast_kernel`` as for the plain kernel."""
+    if PDL:  # let the cast launch's programs get resident now; they wait for this grid to end
+        gdc_launch_dependents()
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    total = n_slices + n_groups * n_chunks
+    t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
+    while t < total:
+        if t < n_slices:
+            h = _h_slice(X, W1, t, M, hidden, inter, stride_xm, stride_w1, offs_m, m_ok, BLOCK_M, BLOCK_I,
+                         BLOCK_K, GATED, ACTIVATION, DOT_PRECISION, STAGGER)
+            offs_s = t * BLOCK_I + tl.arange(0, BLOCK_I)
+            tl.store(H + offs_m[:, None] * inter + offs_s[None, :], h, mask=m_ok[:, None] & (offs_s < inter)[None, :])
+            _signal(SYNC, grp_off + t // GROUP, THREADS)
+        else:
+            g = (t - n_slices) // n_chunks
+            c = (t - n_slices) % n_chunks
+            _wait(SYNC, grp_off + g, tl.minimum(GROUP, n_slices - g * GROUP), spin_limit, THREADS)
+            offs_g = g * (GROUP * BLOCK_I) + tl.arange(0, GROUP * BLOCK_I)
+            g_ok = offs_g < inter
+            hg = tl.load(H + offs_m[:, None] * inter + offs_g[None, :], mask=m_ok[:, None] & g_ok[None, :],
+                         other=0.0, cache_modifier=".cg")
+            n_lo = c * chunk_n
+            _add_into_output(WS, W2, hg, offs_g, g_ok, n_lo, tl.minimum(n_lo + chunk_n, hidden),
+                             g if STAGGER >= 1 else 0, M, hidden, stride_w2, offs_m, m_ok, BLOCK_N, DOT_PRECISION)
+        t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
+
+    # the last program out resets the counters for the next launch
+    _thread_release(SYNC, THREADS)
+    tl.debug_barrier()
+    done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        _reset(SYNC, grp_off, n_groups, 1024)
+        tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit

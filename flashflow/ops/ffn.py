@@ -8,10 +8,12 @@ partial sums on the H100 at M = 16; stream order is what makes the sums complete
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
-from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_kernel
+from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_grouped_kernel, ffn_decode_kernel
+from flashflow.kernels.mlp import CNT_OFF as SYNC_CNT_OFF
 from flashflow.ops.attention import _cdiv, _next_pow2, _sm_count
 from flashflow.tuning import offline_capability, offline_sm_count
 
@@ -77,18 +79,31 @@ def decode_config(m: int, inter: int, gated: bool, device: torch.device) -> dict
     block_i = decode_block_i(inter, sms)
     if wide_one_wave(m, inter, gated, device):
         return {"BLOCK_I": 128, "BLOCK_K": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3, "stagger": 2,
-                "pdl": False}
+                "pdl": False, "group": 0}
     # weight tiles per stage: (2·)BLOCK_I × BLOCK_K of W1 and BLOCK_N × BLOCK_I of W2; wide
     # slices (70B-class intermediates) take narrower K/N steps to fit three stages in smem
     rows = block_i * (2 if gated else 1)
     block_kn = (128 if rows <= 128 else 64) if on_gpu else 32
     return {"BLOCK_I": block_i, "BLOCK_K": block_kn, "BLOCK_N": block_kn, "num_warps": 4,
-            "num_stages": 3 if on_gpu else 1, "stagger": 2 if rows <= 128 or not on_gpu else 0, "pdl": on_gpu}
+            "num_stages": 3 if on_gpu else 1, "stagger": 2 if rows <= 128 or not on_gpu else 0, "pdl": on_gpu,
+            "group": 0}
 
 
-def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None) -> torch.Tensor:
+def group_counters(inter: int, block_i: int, group: int) -> int:
+    """Counter words the grouped kernel needs: one per group of ``group`` slices."""
+    return _cdiv(_cdiv(inter, block_i), group)
+
+
+def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None, sync=None, grp_off=None,
+                  spin_limit=None) -> torch.Tensor:
     """out = FFN(x2) for x2 ``(M, hidden)``, M ≤ 64; ``ws`` is a zeroed fp32 ``(M, hidden)``
-    accumulator, left zeroed again. ``config`` overrides :func:`decode_config` entries."""
+    accumulator, left zeroed again. ``config`` overrides :func:`decode_config` entries.
+
+    ``config["group"]`` ≥ 2 runs ``ffn_decode_grouped_kernel``: the partials of that many slices
+    summed on chip before the atomic adds. It needs zeroed int32 counters, ``sync`` (the fixed
+    words of :mod:`flashflow.kernels.mlp` at its start, the group counters from ``grp_off``;
+    left zeroed): by default a fresh zeroed tensor (a memset per call). ``spin_limit`` bounds
+    its waits (debug; default: 5000 polls in the interpreter, unbounded on a GPU)."""
     m, hidden = x2.shape
     inter = w2.shape[1]
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
@@ -96,17 +111,38 @@ def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None) ->
         return out
     cfg = decode_config(m, inter, activation == "swiglu", x2.device)
     cfg.update(config or {})
+    group = int(cfg.get("group", 0))
+    if group and (group < 2 or group & (group - 1)):
+        raise ValueError(f"config['group'] must be 0 (off) or a power of two >= 2 (slices per group), got {group}")
     # programmatic dependent launch of the cast: sm90+ only (the interpreter has no grids to chain)
     sm90 = _on_gpu(x2.device) and _capability(x2.device)[0] >= 9
     pdl = bool(cfg["pdl"]) and sm90
-    ffn_decode_kernel[(_cdiv(inter, cfg["BLOCK_I"]),)](
-        x2, w1, w2, ws, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0),
-        BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"], BLOCK_N=cfg["BLOCK_N"],
-        GATED=activation == "swiglu", ACTIVATION=_ACT_CODE[activation],
-        DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        STAGGER=cfg["stagger"], PDL=pdl,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    common = dict(BLOCK_M=max(16, _next_pow2(m)), BLOCK_I=cfg["BLOCK_I"], BLOCK_K=cfg["BLOCK_K"],
+                  BLOCK_N=cfg["BLOCK_N"], GATED=activation == "swiglu", ACTIVATION=_ACT_CODE[activation],
+                  DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32", STAGGER=cfg["stagger"], PDL=pdl,
+                  num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    n_slices = _cdiv(inter, cfg["BLOCK_I"])
+    if group:
+        n_groups = group_counters(inter, cfg["BLOCK_I"], group)
+        if sync is None:
+            sync, grp_off = torch.zeros(SYNC_CNT_OFF + n_groups, dtype=torch.int32, device=x2.device), SYNC_CNT_OFF
+        elif grp_off is None or grp_off < SYNC_CNT_OFF or sync.dtype != torch.int32 \
+                or sync.numel() < grp_off + n_groups:
+            raise ValueError(f"sync must be a zeroed int32 tensor of at least grp_off + {n_groups} words with "
+                             f"grp_off >= {SYNC_CNT_OFF}, got {sync.numel()} words, grp_off={grp_off}")
+        if spin_limit is None:
+            spin_limit = 5000 if not _on_gpu(x2.device) else int(os.environ.get("FLASHFLOW_MLP_SPIN_LIMIT", "0"))
+        h = torch.empty((m, inter), dtype=w1.dtype, device=x2.device)
+        # about `group` GEMM1 items per group (as many items as slices), of whole BLOCK_N steps
+        chunk_n = _cdiv(_cdiv(hidden, group), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
+        n_chunks = _cdiv(hidden, chunk_n)
+        grid = min(n_slices, 2 * _num_sms(x2.device))
+        ffn_decode_grouped_kernel[(grid,)](
+            x2, w1, w2, ws, h, sync, m, hidden, inter, n_slices, n_groups, n_chunks, chunk_n, grp_off, spin_limit,
+            x2.stride(0), w1.stride(0), w2.stride(0), GROUP=group, THREADS=cfg["num_warps"] * 32, **common)
+    else:
+        ffn_decode_kernel[(n_slices,)](
+            x2, w1, w2, ws, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0), **common)
     ffn_cast_kernel[(_cdiv(m * hidden, 1024),)](ws, out, m, hidden, out.stride(0), BLOCK=1024, num_warps=4,
                                                  PDL=pdl, launch_pdl=pdl)
     return out

@@ -46,7 +46,7 @@ import torch
 
 from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQSPLIT, SEQUENTIAL, SYNC_ERR,
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
-from flashflow.ops.ffn import _capability, _on_gpu, decode_config, launch_decode, wide_one_wave
+from flashflow.ops.ffn import _capability, _on_gpu, decode_config, group_counters, launch_decode, wide_one_wave
 from flashflow.reference.mlp import ACTIVATIONS
 from flashflow.tuning import interpreting, offline_capability
 
@@ -67,6 +67,7 @@ _POLICY_CODE = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULT
                 "seqsplit": SEQSPLIT}
 _SPLIT_K1 = (HALFROW, SEQSPLIT)   # policies whose GEMM1 tiles run as two K-halves
 ACC_OFF = -(-CNT_OFF // 64) * 64   # split-K accumulator, 256-byte aligned, after the fixed words
+GROUP_WORDS = 1024   # room after the accumulator for the grouped split-K kernel's group counters
 
 # Bounded spins (debug): FLASHFLOW_MLP_SPIN_LIMIT=N makes a wait give up after N polls, set the
 # error word, and the op raise. 0 = unbounded (production). The interpreter always bounds.
@@ -96,6 +97,8 @@ class SplitKConfig:
     num_stages: int = 3
     stagger: int = 2         # rotate each program's loop start by its id (0 none, 1 output, 2 both)
     pdl: bool = True         # cast launch programmatically dependent on the main one (sm90+)
+    group: int = 0           # 0, or 2/4/8…: that many slices' partials summed on chip before the
+                             # atomic adds (ffn_decode_grouped_kernel; h goes through L2)
 
 
 @dataclass(frozen=True)
@@ -278,7 +281,8 @@ class MlpWorkspace:
             raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
         self.hidden, self.max_tokens = hidden, max_tokens
         smallest = PersistentConfig(BLOCK_M=16, BLOCK_N0=16, BLOCK_N1=16, BLOCK_K=16)
-        words = max(ACC_OFF + min(max_tokens, DECODE_MAX_M) * hidden, sync_words(max_tokens, hidden, smallest))
+        acc_words = _cdiv(min(max_tokens, DECODE_MAX_M) * hidden, 64) * 64
+        words = max(ACC_OFF + acc_words + GROUP_WORDS, sync_words(max_tokens, hidden, smallest))
         self.buffer = torch.zeros(words, dtype=torch.int32, device=device)
 
     def reset(self) -> None:
@@ -430,10 +434,23 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     m, hidden = x2.shape
     if m > DECODE_MAX_M:
         raise ValueError(f"policy 'splitk' is the decode kernel, for M ≤ {DECODE_MAX_M} tokens; got M={m}")
-    buf = _buffer(workspace, ACC_OFF + m * hidden, x2.device)
-    acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
     cfg = None if config is None else {k: getattr(config, k) for k in SplitKConfig.__dataclass_fields__}
-    return launch_decode(x2, w1, w2, activation, acc, cfg)
+    if not (cfg or {}).get("group"):
+        buf = _buffer(workspace, ACC_OFF + m * hidden, x2.device)
+        acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
+        return launch_decode(x2, w1, w2, activation, acc, cfg)
+    # grouped: its group counters after the accumulator (the fixed words at the buffer's start)
+    grp_off = ACC_OFF + _cdiv(m * hidden, 64) * 64
+    n_groups = group_counters(w2.shape[1], cfg["BLOCK_I"], cfg["group"])
+    if n_groups > GROUP_WORDS:
+        raise ValueError(f"SplitKConfig group={cfg['group']} with BLOCK_I={cfg['BLOCK_I']} makes {n_groups} groups; "
+                         f"at most {GROUP_WORDS}: take a larger group or BLOCK_I")
+    buf = _buffer(workspace, grp_off + n_groups, x2.device)
+    acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
+    spin = _spin_limit(x2.device)
+    out = launch_decode(x2, w1, w2, activation, acc, cfg, sync=buf, grp_off=grp_off, spin_limit=spin)
+    _check_error(buf, spin)
+    return out
 
 
 def _tma_capable(device: torch.device) -> bool:

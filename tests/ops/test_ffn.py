@@ -76,6 +76,33 @@ def test_staggered_loop_starts(stagger, m, hidden, inter):
     assert (acc == 0).all()
 
 
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("m,hidden,inter", [(3, 80, 160), (9, 100, 112), (1, 48, 96)])
+def test_grouped_partials(act, group, m, hidden, inter):
+    """``group`` slices' partials summed on chip (h through memory, ticketed GEMM1 items that
+    wait on their group's counter): odd groups (the last one short), chunks of the output that
+    end mid-step, fewer programs than tickets; the counters and the accumulator end zeroed, so
+    the second call on the same buffers is right too."""
+    from flashflow.kernels.mlp import CNT_OFF
+    from flashflow.ops.ffn import group_counters
+
+    w1, w2 = weights(act, hidden, inter)
+    acc = torch.zeros(m, hidden, dtype=torch.float32, device=DEVICE)
+    cfg = {"BLOCK_I": 16, "BLOCK_K": 32, "BLOCK_N": 16, "num_stages": 1, "stagger": 2, "group": group}
+    n_groups = group_counters(inter, 16, group)
+    sync = torch.zeros(CNT_OFF + 64 + n_groups, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
+        out = launch_decode(x, w1, w2, act, acc, cfg, sync=sync, grp_off=CNT_OFF + 64)
+        assert rel(out, mlp_ref(x.double(), w1.double(), w2.double(), act)) < 5e-3
+        assert (acc == 0).all() and int(sync.count_nonzero()) == 0
+    with pytest.raises(ValueError, match="sync must be a zeroed int32 tensor"):
+        launch_decode(x, w1, w2, act, acc, cfg, sync=sync[:CNT_OFF], grp_off=CNT_OFF)
+    for bad in (1, 3, -2):
+        with pytest.raises(ValueError, match=r"config\['group'\] must be 0"):
+            launch_decode(x, w1, w2, act, acc, dict(cfg, group=bad))
+
 
 def test_decode_config_rules(monkeypatch):
     # the GPU branch of decode_config, with an H100's 132 SMs (no GPU needed to pick tiles)

@@ -196,6 +196,24 @@ def test_splitk_several_programs_share_the_output():
     assert int(ws.buffer.count_nonzero()) == 0
 
 
+@pytest.mark.parametrize("workspace", [True, False])
+def test_splitk_grouped_partials_through_the_workspace(workspace):
+    """The grouped split-K (two slices' partials summed on chip) through launch_splitk: its
+    group counters live in the workspace after the accumulator, and every word is zero again
+    after each call (or, without one, in the implicit per-stream buffer)."""
+    from flashflow.ops import mlp
+
+    w1, w2 = weights("swiglu", 48, 160)
+    cfg = SplitKConfig(BLOCK_I=16, BLOCK_K=16, BLOCK_N=16, num_stages=1, group=2)
+    ws = MlpWorkspace(48, max_tokens=9, device=DEVICE) if workspace else None
+    for m in (9, 2):
+        x = tokens(m, 48)
+        out = launch_splitk(x, w1, w2, "swiglu", workspace=ws, config=cfg)
+        assert rel(out, ref_of(x, w1, w2, "swiglu")) < TOL
+        buf = ws.buffer if workspace else mlp._implicit_buffer(1, x.device)
+        assert int(buf.count_nonzero()) == 0
+
+
 _ORDER_CASES = [("sequential", 1, 3, 2, 1), ("sequential", 5, 4, 3, 2), ("sequential", 7, 3, 5, 8),
                 ("rowblock", 3, 5, 2, 1), ("multirow", 5, 4, 3, 2), ("multirow", 7, 2, 3, 3),
                 ("multirow", 2, 6, 4, 8), ("halfrow", 3, 5, 2, 1), ("halfrow", 2, 2, 3, 1),
