@@ -53,16 +53,22 @@ def ffn_decode_rows():
     from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
 
     rows = []
-    for name, hidden, inter, m in (("llama3-8b", 4096, 14336, 16), ("llama3-8b", 4096, 14336, 64),
-                                   ("llama3-70b", 8192, 28672, 16)):
+    # the shipped configs, then the grouped split-K candidates of scripts/tune_ffn.py (g2, g4n32)
+    for name, hidden, inter, m, extra in (("llama3-8b", 4096, 14336, 16, None), ("llama3-8b", 4096, 14336, 64, None),
+                                          ("llama3-70b", 8192, 28672, 16, None),
+                                          ("llama3-8b", 4096, 14336, 16, {"group": 2, "BLOCK_N": 64}),
+                                          ("llama3-8b", 4096, 14336, 16, {"group": 4, "BLOCK_N": 32}),
+                                          ("llama3-70b", 8192, 28672, 16, {"group": 2, "BLOCK_N": 64})):
         x = torch.empty(m, hidden, dtype=torch.bfloat16)
         w1 = torch.empty(2 * inter, hidden, dtype=torch.bfloat16)
         w2 = torch.empty(hidden, inter, dtype=torch.bfloat16)
         acc = torch.zeros(m, hidden)
         with pretend_cuda_capability():   # decode_config as on the H100 (132 SMs)
             width = decode_config(m, inter, True, x.device)["BLOCK_I"]
-            found = compile_offline(lambda: launch_decode(x, w1, w2, "swiglu", acc))
-        rows += [(f"ffn decode {name} M={m} {width}-wide", r) for r in found]
+            found = compile_offline(lambda: launch_decode(x, w1, w2, "swiglu", acc, extra))
+        label = f"ffn decode {name} M={m} {width}-wide" + (
+            f" group {extra['group']} n{extra['BLOCK_N']}" if extra else "")
+        rows += [(label, r) for r in found]
     return rows
 
 
