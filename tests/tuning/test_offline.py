@@ -42,6 +42,16 @@ CHILD = textwrap.dedent("""
         ptx = ks[0].asm["ptx"]
         out[f"pdl={pdl}"] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
                              bool(ks[0].metadata.launch_pdl)]
+    # the grouped split-K FFN candidate (not yet timed): it must compile for sm90, unspilled,
+    # small enough for two programs per SM, as the shipped decode kernel runs
+    from flashflow.ops.ffn import launch_decode
+    x = torch.empty(16, 4096, dtype=torch.bfloat16)
+    w1 = torch.empty(2 * 14336, 4096, dtype=torch.bfloat16)
+    w2 = torch.empty(4096, 14336, dtype=torch.bfloat16)
+    acc = torch.zeros(16, 4096)
+    with pretend_cuda_capability():
+        rs = compile_offline(lambda: launch_decode(x, w1, w2, "swiglu", acc, {"group": 4, "BLOCK_N": 32}))
+    out["grouped"] = [[r.name, r.registers, r.spill_bytes, r.shared, r.num_warps] for r in rs]
     print(json.dumps(out))
 """)
 
@@ -62,6 +72,9 @@ def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
     assert got["pdl=True"] == [True, True, True]
     assert got["pdl=False"] == [False, False, False]
     assert got["pdl=None"] == [PDL_DEFAULT] * 3
+    (name, regs, spill, shared, warps), (cast, *_) = got["grouped"]
+    assert name == "ffn_decode_grouped_kernel" and cast == "ffn_cast_kernel"
+    assert spill == 0 and 2 * regs * warps * 32 <= 65536 and 2 * (shared + 1024) <= 228 * 1024
 
 
 def test_refuses_under_the_interpreter():
