@@ -10,6 +10,9 @@
 #                                              # python scripts/mlp_ncu_model.py OUT/mlp-*.json)
 #   bash scripts/gpu_verify.sh decode-pdl OUT  # decode launched programmatically dependent: the PDL
 #                                              # correctness cases, then steps and a layer timed off vs on
+#   bash scripts/gpu_verify.sh decode-splits OUT  # batch-1 splits x tiles again, paged after its fix: is
+#                                              # 128-token tiles / 8 splits (best at 1x16k in the last sweep,
+#                                              # +3% over the shipped 64 / 16) also right for paged caches?
 #   bash scripts/gpu_verify.sh ffn-group OUT   # decode FFN with 2-8 slices' partials summed on chip
 #                                              # (fewer fp32 adds: M = 16's cost over M = 1) vs the default
 #   bash scripts/gpu_verify.sh mlp-small OUT   # few row-blocks (M = 64..256): the non-gated 128x128 tiles now
@@ -18,7 +21,7 @@
 # Outputs (JSON) go to OUT; copy them to bench/results/ and re-render the tables with
 # `python scripts/results_md.py --write docs/results.md`.
 set -euo pipefail
-phase=${1:?phase: decode | decode-pdl | ffn-group | mlp | crossover | ncu | mlp-small}
+phase=${1:?phase: decode | decode-pdl | decode-splits | ffn-group | mlp | crossover | ncu | mlp-small}
 out=${2:?output directory}
 mkdir -p "$out"
 cd "$(dirname "$0")/.."
@@ -32,6 +35,9 @@ case "$phase" in
   decode-pdl)
     timeout 150 python scripts/gpu_decode_check.py --cases pdl --json "$out/gpu-decode-check-pdl-h100.json" | tail -10 || echo "PDL check FAILED"
     timeout 400 python scripts/tune_decode_pdl.py --json "$out/tune-decode-pdl-h100.json" | tail -30
+    ;;
+  decode-splits)
+    timeout 570 python scripts/tune_decode_splits.py --set small --json "$out/tune-decode-small-h100-after-paged-fix.json" | tail -8
     ;;
   ffn-group)
     timeout 570 python scripts/tune_ffn.py --variants default,g2,g4n32,g4n64,g8n16 --rounds 3 \
@@ -55,7 +61,7 @@ case "$phase" in
         --no-stress --out "$out" | tail -60
     ;;
   *)
-    echo "unknown phase $phase (decode | decode-pdl | ffn-group | mlp | crossover | ncu | mlp-small)" >&2
+    echo "unknown phase $phase (decode | decode-pdl | decode-splits | ffn-group | mlp | crossover | ncu | mlp-small)" >&2
     exit 2
     ;;
 esac
