@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashflow.kernels.mlp import _DONE, _TICKET, _reset, _signal, _thread_release, _wait
+from flashflow.kernels.mlp import _TICKET, _last_out_resets, _signal, _wait
 
 
 @triton.jit
@@ -181,14 +181,7 @@ def ffn_decode_grouped_kernel(
                              g if STAGGER >= 1 else 0, M, hidden, stride_w2, offs_m, m_ok, BLOCK_N, DOT_PRECISION)
         t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
 
-    # the last program out resets the counters for the next launch
-    _thread_release(SYNC, THREADS)
-    tl.debug_barrier()
-    done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        _reset(SYNC, grp_off, n_groups, 1024)
-        tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
+    _last_out_resets(SYNC, grp_off, n_groups, THREADS)
 
 
 @triton.jit

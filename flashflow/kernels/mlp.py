@@ -315,6 +315,20 @@ def _reset(SYNC, start, count, BLOCK: tl.constexpr):
         tl.store(SYNC + start + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=offs < count)
 
 
+@triton.jit
+def _last_out_resets(SYNC, start, count, THREADS: tl.constexpr):
+    """End of a ticketed kernel: the last program to finish zeroes ``SYNC[start : start+count]``,
+    the ticket and the done counter, for the next launch or graph replay (every other program
+    has then passed all its waits and signals)."""
+    _thread_release(SYNC, THREADS)
+    tl.debug_barrier()
+    done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
+    if done == tl.num_programs(0) - 1:
+        _reset(SYNC, start, count, 1024)
+        tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
+
+
 # ------------------------------------------------------------------------------------------
 # prefill regime: one persistent launch, ticketed GEMM0 and GEMM1 tiles
 # ------------------------------------------------------------------------------------------
@@ -412,16 +426,10 @@ def mlp_persistent_kernel(
         t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
 
     # the last program out resets the counters for the next launch
-    _thread_release(SYNC, THREADS)
-    tl.debug_barrier()
-    done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
-    if done == tl.num_programs(0) - 1:
-        if (POLICY == _HALFROW) or (POLICY == _SEQSPLIT):
-            _reset(SYNC, _CNT_OFF, flag_off - _CNT_OFF + tiles_m * n1, 1024)
-        else:
-            _reset(SYNC, _CNT_OFF, 2 * tiles_m, 1024)
-        tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
+    if (POLICY == _HALFROW) or (POLICY == _SEQSPLIT):
+        _last_out_resets(SYNC, _CNT_OFF, flag_off - _CNT_OFF + tiles_m * n1, THREADS)
+    else:
+        _last_out_resets(SYNC, _CNT_OFF, 2 * tiles_m, THREADS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -473,13 +481,7 @@ def mlp_gemm1_kernel(
                               BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION, False)
             _store_tile(OUT, acc, r, c, M, hidden, stride_om, BLOCK_M, BLOCK_N1)
             t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
-        _thread_release(SYNC, THREADS)
-        tl.debug_barrier()
-        done = tl.atomic_add(SYNC + _DONE, 1, sem="acq_rel", scope="gpu")
-        if done == tl.num_programs(0) - 1:
-            _reset(SYNC, _CNT_OFF, 2 * tiles_m, 1024)
-            tl.atomic_xchg(SYNC + _TICKET, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(SYNC + _DONE, 0, sem="relaxed", scope="gpu")
+        _last_out_resets(SYNC, _CNT_OFF, 2 * tiles_m, THREADS)
     else:
         r, c = _grouped_tile(tl.program_id(0), tiles_m, n1, group_rows)
         acc = _gemm1_tile(H, W2, None, None, r, c, 0, inter, M, hidden, stride_hm, stride_w2,

@@ -8,7 +8,6 @@ partial sums on the H100 at M = 16; stream order is what makes the sums complete
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -95,15 +94,16 @@ def group_counters(inter: int, block_i: int, group: int) -> int:
 
 
 def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None, sync=None, grp_off=None,
-                  spin_limit=None) -> torch.Tensor:
+                  spin_limit=0) -> torch.Tensor:
     """out = FFN(x2) for x2 ``(M, hidden)``, M ≤ 64; ``ws`` is a zeroed fp32 ``(M, hidden)``
     accumulator, left zeroed again. ``config`` overrides :func:`decode_config` entries.
 
     ``config["group"]`` ≥ 2 runs ``ffn_decode_grouped_kernel``: the partials of that many slices
     summed on chip before the atomic adds. It needs zeroed int32 counters, ``sync`` (the fixed
     words of :mod:`flashflow.kernels.mlp` at its start, the group counters from ``grp_off``;
-    left zeroed): by default a fresh zeroed tensor (a memset per call). ``spin_limit`` bounds
-    its waits (debug; default: 5000 polls in the interpreter, unbounded on a GPU)."""
+    left zeroed): by default a fresh zeroed tensor (a memset per call). ``spin_limit`` > 0 bounds
+    its waits (debug; :func:`flashflow.ops.mlp.launch_splitk` passes its bound and checks the
+    error word; 0 = unbounded)."""
     m, hidden = x2.shape
     inter = w2.shape[1]
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
@@ -130,15 +130,13 @@ def launch_decode(x2, w1, w2, activation: str, ws: torch.Tensor, config=None, sy
                 or sync.numel() < grp_off + n_groups:
             raise ValueError(f"sync must be a zeroed int32 tensor of at least grp_off + {n_groups} words with "
                              f"grp_off >= {SYNC_CNT_OFF}, got {sync.numel()} words, grp_off={grp_off}")
-        if spin_limit is None:
-            spin_limit = 5000 if not _on_gpu(x2.device) else int(os.environ.get("FLASHFLOW_MLP_SPIN_LIMIT", "0"))
         h = torch.empty((m, inter), dtype=w1.dtype, device=x2.device)
         # about `group` GEMM1 items per group (as many items as slices), of whole BLOCK_N steps
         chunk_n = _cdiv(_cdiv(hidden, group), cfg["BLOCK_N"]) * cfg["BLOCK_N"]
         n_chunks = _cdiv(hidden, chunk_n)
         grid = min(n_slices, 2 * _num_sms(x2.device))
         ffn_decode_grouped_kernel[(grid,)](
-            x2, w1, w2, ws, h, sync, m, hidden, inter, n_slices, n_groups, n_chunks, chunk_n, grp_off, spin_limit,
+            x2, w1, w2, ws, h, sync, m, hidden, inter, n_slices, n_groups, n_chunks, chunk_n, grp_off, int(spin_limit),
             x2.stride(0), w1.stride(0), w2.stride(0), GROUP=group, THREADS=cfg["num_warps"] * 32, **common)
     else:
         ffn_decode_kernel[(n_slices,)](

@@ -435,18 +435,17 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     if m > DECODE_MAX_M:
         raise ValueError(f"policy 'splitk' is the decode kernel, for M ≤ {DECODE_MAX_M} tokens; got M={m}")
     cfg = None if config is None else {k: getattr(config, k) for k in SplitKConfig.__dataclass_fields__}
-    if not (cfg or {}).get("group"):
-        buf = _buffer(workspace, ACC_OFF + m * hidden, x2.device)
-        acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
-        return launch_decode(x2, w1, w2, activation, acc, cfg)
-    # grouped: its group counters after the accumulator (the fixed words at the buffer's start)
+    group = config.group if config is not None else 0
+    # the grouped kernel's group counters follow the accumulator (the fixed words lead the buffer)
     grp_off = ACC_OFF + _cdiv(m * hidden, 64) * 64
-    n_groups = group_counters(w2.shape[1], cfg["BLOCK_I"], cfg["group"])
+    n_groups = group_counters(w2.shape[1], config.BLOCK_I, group) if group else 0
     if n_groups > GROUP_WORDS:
-        raise ValueError(f"SplitKConfig group={cfg['group']} with BLOCK_I={cfg['BLOCK_I']} makes {n_groups} groups; "
+        raise ValueError(f"SplitKConfig group={group} with BLOCK_I={config.BLOCK_I} makes {n_groups} groups; "
                          f"at most {GROUP_WORDS}: take a larger group or BLOCK_I")
-    buf = _buffer(workspace, grp_off + n_groups, x2.device)
+    buf = _buffer(workspace, grp_off + n_groups if group else ACC_OFF + m * hidden, x2.device)
     acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
+    if not group:
+        return launch_decode(x2, w1, w2, activation, acc, cfg)
     spin = _spin_limit(x2.device)
     out = launch_decode(x2, w1, w2, activation, acc, cfg, sync=buf, grp_off=grp_off, spin_limit=spin)
     _check_error(buf, spin)
