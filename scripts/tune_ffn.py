@@ -30,7 +30,7 @@ from flashflow.kernels.ffn import ffn_decode_grouped_kernel, ffn_decode_kernel
 from flashflow.kernels.mlp import CNT_OFF
 from flashflow.ops.ffn import decode_config, launch_decode
 from flashflow.reference.mlp import mlp_ref
-from gpu_cases import worst_over_graph_replays
+from gpu_cases import Cases, worst_over_graph_replays
 
 TOL = 1e-2
 # name -> decode_config overrides ("default": none). "shipped" is the config before the
@@ -68,8 +68,7 @@ def applies(name, m):
     return m <= 32 or "group" not in VARIANTS[name]
 
 
-def rel(a, b):
-    return ((a.double() - b).norm() / b.norm()).item()
+rel = Cases.rel   # ‖out − ref‖ / ‖ref‖ in float64
 
 
 def resolve(overrides, inter, gated=True):
