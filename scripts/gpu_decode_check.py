@@ -22,7 +22,8 @@ rel, record, results = _cases.rel, _cases.record, _cases.results
 
 
 def case(dtype, lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_new=0, page=None,
-         causal=True, window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", config=None, poison=False):
+         causal=True, window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", config=None, poison=False,
+         merge=None):
     """``poison``: cache rows past each sequence's length hold NaN (what a reused page may hold)."""
     batch = len(lens)
     if page is None:
@@ -52,8 +53,8 @@ def case(dtype, lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), seqlens, table, causal=causal, window_size=window,
         softcap=softcap, kv_layout=kv_layout)
-    plan = None if config is None else DecodePlan(batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q,
-                                                  num_splits=num_splits, config=config)
+    plan = None if config is None and merge is None else DecodePlan(
+        batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q, num_splits=num_splits, config=config, merge=merge)
     out, lse = flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
                                                  block_table=table, causal=causal, window_size=window,
                                                  softcap=softcap, num_splits=num_splits, return_lse=True,
@@ -65,14 +66,15 @@ def case(dtype, lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_
     err = rel(out, ref)
     name = (f"{str(dtype)[6:]} lens={lens} h{heads}/{kv_heads} d{d} sq{seqlen_q} new{n_new} page={page} "
             f"causal={causal} win={window} softcap={softcap} splits={num_splits} {kv_layout}"
-            + (f" config={config}" if config else "") + (" NaN past the end" if poison else ""))
+            + (f" config={config}" if config else "") + (" NaN past the end" if poison else "")
+            + (f" merge={merge}" if merge else ""))
     record(name, err, err <= TOL and ok_lse and ok_cache and torch.isfinite(out).all().item())
 
 
-def graph_case(dtype):
+def graph_case(dtype, merge=None):
     """Plan once, capture one step in a CUDA graph, replay with new inputs: same as eager."""
     b, h, hk, d, cap = 4, 32, 8, 128, 8192
-    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda")
+    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", merge=merge)
     k_cache = torch.randn(b, cap, hk, d, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(b, 1, h, d, dtype=dtype, device="cuda")
@@ -86,11 +88,11 @@ def graph_case(dtype):
         ref, _, _, _ = kvcache_attention_ref(q.double(), k_cache.double(), v_cache.double(), cache_seqlens=seqlens)
         eager = plan.run(q, k_cache, v_cache, cache_seqlens=seqlens)
         worst = max(worst, rel(out, ref), (out.float() - eager.float()).abs().max().item())
-    record(f"{str(dtype)[6:]} CUDA graph replay x20 (plan, {plan.num_splits} splits)", worst,
+    record(f"{str(dtype)[6:]} CUDA graph replay x20 (plan, {plan.num_splits} splits, merge={plan.merge})", worst,
            worst <= TOL and bool((plan.counters == 0).all()))
 
 
-def pdl_case(dtype, num_splits, graph):
+def pdl_case(dtype, num_splits, graph, merge=None):
     """Programmatic dependent launches, back to back with no other kernel between them: step i
     appends a token at position lens0 + i that step i + 1 attends (each step has its own lengths
     tensor, written before the loop). A step releases its dependents before its append and its
@@ -98,7 +100,7 @@ def pdl_case(dtype, num_splits, graph):
     ``griddepcontrol.wait`` returned would read the key and value still to be appended. Eager,
     or captured once and replayed (caches reset before each replay)."""
     b, h, hk, d, cap, steps = 3, 32, 8, 128, 4096, 8
-    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", num_splits=num_splits, pdl=True)
+    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", num_splits=num_splits, pdl=True, merge=merge)
     k_cache = torch.randn(b, cap, hk, d, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
     k0, v0 = k_cache.clone(), v_cache.clone()
@@ -129,19 +131,35 @@ def pdl_case(dtype, num_splits, graph):
         if not (torch.equal(k_cache.double(), rk) and torch.equal(v_cache.double(), rv)):
             worst = float("inf")
     record(f"{str(dtype)[6:]} PDL x{steps} appending steps back to back, {num_splits} splits, "
-           f"{'graph replays x' + str(rounds) if graph else 'eager x' + str(rounds)} (pdl={plan.pdl})", worst,
+           f"{'graph replays x' + str(rounds) if graph else 'eager x' + str(rounds)} (pdl={plan.pdl}, "
+           f"merge={plan.merge})", worst,
            worst <= TOL and plan.pdl and (num_splits == 1 or bool((plan.counters == 0).all())))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
+    # "pdl": the cases of the options not yet timed (PDL, and the wide merge with and without it)
     ap.add_argument("--cases", choices=("all", "pdl"), default="all")
     args = ap.parse_args()
     for dtype in (torch.bfloat16, torch.float16):
         for splits in (1, 4):
             for graph in (False, True):
                 pdl_case(dtype, splits, graph)
+        for graph in (False, True):
+            pdl_case(dtype, 16, graph, merge="wide")
+        # the wide merge: one chunk (GQA 4 rows, 16 splits), chunks (16 rows; d 256), MHA, paged,
+        # append, window (empty splits), FT, and graph replays
+        case(dtype, [1, 17, 4000], num_splits=16, merge="wide")
+        case(dtype, [1, 17, 4000], num_splits=13, merge="wide")
+        case(dtype, [7, 4000], n_new=4, seqlen_q=4, num_splits=16, merge="wide")
+        case(dtype, [300, 1000], d=256, heads=32, kv_heads=8, capacity=1024, num_splits=16, merge="wide")
+        case(dtype, [500, 4000], softcap=30.0, heads=32, kv_heads=32, num_splits=8, merge="wide")
+        case(dtype, [4000, 3, 2222], page=64, num_splits=16, merge="wide", poison=True)
+        case(dtype, [0, 33, 4000], n_new=1, page=64, num_splits=16, merge="wide")
+        case(dtype, [500, 4000], window=(256, 0), num_splits=16, merge="wide")
+        case(dtype, [50, 3000], kv_layout="FT", n_new=2, seqlen_q=2, num_splits=7, merge="wide")
+        graph_case(dtype, merge="wide")
         if args.cases == "pdl":
             continue
         case(dtype, [1, 17, 1000])

@@ -8,8 +8,9 @@
 #   bash scripts/gpu_verify.sh crossover OUT   # split-K vs persistent for M = 8..128, all three FFNs
 #   bash scripts/gpu_verify.sh ncu       OUT   # DRAM bytes per FFN policy (then, on the CPU:
 #                                              # python scripts/mlp_ncu_model.py OUT/mlp-*.json)
-#   bash scripts/gpu_verify.sh decode-pdl OUT  # decode launched programmatically dependent: the PDL
-#                                              # correctness cases, then steps and a layer timed off vs on
+#   bash scripts/gpu_verify.sh decode-pdl OUT  # decode launched programmatically dependent, and the wide
+#                                              # split merge: their correctness cases, then steps and a layer
+#                                              # timed: off / pdl / wide / wide+pdl
 #   bash scripts/gpu_verify.sh decode-splits OUT  # batch-1 splits x tiles again, paged after its fix: is
 #                                              # 128-token tiles / 8 splits (best at 1x16k in the last sweep,
 #                                              # +3% over the shipped 64 / 16) also right for paged caches?
@@ -33,8 +34,8 @@ case "$phase" in
     timeout 380 python -m flashflow.cli bench --suite decode --out "$out" 2>/dev/null | tail -80
     ;;
   decode-pdl)
-    timeout 150 python scripts/gpu_decode_check.py --cases pdl --json "$out/gpu-decode-check-pdl-h100.json" | tail -10 || echo "PDL check FAILED"
-    timeout 400 python scripts/tune_decode_pdl.py --json "$out/tune-decode-pdl-h100.json" | tail -30
+    timeout 120 python scripts/gpu_decode_check.py --cases pdl --json "$out/gpu-decode-check-pdl-h100.json" | tail -10 || echo "PDL / wide-merge check FAILED"
+    timeout 450 python scripts/tune_decode_pdl.py --json "$out/tune-decode-pdl-h100.json" | tail -30
     ;;
   decode-splits)
     timeout 570 python scripts/tune_decode_splits.py --set small --json "$out/tune-decode-small-h100-after-paged-fix.json" | tail -8

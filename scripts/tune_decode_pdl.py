@@ -1,8 +1,10 @@
-"""Decode with and without programmatic dependent launch (PDL), timed in one run.
+"""Decode with and without programmatic dependent launch (PDL), and with the row or the wide
+split merge, timed in one run.
 
-Two settings, each as CUDA-graph replays (medians; pdl off and on interleaved over ``--rounds``
-rounds so clock drift hits both alike; caches under three L2s cycle through clones, as in the
-bench suite):
+Variants: ``off`` (what ships: stream order, row merge), ``pdl``, ``wide`` (the last arriver
+merges over a (split, row, dim) tile, its loads in one round), ``wide+pdl``. Two settings, each
+as CUDA-graph replays (medians; the variants interleaved over ``--rounds`` rounds so clock drift
+hits all alike; caches under three L2s cycle through clones, as in the bench suite):
 
 * ``steps``: 16 decode steps back to back (what `flashflow bench --suite decode` times): with
   PDL a step's grid is placed while the previous step merges and exits;
@@ -10,8 +12,9 @@ bench suite):
   hidden: the decode launch then depends on a cuBLAS kernel, and only gains where that kernel
   releases its dependents early.
 
-Each PDL output is compared with the plain launch's, bit for bit (same kernel, same order of
-operations). SDPA-cuDNN is timed once per shape in the same run for scale.
+Each PDL output is compared with its plain launch's, bit for bit (same kernel, same order of
+operations); the wide merge's with the row merge's, to 1e-3 relative (sums in another order).
+SDPA-cuDNN is timed once per shape in the same run for scale.
 
 Usage (device): PYTHONPATH=. python scripts/tune_decode_pdl.py [--rounds 3] [--json OUT]
 """
@@ -25,6 +28,8 @@ import triton
 
 from flashflow.bench.decode import PAGE_SIZE, cycling, graph_time_ms, kv_bytes, paged_copy, rotation
 from flashflow.ops.decode import DecodePlan
+
+VARIANTS = {"off": (False, "rows"), "pdl": (True, "rows"), "wide": (False, "wide"), "wide+pdl": (True, "wide")}
 
 SHAPES = [  # batch, seqlen, heads, kv_heads, paged
     (1, 512, 32, 8, False), (1, 1024, 32, 8, False), (1, 4096, 32, 8, False), (1, 8192, 32, 8, False),
@@ -52,14 +57,16 @@ def main():
         nbytes = kv_bytes(b, s, hk, d)
         copies = rotation(nbytes, l2)
         kv = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
-        plans = {pdl: DecodePlan(b, h, hk, d, s, device="cuda", pdl=pdl) for pdl in (False, True)}
-        assert plans[True].pdl, "PDL needs sm90+"
+        plans = {v: DecodePlan(b, h, hk, d, s, device="cuda", pdl=pdl, merge=merge)
+                 for v, (pdl, merge) in VARIANTS.items()}
+        assert plans["pdl"].pdl, "PDL needs sm90+"
 
         def step(plan, i):
             return plan.run(q, *kv[i], cache_seqlens=lens, block_table=table)
 
-        outs = {pdl: step(p, 0).clone() for pdl, p in plans.items()}
-        same = torch.equal(outs[False], outs[True])
+        outs = {v: step(p, 0).clone() for v, p in plans.items()}
+        same = torch.equal(outs["off"], outs["pdl"]) and torch.equal(outs["wide"], outs["wide+pdl"])
+        wide_rel = ((outs["wide"].float() - outs["off"].float()).norm() / outs["off"].float().norm()).item()
 
         # a decoder layer's attention part: projections by torch around the decode
         x = torch.randn(b, 4096, device="cuda", dtype=dt)
@@ -73,11 +80,11 @@ def main():
             return torch.nn.functional.linear(o.view(b, h * d), w_o)
 
         row = {"shape": [b, s, h, hk], "paged": paged, "kv_mbytes": nbytes / 1e6, "copies": copies,
-               "num_splits": plans[False].num_splits, "bitwise_equal": same, "us": {}}
-        times = {k: [] for k in ("steps/off", "steps/on", "layer/off", "layer/on")}
+               "num_splits": plans["off"].num_splits, "merge_chunk": plans["wide"].merge_chunk,
+               "bitwise_equal": same, "wide_rel": wide_rel, "us": {}}
+        times = {f"{k}/{v}": [] for k in ("steps", "layer") for v in VARIANTS}
         for _ in range(args.rounds):
-            for pdl, tag in ((False, "off"), (True, "on")):
-                p = plans[pdl]
+            for tag, p in plans.items():
                 times[f"steps/{tag}"].append(graph_time_ms(cycling(lambda i, p=p: lambda: step(p, i), copies)))
                 times[f"layer/{tag}"].append(graph_time_ms(cycling(lambda i, p=p: lambda: layer(p, i), copies)))
         for k, v in times.items():
@@ -97,10 +104,11 @@ def main():
             del kvt
         u = row["us"]
         row["tbs"] = {k: nbytes / (v * 1e-6) / 1e12 for k, v in u.items() if not k.startswith("layer")}
-        print(f"b{b} s{s} {h}/{hk}{' paged' if paged else ''} splits {row['num_splits']}: steps "
-              f"{u['steps/off']:.1f} -> {u['steps/on']:.1f} us ({row['tbs']['steps/off']:.2f} -> "
-              f"{row['tbs']['steps/on']:.2f} TB/s), layer {u['layer/off']:.1f} -> {u['layer/on']:.1f} us"
-              + (f", cuDNN {u['cudnn']:.1f} us" if "cudnn" in u else "") + ("" if same else "  OUTPUTS DIFFER"),
+        print(f"b{b} s{s} {h}/{hk}{' paged' if paged else ''} splits {row['num_splits']}: steps us "
+              + ", ".join(f"{v} {u['steps/' + v]:.1f}" for v in VARIANTS) + "; layer us "
+              + ", ".join(f"{v} {u['layer/' + v]:.1f}" for v in VARIANTS)
+              + (f"; cuDNN {u['cudnn']:.1f}" if "cudnn" in u else "")
+              + ("" if same else "  PDL OUTPUTS DIFFER") + ("" if wide_rel < 1e-3 else f"  WIDE REL {wide_rel:.1e}"),
               flush=True)
         rows.append(row)
     if args.json:
@@ -108,14 +116,15 @@ def main():
             json.dump({"suite": "tune-decode-pdl", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(),
                        "rounds": args.rounds, "rows": rows}, f, indent=1)
-    print("\n| batch | seqlen | q/kv | paged | splits | steps off µs | on µs | off TB/s | on TB/s | cuDNN TB/s | "
-          "layer off µs | on µs |")
-    print("|--:|--:|:--|:--|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("\n| batch | seqlen | q/kv | paged | splits | steps µs: " + " | ".join(VARIANTS) + " | TB/s: "
+          + " | ".join(VARIANTS) + " | cuDNN TB/s | layer µs: " + " | ".join(VARIANTS) + " |")
+    print("|--:|--:|:--|:--|--:|" + "--:|" * (3 * len(VARIANTS) + 1))
     for r in rows:
         u, t = r["us"], r["tbs"]
         print(f"| {r['shape'][0]} | {r['shape'][1]} | {r['shape'][2]}/{r['shape'][3]} | {'yes' if r['paged'] else ''} | "
-              f"{r['num_splits']} | {u['steps/off']:.1f} | {u['steps/on']:.1f} | {t['steps/off']:.2f} | "
-              f"{t['steps/on']:.2f} | {t.get('cudnn', float('nan')):.2f} | {u['layer/off']:.1f} | {u['layer/on']:.1f} |")
+              f"{r['num_splits']} | " + " | ".join(f"{u['steps/' + v]:.1f}" for v in VARIANTS) + " | "
+              + " | ".join(f"{t['steps/' + v]:.2f}" for v in VARIANTS) + f" | {t.get('cudnn', float('nan')):.2f} | "
+              + " | ".join(f"{u['layer/' + v]:.1f}" for v in VARIANTS) + " |")
 
 
 if __name__ == "__main__":

@@ -111,6 +111,53 @@ def _store_rows(O, LSE, acc, l_i, m_i, b, row_head, row_tok, row_valid, offs_d, 
 
 
 @triton.jit
+def _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, so_s, so_h, sl_b, sl_h, sl_s,
+                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
+                NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
+                RETURN_LSE: tl.constexpr):
+    """The last arriver's merge over a (split, row, dim) tile: every thread loads real partials.
+
+    In the row layout of the attention tile (``BLOCK_R`` ≥ 16 rows, GQA 32/8 fills 4), only the
+    threads that own real rows load, and each split's partial costs a dependent L2 round trip
+    once the registers run out (at 16 splits the sm90 build issued them two or three at a time).
+    Here the real rows only (``MERGE_ROWS``, the next power of two of group × seqlen_q) of
+    ``MERGE_CHUNK`` splits are one tensor, spread over all threads: a chunk's loads (maxima,
+    sums and partials) issue together, and a chunk holds at most 8192 values (64 registers a
+    thread at 4 warps), so 1 × 8k GQA (16 splits × 4 rows × 128) merges in one round of loads.
+    """
+    offs_r = tl.arange(0, MERGE_ROWS)
+    row_tok = offs_r // kv_group
+    row_head = kvh * kv_group + offs_r % kv_group
+    row_valid = row_tok < seqlen_q
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    offs_c = tl.arange(0, MERGE_CHUNK)
+    m_tot = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
+    l_tot = tl.zeros([MERGE_ROWS], dtype=tl.float32)
+    acc_tot = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
+    # one pass, online: a chunk's maxima, sums and partials are loaded together (no round trip
+    # for the maxima first) and what came before is rescaled to the new maximum
+    for c in tl.static_range(0, NUM_SPLITS, MERGE_CHUNK):
+        piece = first + c + offs_c
+        rs_mask = ((c + offs_c) < NUM_SPLITS)[:, None] & row_valid[None, :]
+        m_c = tl.load(WS_ML + piece[:, None] * (2 * BLOCK_R) + offs_r[None, :], mask=rs_mask,
+                      other=float("-inf"), cache_modifier=".cg")
+        l_c = tl.load(WS_ML + piece[:, None] * (2 * BLOCK_R) + BLOCK_R + offs_r[None, :], mask=rs_mask,
+                      other=0.0, cache_modifier=".cg")
+        part = tl.load(WS_ACC + piece[:, None, None] * (BLOCK_R * HEAD_DIM_PAD)
+                       + offs_r[None, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
+                       mask=rs_mask[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m_tot, tl.max(m_c, 0))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_tot - m_shift)
+        w = tl.math.exp2(m_c - m_shift[None, :])
+        l_tot = l_tot * alpha + tl.sum(w * l_c, 0)
+        acc_tot = acc_tot * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
+        m_tot = m_new
+    _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
+                so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
+
+
+@triton.jit
 def decode_attention_kernel(
     Q, KC, VC, KNEW, VNEW, O, LSE, CACHE_SEQLENS, BT, WS_ACC, WS_ML, COUNTERS,
     sq_b, sq_s, sq_h, so_b, so_s, so_h, sl_b, sl_h, sl_s,
@@ -122,7 +169,8 @@ def decode_attention_kernel(
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
     HAS_NEW: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
+    MERGE_CHUNK: tl.constexpr = 1,
 ):
     if PDL:
         # launched programmatically dependent (sm90+): this grid may start while the previous
@@ -223,24 +271,29 @@ def decode_attention_kernel(
         arrived = tl.atomic_add(COUNTERS + bh, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             first = bh.to(tl.int64) * NUM_SPLITS
-            m_tot = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-            # unrolled: the partials' loads are independent and issue back to back
-            for j in tl.static_range(NUM_SPLITS):
-                m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r, mask=row_valid,
-                                                  other=float("-inf"), cache_modifier=".cg"))
-            m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-            l_tot = tl.zeros([BLOCK_R], dtype=tl.float32)
-            acc_tot = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
-            for j in tl.static_range(NUM_SPLITS):
-                w = tl.math.exp2(tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r, mask=row_valid,
-                                         other=float("-inf"), cache_modifier=".cg") - m_shift)
-                l_tot += w * tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + BLOCK_R + offs_r, mask=row_valid,
-                                     other=0.0, cache_modifier=".cg")
-                acc_tot += w[:, None] * tl.load(WS_ACC + (first + j) * (BLOCK_R * HEAD_DIM_PAD)
-                                                + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                                                mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
-            _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
-                        so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
+            if WIDE_MERGE:
+                _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, so_s, so_h,
+                            sl_b, sl_h, sl_s, HEAD_DIM, HEAD_DIM_PAD, BLOCK_R, NUM_SPLITS, MERGE_ROWS,
+                            MERGE_CHUNK, RETURN_LSE)
+            else:
+                m_tot = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
+                # unrolled: the partials' loads are independent and issue back to back
+                for j in tl.static_range(NUM_SPLITS):
+                    m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r,
+                                                      mask=row_valid, other=float("-inf"), cache_modifier=".cg"))
+                m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
+                l_tot = tl.zeros([BLOCK_R], dtype=tl.float32)
+                acc_tot = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
+                for j in tl.static_range(NUM_SPLITS):
+                    w = tl.math.exp2(tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r, mask=row_valid,
+                                             other=float("-inf"), cache_modifier=".cg") - m_shift)
+                    l_tot += w * tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + BLOCK_R + offs_r, mask=row_valid,
+                                         other=0.0, cache_modifier=".cg")
+                    acc_tot += w[:, None] * tl.load(WS_ACC + (first + j) * (BLOCK_R * HEAD_DIM_PAD)
+                                                    + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+                _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
+                            so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
             tl.atomic_xchg(COUNTERS + bh, 0)  # ready for the next launch / graph replay
 
 

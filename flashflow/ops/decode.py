@@ -25,6 +25,13 @@ KV_LAYOUTS = ("NHD", "FT")
 # programmatic dependent launch when a plan leaves ``pdl`` unset: off until it is timed on the
 # H100 against plain stream order (``scripts/gpu_verify.sh decode-pdl``)
 PDL_DEFAULT = False
+# how the last program of a split (sequence, KV head) merges the partials: "rows" in the attention
+# tile's row layout (timed on the H100), or "wide" over a (split, row, dim) tile that spreads
+# the real rows' loads over every thread so they issue in one round (sm90 build: see the kernel's
+# _merge_wide). "rows" until "wide" is timed (``scripts/gpu_verify.sh decode-pdl``)
+MERGE_DEFAULT = "rows"
+MERGES = ("rows", "wide")
+MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread at 4 warps
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
@@ -123,10 +130,13 @@ class DecodePlan:
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, max_seqlen_k: int, *,
                  seqlen_q: int = 1, device="cuda", num_splits: int = 0, num_sms: Optional[int] = None,
-                 config: Optional[DecodeConfig] = None, pdl: Optional[bool] = None):
+                 config: Optional[DecodeConfig] = None, pdl: Optional[bool] = None,
+                 merge: Optional[str] = None):
         device = torch.device(device)
         if pdl is not None and not isinstance(pdl, bool):
             raise TypeError(f"pdl must be True, False or None (the default), got {pdl!r}")
+        if merge is not None and merge not in MERGES:
+            raise ValueError(f"merge must be one of {MERGES} or None (the default), got {merge!r}")
         if heads % kv_heads:
             raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
         group = heads // kv_heads
@@ -137,6 +147,8 @@ class DecodePlan:
         self.seqlen_q, self.max_seqlen_k = seqlen_q, max_seqlen_k
         self.head_dim_pad = max(16, _next_pow2(head_dim))
         self.block_r = max(16, _next_pow2(group * seqlen_q))
+        self.merge = merge or MERGE_DEFAULT
+        self.merge_rows = _next_pow2(group * seqlen_q)   # the real rows, to a power of two
         family = gpu_family(device)
         # griddepcontrol exists from sm90; elsewhere (and in the interpreter) launches keep
         # plain stream order whatever was asked
@@ -156,6 +168,14 @@ class DecodePlan:
             # 2.75; cold caches, bench/results/tune-decode-large-h100.json). At batch 1 the 64-token
             # tiles led or tied once caches were cold (tune-decode-small-h100.json).
             self.config = DecodeConfig(BLOCK_N=128, num_warps=4, num_stages=3)
+        # "wide": every split in one chunk where it holds <= 8192 values (one round of loads,
+        # 64 registers a thread at 4 warps: 1 × 8k GQA is 16 × 4 × 128); else chunks of 2048
+        # values, as ptxas keeps several chunks' loads in flight (8192-value chunks took the
+        # kernel to 228-255 registers where 2048 kept it near the row merge's; sm90 build)
+        row_values = self.merge_rows * self.head_dim_pad
+        splits_pad = _next_pow2(self.num_splits)
+        self.merge_chunk = splits_pad if splits_pad * row_values <= MERGE_CHUNK_VALUES \
+            else max(1, MERGE_CHUNK_VALUES // 4 // row_values)
         n = batch * kv_heads
         if self.num_splits > 1:
             self.ws_acc = torch.empty((n, self.num_splits, self.block_r, self.head_dim_pad),
@@ -233,7 +253,8 @@ class DecodePlan:
             FT_X=_ft_x(q.dtype) if layout == 2 else 1,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            PDL=self.pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
+            PDL=self.pdl, WIDE_MERGE=self.merge == "wide", MERGE_ROWS=self.merge_rows,
+            MERGE_CHUNK=self.merge_chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
         )
         return (out, lse) if return_lse else out
 
@@ -273,10 +294,10 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
 
 
 def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, device="cuda", num_splits=0,
-                pdl=None):
+                pdl=None, merge=None):
     """Plan a decode step (see :class:`DecodePlan`)."""
     return DecodePlan(batch, heads, kv_heads, head_dim, max_seqlen_k, seqlen_q=seqlen_q, device=device,
-                      num_splits=num_splits, pdl=pdl)
+                      num_splits=num_splits, pdl=pdl, merge=merge)
 
 
 def _check_decode_inputs(q, k, v):

@@ -32,7 +32,7 @@ def make_cache(batch, capacity, kv_heads, d, page=None, dtype=torch.float16):
 
 def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0, page=None, causal=True,
              window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16, config=None,
-             poison=False):
+             poison=False, merge=None):
     """``poison``: the cache rows past each sequence's length hold NaN (a reused page may)."""
     batch = len(lens)
     k_cache, v_cache, table = make_cache(batch, capacity, kv_heads, d, page, dtype)
@@ -54,8 +54,9 @@ def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), seqlens, table, causal=causal, window_size=window,
         softcap=softcap, kv_layout=kv_layout)
-    plan = None if config is None else DecodePlan(batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q,
-                                                  device=DEVICE, num_splits=num_splits, config=config)
+    plan = None if config is None and merge is None else DecodePlan(
+        batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q, device=DEVICE, num_splits=num_splits, config=config,
+        merge=merge)
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=causal,
         window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True, kv_layout=kv_layout,
@@ -129,6 +130,34 @@ def test_mha_gqa_mqa(heads, kv_heads):
 
 def test_head_dim_80_fp32():
     run_case([31, 200], d=80, capacity=256, dtype=torch.float32, num_splits=2)
+
+
+@pytest.mark.parametrize("case", [
+    dict(lens=[1, 17, 1000], num_splits=7),                            # GQA 4 rows, splits not a power of two
+    dict(lens=[0, 40, 700], n_new=3, seqlen_q=3, page=32, num_splits=3),   # empty sequence, append, paged
+    dict(lens=[5, 300, 1000], page=16, num_splits=5, seqlen_q=3, config=DecodeConfig(64, 4, 1)),
+    dict(lens=[10, 333], seqlen_q=4, causal=False, num_splits=16),     # 16 rows: chunks of two splits
+    dict(lens=[100, 900], window=(64, 0), num_splits=3, poison=True),  # splits left empty by the window
+    dict(lens=[100, 900], softcap=5.0, num_splits=2, seqlen_q=2, kv_layout="FT"),
+    dict(lens=[33, 257], heads=6, kv_heads=2, d=80, capacity=512, num_splits=5, dtype=torch.float32),
+    dict(lens=[33, 257], heads=4, kv_heads=4, d=256, capacity=512, num_splits=4),   # MHA: 1 row, d 256
+])
+def test_wide_merge(case):
+    """merge="wide": the last arriver merges over a (split, row, dim) tile of the real rows only,
+    in chunks of splits where they do not fit one (multi-chunk: 16 rows × 16 splits)."""
+    run_case(**case, merge="wide")
+
+
+def test_merge_option_checked():
+    with pytest.raises(ValueError, match="merge must be one of"):
+        DecodePlan(1, 4, 2, 32, 64, device=DEVICE, merge="tree")
+    from flashflow.ops.decode import MERGE_DEFAULT
+    assert DecodePlan(1, 4, 2, 32, 64, device=DEVICE).merge == MERGE_DEFAULT
+    # one chunk where every split fits 8192 values; chunks of 2048 values otherwise
+    assert DecodePlan(1, 32, 8, 128, 8192, device=DEVICE, num_splits=16, merge="wide").merge_chunk == 16
+    assert DecodePlan(1, 32, 8, 128, 8192, seqlen_q=4, device=DEVICE, num_splits=16,
+                      merge="wide").merge_chunk == 1
+    assert DecodePlan(1, 32, 8, 256, 8192, device=DEVICE, num_splits=16, merge="wide").merge_chunk == 2
 
 
 def test_plan_reused_across_steps_and_counters_reset():

@@ -42,6 +42,30 @@ CHILD = textwrap.dedent("""
         ptx = ks[0].asm["ptx"]
         out[f"pdl={pdl}"] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
                              bool(ks[0].metadata.launch_pdl)]
+    # the decode merge: the "wide" (split, row, dim) merge against the row merge at 1 x 8k GQA
+    # (16 splits) and head_dim 256; and where the merge's loads issue: the wide merge's all
+    # before the first multiply-add after the releasing atomic (one round to L2); the row
+    # merge's are interleaved with the math, a few splits at a time (38 of 128 before it when
+    # this was written)
+    import re, subprocess, tempfile
+    from flashflow.ops.decode import DecodePlan
+    from flashflow.tuning.offline import _tool, resources_of
+    for d in (128, 256):
+        q = torch.empty(1, 1, 32, d, dtype=torch.bfloat16)
+        kc = torch.empty(1, 8192, 8, d, dtype=torch.bfloat16)
+        for merge in ("rows", "wide"):
+            with pretend_cuda_capability(), offline_target() as ks:
+                DecodePlan(1, 32, 8, d, 8192, device="cpu", merge=merge).run(q, kc, kc, cache_seqlens=8192)
+            r = resources_of(ks[0])
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(ks[0].asm["cubin"])
+                f.flush()
+                sass = subprocess.run([_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True,
+                                      check=True).stdout
+            tail = sass[sass.index("ATOMG"):]
+            loads = len(re.findall(r"\\bLDG\\b", tail))
+            before_math = len(re.findall(r"\\bLDG\\b", tail[:tail.index("FFMA")]))
+            out[f"merge {merge} d{d}"] = [r.registers, r.spill_bytes, loads, before_math]
     # the grouped split-K FFN candidate (not yet timed): it must compile for sm90, unspilled,
     # small enough for two programs per SM, as the shipped decode kernel runs
     from flashflow.ops.ffn import launch_decode
@@ -72,6 +96,12 @@ def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
     assert got["pdl=True"] == [True, True, True]
     assert got["pdl=False"] == [False, False, False]
     assert got["pdl=None"] == [PDL_DEFAULT] * 3
+    rows, wide = got["merge rows d128"], got["merge wide d128"]
+    assert wide[1] == 0 and wide[0] <= rows[0]
+    assert wide[3] == wide[2] > 0          # every merge load in one round
+    assert rows[3] < rows[2]               # the row merge's are not: what "wide" fixes
+    rows, wide = got["merge rows d256"], got["merge wide d256"]
+    assert wide[1] == 0 and wide[0] < rows[0]   # 153 against 255 registers when this was written
     (name, regs, spill, shared, warps), (cast, *_) = got["grouped"]
     assert name == "ffn_decode_grouped_kernel" and cast == "ffn_cast_kernel"
     assert spill == 0 and 2 * regs * warps * 32 <= 65536 and 2 * (shared + 1024) <= 228 * 1024
