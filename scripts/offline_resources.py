@@ -25,7 +25,7 @@ if str(REPO) not in sys.path:
 def decode_rows():
     import torch
 
-    from flashflow.ops.decode import flash_attn_with_kvcache
+    from flashflow.ops.decode import DecodePlan, flash_attn_with_kvcache
     from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
 
     rows = []
@@ -43,6 +43,17 @@ def decode_rows():
                                                                     block_table=table, pdl=pdl))
         rows += [(f"decode b{batch} s{seqlen} hk{kv_heads}" + (f" page {page}" if page else "")
                   + (" pdl" if pdl else ""), r) for r in found]
+    # the split merge: the row merge (shipped) against the wide one, batch 1 × 8k GQA, head_dim
+    # 128 and 256, one query token and four (16 rows: the wide merge in chunks)
+    for d, seqlen_q in ((128, 1), (128, 4), (256, 1)):
+        q = torch.empty(1, seqlen_q, 32, d, dtype=torch.bfloat16)
+        kc = torch.empty(1, 8192, 8, d, dtype=torch.bfloat16)
+        for merge in ("rows", "wide"):
+            with pretend_cuda_capability():
+                plan = DecodePlan(1, 32, 8, d, 8192, seqlen_q=seqlen_q, device="cpu", merge=merge)
+                found = compile_offline(lambda: plan.run(q, kc, kc, cache_seqlens=8192))
+            rows += [(f"decode b1 s8192 hk8 d{d} sq{seqlen_q} {plan.num_splits} splits merge={merge}", r)
+                     for r in found]
     return rows
 
 
