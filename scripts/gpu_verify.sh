@@ -14,6 +14,7 @@
 #   bash scripts/gpu_verify.sh decode-splits OUT  # batch-1 splits x tiles again, paged after its fix: is
 #                                              # 128-token tiles / 8 splits (best at 1x16k in the last sweep,
 #                                              # +3% over the shipped 64 / 16) also right for paged caches?
+#                                              # MERGE=wide: the same sweep with the wide split merge
 #   bash scripts/gpu_verify.sh ffn-group OUT   # decode FFN with 2-8 slices' partials summed on chip
 #                                              # (fewer fp32 adds: M = 16's cost over M = 1) vs the default
 #   bash scripts/gpu_verify.sh mlp-small OUT   # few row-blocks (M = 64..256): the non-gated 128x128 tiles now
@@ -38,7 +39,8 @@ case "$phase" in
     timeout 450 python scripts/tune_decode_pdl.py --json "$out/tune-decode-pdl-h100.json" | tail -30
     ;;
   decode-splits)
-    timeout 570 python scripts/tune_decode_splits.py --set small --json "$out/tune-decode-small-h100-after-paged-fix.json" | tail -8
+    timeout 570 python scripts/tune_decode_splits.py --set small --merge "${MERGE:-rows}" \
+        --json "$out/tune-decode-small-h100-${MERGE:-rows}-merge.json" | tail -8
     ;;
   ffn-group)
     timeout 570 python scripts/tune_ffn.py --variants default,g2,g4n32,g4n64,g8n16 --rounds 3 \

@@ -2,9 +2,11 @@
 SDPA-cuDNN, all timed as CUDA-graph replays in one run (TB/s of KV read). Caches under three
 L2s are cloned and the steps cycle through the clones, as in the bench suite.
 
-Usage (device): PYTHONPATH=. python scripts/tune_decode_splits.py [--set small|large] [--json OUT]
+Usage (device): PYTHONPATH=. python scripts/tune_decode_splits.py [--set small|large] [--merge rows|wide]
+                [--json OUT]
   small: batch 1-4, where the split count matters; large: batch 16-64 with one split, where
-  the pipeline depth (and so programs per SM) matters.
+  the pipeline depth (and so programs per SM) matters. ``--merge``: the split merge of every
+  plan (a cheaper merge may move the best split count up).
 """
 import argparse
 import json
@@ -34,6 +36,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", default=None)
     ap.add_argument("--set", choices=sorted(SETS), default="small")
+    ap.add_argument("--merge", choices=("rows", "wide"), default=None)
     args = ap.parse_args()
     sweep = SETS[args.set]
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -61,7 +64,7 @@ def main():
                     return torch.nn.functional.scaled_dot_product_attention(qt, *kvt[i], enable_gqa=h != hk)
             return step
         row["tbs"]["cudnn"] = nbytes / graph_time_ms(cycling(cudnn, copies)) / 1e9
-        heur = DecodePlan(b, h, hk, d, s, device="cuda")
+        heur = DecodePlan(b, h, hk, d, s, device="cuda", merge=args.merge)
 
         def contiguous(plan):
             return cycling(lambda i: lambda: plan.run(q, *kv[i], cache_seqlens=lens), copies)
@@ -75,7 +78,7 @@ def main():
         for splits in sorted({*sweep["splits"], heur.num_splits}):
             for name, cfgs, is_paged in (("c", sweep["contig"], False), ("p", sweep["paged"], True)):
                 for cfg in cfgs:
-                    plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, num_splits=splits)
+                    plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, num_splits=splits, merge=args.merge)
                     fn = paged(plan) if is_paged else contiguous(plan)
                     err = ((fn().float() - ref).norm() / ref.norm()).item()
                     assert err < 1e-2, (name, cfg, splits, err)
@@ -94,7 +97,7 @@ def main():
         torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "merge": heur.merge,
                        "triton": triton.__version__, "date": datetime.now(timezone.utc).isoformat(),
                        "rows": results}, f, indent=1)
 
