@@ -16,6 +16,10 @@ The counter bump is an ``acq_rel`` atomic after a CTA barrier: the barrier order
 workspace stores before the releasing atomic; the acquire orders the merging program's loads
 after the other programs' releases (loads use ``.cg`` so no stale L1 line is read).
 
+``WIDE_MERGE`` (the plan's ``merge="wide"``): the last program merges over a (split, row, dim)
+tile of the real rows instead of the attention tile's row layout, so its loads issue in one
+round rather than a few splits at a time (:func:`_merge_wide`).
+
 New tokens (``k``/``v`` given) are attended from the inputs directly by the last split and written
 into the cache by that same program: nothing in the launch reads those cache rows, so there is
 no race between the append and the attention.
@@ -122,8 +126,9 @@ def _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, 
     once the registers run out (at 16 splits the sm90 build issued them two or three at a time).
     Here the real rows only (``MERGE_ROWS``, the next power of two of group × seqlen_q) of
     ``MERGE_CHUNK`` splits are one tensor, spread over all threads: a chunk's loads (maxima,
-    sums and partials) issue together, and a chunk holds at most 8192 values (64 registers a
-    thread at 4 warps), so 1 × 8k GQA (16 splits × 4 rows × 128) merges in one round of loads.
+    sums and partials) issue together. The plan makes one chunk of every split where they hold
+    at most 8192 values (64 registers a thread at 4 warps; 1 × 8k GQA: 16 splits × 4 rows ×
+    128, one round of loads), else chunks of 2048 values, rescaled online from one to the next.
     """
     offs_r = tl.arange(0, MERGE_ROWS)
     row_tok = offs_r // kv_group
