@@ -420,6 +420,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         raise ValueError(f"heads of q ({heads}) must be a multiple of kv_heads of the cache ({kv_heads})")
     n_new = 0 if k is None else k.shape[1]
     if plan is None:
+        if cache_seqlens is not None and not isinstance(cache_seqlens, int):
+            _seqlens_tensor(cache_seqlens, batch, 0, q.device)   # its form, before its values are read
         _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page, batch)
         plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits, pdl)
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,

@@ -318,6 +318,17 @@ def test_bad_layouts_and_types():
                                                                    device=DEVICE), kc[:1], kc[:1])
 
 
+@pytest.mark.parametrize("bad", ["shape", "list", "float"])
+def test_bad_seqlens_form_named_before_values_are_read(bad):
+    # with a block table, the lengths' values are checked on the device: their form first
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(8, 16, 2, 32, dtype=torch.float16, device=DEVICE)
+    table = torch.arange(8, dtype=torch.int32, device=DEVICE).view(2, 4)
+    lens = {"shape": torch.tensor([3, 4, 5], dtype=torch.int32, device=DEVICE), "list": [3, 4], "float": 3.0}[bad]
+    with pytest.raises(TypeError, match=r"cache_seqlens must be an int or an int32 tensor of shape \(2,\)"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table)
+
+
 def test_pdl_option():
     """``pdl`` is checked, kept by the plan, and off where there is no griddepcontrol (the
     interpreter, pre-sm90); with it asked the result is unchanged. (That sm90 compiles the wait
