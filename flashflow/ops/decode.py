@@ -234,10 +234,12 @@ class DecodePlan:
         cfg = self.config
         if layout == 1 and not self.config_given and 16 <= page < cfg.BLOCK_N and page & (page - 1) == 0:
             # tiles never straddle a page: one table entry per tile, read a tile ahead as a scalar;
-            # one more stage keeps about the same bytes in flight (H100, page 64 for 128-token
-            # tiles: bench/results/tune-decode-paged-h100.json)
+            # one more stage partly makes up for the smaller tiles (swept on the H100 for 64-token
+            # pages under 128-token tiles: bench/results/tune-decode-paged-h100.json; smaller
+            # pages take the same rule unswept)
             cfg = DecodeConfig(BLOCK_N=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages + 1)
         block_n = cfg.BLOCK_N
+        wide = self.merge == "wide" and self.num_splits > 1   # else the merge constants stay 1: one compile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
             block_table if block_table is not None else cache_seqlens,
@@ -253,8 +255,8 @@ class DecodePlan:
             FT_X=_ft_x(q.dtype) if layout == 2 else 1,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            PDL=self.pdl, WIDE_MERGE=self.merge == "wide", MERGE_ROWS=self.merge_rows,
-            MERGE_CHUNK=self.merge_chunk, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
+            PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
+            MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
         )
         return (out, lse) if return_lse else out
 
@@ -279,6 +281,7 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
         return DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
                           num_splits=num_splits, pdl=pdl)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    pdl = PDL_DEFAULT if pdl is None else pdl   # None and the default's value share one plan
     key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, pdl, str(device), stream)
     with _EAGER_PLANS_LOCK:
         plan = _EAGER_PLANS.get(key)
@@ -350,7 +353,7 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
             return
     lens_given = isinstance(cache_seqlens, torch.Tensor)
     probe = cache_seqlens if lens_given else block_table
-    if probe.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(probe.device):
         return
     if block_table is None:   # lengths only: one copy to the host, a Python loop (fewest launches)
         for i, n in enumerate(cache_seqlens.tolist()):
@@ -365,12 +368,11 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
     else:
         lens = torch.full((batch,), n, dtype=torch.int64, device=block_table.device)
         flags = []
-    if block_table is not None:
-        pages = torch.div(lens.clamp(min=0) + n_new + page - 1, page, rounding_mode="floor")
-        pages = pages.clamp(max=block_table.shape[1])
-        used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
-        bad_page = used & ((block_table < 0) | (block_table >= num_blocks))
-        flags.append(bad_page.any())
+    pages = torch.div(lens.clamp(min=0) + n_new + page - 1, page, rounding_mode="floor")
+    pages = pages.clamp(max=block_table.shape[1])
+    used = torch.arange(block_table.shape[1], device=block_table.device)[None, :] < pages[:, None]
+    bad_page = used & ((block_table < 0) | (block_table >= num_blocks))
+    flags.append(bad_page.any())
     if not any(torch.stack(flags).tolist()):   # the one transfer
         return
     if lens_given and bool(bad_len.any()):
