@@ -56,7 +56,10 @@ class _StandInDriver:
         return self._target
 
     def get_current_device(self):
-        return 0
+        # Triton keeps a compile cache (with its target) per device key: one key per target, so
+        # a later offline_target for another capability, or a real GPU's device 0, never reuses
+        # kernels compiled for this one
+        return ("offline", self._target.arch)
 
     def set_current_device(self, device):
         pass

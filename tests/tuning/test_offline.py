@@ -134,3 +134,27 @@ def test_info_offline_reproduces_the_h100_report():
     offline = {key(r): (r["n_regs"], r["n_spills"], r["shared"]) for r in got["rows"]}
     measured = {key(r): (r["n_regs"], r["n_spills"], r["shared"]) for r in gpu["rows"]}
     assert offline == measured
+
+
+TARGETS_CHILD = textwrap.dedent("""
+    import torch
+    from flashflow.ops.decode import flash_attn_with_kvcache
+    from flashflow.tuning.offline import offline_target, pretend_cuda_capability
+
+    q = torch.empty(1, 1, 8, 64, dtype=torch.float16)
+    kc = torch.empty(1, 256, 2, 64, dtype=torch.float16)
+    for cap in (90, 80, 90):   # one process, the same kernel and arguments, two targets
+        with pretend_cuda_capability((cap // 10, cap % 10)), offline_target(cap) as ks:
+            flash_attn_with_kvcache(q, kc, kc, cache_seqlens=200, num_splits=1)
+        print([line for line in ks[0].asm["ptx"].splitlines() if line.startswith(".target")][0])
+""")
+
+
+def test_each_target_compiles_for_itself_in_one_process():
+    # Triton caches compiled kernels per device key: a stand-in device shared by every target
+    # handed sm80 the sm90 build compiled before it (seen through `flashflow info --offline`)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", TARGETS_CHILD], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == [".target", "sm_90a", ".target", "sm_80", ".target", "sm_90a"]
