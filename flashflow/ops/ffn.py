@@ -25,6 +25,10 @@ def _capability_of(index: int) -> tuple[int, int]:
 
 
 def _capability(device: torch.device) -> tuple[int, int]:
+    """The device's compute capability; for CPU tensors standing for a GPU
+    (flashflow.tuning.offline), that GPU's."""
+    if device.type != "cuda" and offline_capability() is not None:
+        return tuple(offline_capability())
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -130,7 +130,8 @@ def splitk_config(m: int, hidden: int, inter: int, device: torch.device) -> Spli
     return SplitKConfig(**decode_config(m, inter, True, device))
 
 
-def persistent_config(gated: bool, device: torch.device, m: Optional[int] = None) -> PersistentConfig:
+def persistent_config(gated: bool, device: torch.device, m: Optional[int] = None,
+                      dtype: Optional[torch.dtype] = None) -> PersistentConfig:
     """Tiles of the prefill kernel for M = ``m`` tokens (None: large M).
 
     sm90+ (H100, 4096 → 14336, bf16, CUDA-graph replays, ``scripts/tune_mlp_prefill.py``,
@@ -152,14 +153,18 @@ def persistent_config(gated: bool, device: torch.device, m: Optional[int] = None
       *Not yet measured on a GPU* (no device was lent when it was made);
       ``scripts/gpu_verify.sh mlp-small`` times it against the 128×256 tiles.
 
+    fp32 (pointer loads, no TMA, twice the bytes a stage) keeps 3 stages at M ≤ 512: with 4 the
+    gated kernel needs 288 KB of shared memory (sm90 build), over the 227 KB a CTA may have.
+
     Older GPUs: pointer loads (cp.async), 128×128 tiles everywhere."""
-    if device.type != "cuda":
+    if not _on_gpu(device):
         return PersistentConfig(BLOCK_M=32, BLOCK_N0=32, BLOCK_N1=32, BLOCK_K=32, num_warps=4,
                                 num_stages=1)
-    return persistent_config_for(gated, _capability(device), m)
+    return persistent_config_for(gated, _capability(device), m, dtype)
 
 
-def persistent_config_for(gated: bool, capability: tuple[int, int], m: Optional[int] = None) -> PersistentConfig:
+def persistent_config_for(gated: bool, capability: tuple[int, int], m: Optional[int] = None,
+                          dtype: Optional[torch.dtype] = None) -> PersistentConfig:
     """:func:`persistent_config` for a CUDA GPU of compute ``capability`` (no device needed:
     the bench's traffic model asks what the H100 runs)."""
     if capability[0] < 9:
@@ -171,7 +176,7 @@ def persistent_config_for(gated: bool, capability: tuple[int, int], m: Optional[
                                 num_stages=3, use_tma=True)
     if few_rows:
         return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=128, BLOCK_K=64, num_warps=8,
-                                num_stages=4, use_tma=True)
+                                num_stages=3 if dtype == torch.float32 else 4, use_tma=True)
     return PersistentConfig(BLOCK_M=128, BLOCK_N0=128, BLOCK_N1=256, BLOCK_K=64, num_warps=8,
                             num_stages=3, use_tma=True)
 
@@ -453,9 +458,9 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
 
 
 def _tma_capable(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return interpreting()   # the interpreter emulates descriptors (tests of the TMA path)
-    return _capability(device)[0] >= 9
+    if interpreting():
+        return True   # the interpreter emulates descriptors (tests of the TMA path)
+    return _on_gpu(device) and _capability(device)[0] >= 9
 
 
 def _tma_aligned(*tensors: torch.Tensor) -> bool:
@@ -492,7 +497,7 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
     m, hidden = x2.shape
     inter = w2.shape[1]
     gated = activation == "swiglu"
-    cfg = config or persistent_config(gated, x2.device, m)
+    cfg = config or persistent_config(gated, x2.device, m, x2.dtype)
     if out is None:
         out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
     if m == 0:
@@ -531,7 +536,7 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
 
 def _fused_mlp_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
                     policy: str, workspace: Optional[MlpWorkspace] = None) -> torch.Tensor:
-    cfg = persistent_config(activation == "swiglu", x2.device, x2.shape[0])
+    cfg = persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
     name, rows = resolve_policy(policy, x2.shape[0], cfg, activation == "swiglu", w2.shape[1], x2.device)
     if name == "splitk":
         return launch_splitk(x2, w1, w2, activation, workspace)
@@ -632,7 +637,7 @@ def mlp_two_kernels(x, w_gate_up, w_down, activation="swiglu", config: Optional[
     """Baseline: GEMM0 + activation, then GEMM1, as two launches (H through device memory)."""
     _check(x, w_gate_up, w_down, activation)
     x2, w1, w2 = _rows(x), _unit_last(w_gate_up), _unit_last(w_down)
-    cfg = config or persistent_config(activation == "swiglu", x2.device)
+    cfg = config or persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
     m, hidden, inter, _, _, _ = _gemm_dims(x2, w2, cfg)
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
     if m:
@@ -651,7 +656,7 @@ def mlp_two_streams(x, w_gate_up, w_down, activation="swiglu", workspace=None,
     deadlock whatever the order in which the hardware starts the two kernels' programs)."""
     _check(x, w_gate_up, w_down, activation)
     x2, w1, w2 = _rows(x), _unit_last(w_gate_up), _unit_last(w_down)
-    cfg = config or persistent_config(activation == "swiglu", x2.device)
+    cfg = config or persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
     m, hidden, inter, tiles_m, n0, n1 = _gemm_dims(x2, w2, cfg)
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
     if m == 0:

@@ -150,21 +150,17 @@ def pretend_cuda_capability(capability: tuple[int, int] = (9, 0), sm_count: int 
     flashflow's launchers then also choose the GPU's launch options (proxy fence, PDL,
     ``maxnreg``)."""
     import flashflow.tuning as tuning
-    from flashflow.ops import ffn, mlp
 
     if tuning.interpreting():
         raise RuntimeError("pretend_cuda_capability is for offline compilation: unset TRITON_INTERPRET")
-
-    saved = (tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT, mlp._tma_capable, ffn._capability,
-             mlp._capability)
+    # the ops ask flashflow.tuning (gpu_family, offline_capability, offline_sm_count): setting
+    # the two values is all it takes
+    saved = (tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT)
     tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT = tuple(capability), sm_count
-    mlp._tma_capable = lambda device: capability[0] >= 9
-    ffn._capability = mlp._capability = lambda device: tuple(capability)
     try:
         yield
     finally:
-        (tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT, mlp._tma_capable, ffn._capability,
-         mlp._capability) = saved
+        tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT = saved
 
 
 def compile_offline(launch: Callable[[], object], capability: int = 90, name: Optional[str] = None,

@@ -72,6 +72,17 @@ CHILD = textwrap.dedent("""
     with pretend_cuda_capability():
         rs = compile_offline(lambda: launch_decode(x, w1, w2, "swiglu", acc, {"group": 4, "BLOCK_N": 32}))
     out["grouped"] = [[r.name, r.registers, r.spill_bytes, r.shared, r.num_warps] for r in rs]
+    # fp32 takes the pointer path (no TMA) at twice the bytes a stage: the shipped config for
+    # M <= 512 must still fit the 227 KB a CTA may have, gated and not
+    for gated in (True, False):
+        x = torch.empty(256, 4096, dtype=torch.float32)
+        w1 = torch.empty((2 if gated else 1) * 14336, 4096, dtype=torch.float32)
+        w2 = torch.empty(4096, 14336, dtype=torch.float32)
+        ws = mlp.MlpWorkspace(4096, max_tokens=256, device="cpu")
+        with pretend_cuda_capability():
+            (r,) = compile_offline(lambda: mlp.launch_persistent(x, w1, w2, "swiglu" if gated else "gelu", "seqsplit",
+                                                                 8, workspace=ws))
+        out[f"fp32 gated={gated}"] = [r.shared, r.fits()]
     print(json.dumps(out))
 """)
 
@@ -101,6 +112,7 @@ def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
     (name, regs, spill, shared, warps), (cast, *_) = got["grouped"]
     assert name == "ffn_decode_grouped_kernel" and cast == "ffn_cast_kernel"
     assert spill == 0 and 2 * regs * warps * 32 <= 65536 and 2 * (shared + 1024) <= 228 * 1024
+    assert got["fp32 gated=True"][1] and got["fp32 gated=False"][1], (got["fp32 gated=True"], got["fp32 gated=False"])
 
 
 def test_refuses_under_the_interpreter():
