@@ -215,9 +215,18 @@ def _grouped(tiles_m: int, tiles_n: int, group_rows: int, first_row: int = 0, ro
     return out
 
 
+def _unsplit_if_one_tile(policy: str, n0: int) -> str:
+    """One intermediate block leaves nothing to halve: halfrow runs as rowblock, seqsplit as
+    sequential (the kernel and its Python mirror alike)."""
+    if policy in ("halfrow", "seqsplit") and n0 < 2:
+        return "rowblock" if policy == "halfrow" else "sequential"
+    return policy
+
+
 def issue_order(policy: str, tiles_m: int, n0: int, n1: int, group_rows: int = 1) -> list[tuple[int, int, int, int]]:
     """Tiles in ticket order as (kind, r, j, part): kind 0 = GEMM0 tile (row-block r,
     intermediate block j), kind 1 = GEMM1 tile (r, output block j); part = halfrow's half."""
+    policy = _unsplit_if_one_tile(policy, n0)
     half = _cdiv(n0, 2)
     if policy == "sequential":
         return ([(0, r, j, 0) for r, j in _grouped(tiles_m, n0, group_rows)]
@@ -503,8 +512,7 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
     if m == 0:
         return out
     tiles_m, n0, n1 = _cdiv(m, cfg.BLOCK_M), _cdiv(inter, cfg.BLOCK_N0), _cdiv(hidden, cfg.BLOCK_N1)
-    if policy in ("halfrow", "seqsplit") and n0 < 2:
-        policy = "rowblock" if policy == "halfrow" else "sequential"  # one intermediate block: nothing to halve
+    policy = _unsplit_if_one_tile(policy, n0)
     group_rows = 1 if policy in ("rowblock", "halfrow") else max(1, group_rows)
     code = _POLICY_CODE[policy]
     split = code in _SPLIT_K1

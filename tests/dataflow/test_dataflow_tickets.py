@@ -76,3 +76,15 @@ def test_model_traffic_uses_the_shipped_tiles_and_policy():
     assert r["read_bytes"] >= weight_bytes("swiglu", 4096, 14336)
     with pytest.raises(ValueError, match="persistent kernel"):
         model_traffic("swiglu", 4096, 14336, 16, "auto")
+
+
+@pytest.mark.parametrize("split, plain", [("halfrow", "rowblock"), ("seqsplit", "sequential")])
+def test_one_intermediate_tile_runs_unsplit_as_the_kernel_does(split, plain):
+    # one GEMM0 column leaves no K-half to split: the kernel runs rowblock / sequential, and
+    # the model must take the same order (it raised IndexError on the empty second half)
+    s = FfnShape(M=32, hidden=32, intermediate=16, block_m=16, block_n=16, block_k=16, elem_bytes=1,
+                 gated=False, block_n1=32)
+    assert s.tiles_n0 == 1
+    assert order(s, split) == order(s, plain)
+    r = simulate_tickets(s, order(s, split), Hardware(num_sms=1, l2_bytes=0))
+    assert r.traffic is not None and r.traffic.read_bytes > 0
