@@ -262,8 +262,7 @@ def replay(sched: Schedule, jobs: Sequence[Job], cache_bytes: int, policy: str =
         def sides(step, reads):
             return enumerate(step.side_reads if reads else step.side_writes)
 
-        def access(key, size, side):   # bytes fetched from DRAM
-            return l2.access(key, size, side)
+        access = l2.access   # (key, size, side) -> bytes fetched from DRAM
 
         contents = l2.contents
     else:

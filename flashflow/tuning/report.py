@@ -161,7 +161,8 @@ def _variants(cfg: AttentionConfig, causal: bool):
 
 def kernel_resource_report(family: str | None = None, offline: bool = False) -> list[dict]:
     """One dict per (shipped config, causal, code path, launched kernel) with ``n_regs``,
-    ``n_spills`` and ``shared`` (bytes of shared memory) from compiling on the current CUDA GPU.
+    ``n_spills`` and ``shared`` (bytes of shared memory) from compiling on the current CUDA GPU,
+    or with ``offline`` for each family's GPU on this machine.
 
     ``family`` defaults to the GPU's. ``offline``: compile on this machine, GPU or not, for
     each family's GPU (sm90: the H100; all families by default) without running anything.

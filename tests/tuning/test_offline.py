@@ -25,8 +25,7 @@ CHILD = textwrap.dedent("""
                       ("ptr3", mlp.PersistentConfig(128, 128, 128, 64, 8, 3, use_tma=False))):
         with pretend_cuda_capability():
             (r,) = compile_offline(lambda: mlp.launch_persistent(x, w1, w2, "swiglu", "multirow", 8, workspace=ws,
-                                                                 config=cfg),
-                                   overrides={"PROXY_FENCE": cfg.use_tma})
+                                                                 config=cfg))
         out[name] = [r.registers, r.spill_bytes, r.shared, r.num_warps, r.num_stages]
     # a decode step, through the public op: one kernel per launch, nothing run
     q = torch.empty(1, 1, 32, 128, dtype=torch.float16)
