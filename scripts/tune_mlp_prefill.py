@@ -221,7 +221,8 @@ def phase_check(variants):
 
     mlp._SPIN_LIMIT = 1 << 22   # a wait that cannot be met raises (after seconds) instead of hanging
     rows = []
-    torch.backends.cuda.matmul.allow_tf32 = False
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False   # an fp32 reference
     x, w1, w2 = inputs("swiglu", HIDDEN, INTER, 1024, torch.bfloat16, seed=7)
     ref = mlp_ref(x.float(), w1.float(), w2.float(), "swiglu")
     cases = [("llama3-8b M=1024 (fp32 ref)", x, w1, w2, "swiglu", ref)]
@@ -247,7 +248,7 @@ def phase_check(variants):
             rows.append(row)
             if not row["ok"]:
                 print(f"FAIL check {v} {name}: {row}", flush=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     mlp._SPIN_LIMIT = 0
     return rows
 

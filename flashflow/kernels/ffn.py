@@ -34,18 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashflow.kernels.mlp import _TICKET, _last_out_resets, _signal, _wait
-
-
-@triton.jit
-def _act(a, ACTIVATION: tl.constexpr):
-    if ACTIVATION == 0:  # silu (also SwiGLU's gate)
-        return a / (1.0 + tl.exp(-a))
-    elif ACTIVATION == 1:  # gelu, tanh approximation: 0.5·a·(1 + tanh(√(2/π)(a + 0.044715a³)))
-        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-        return a / (1.0 + tl.exp(-2.0 * u))  # 0.5·(1 + tanh(u)) = sigmoid(2u)
-    else:  # relu
-        return tl.maximum(a, 0.0)
+from flashflow.kernels.mlp import _TICKET, _act, _last_out_resets, _signal, _wait
 
 
 @triton.jit

@@ -3,7 +3,8 @@
 
 The main kernel adds fp32 partials into a zeroed workspace with atomics; a second tiny launch
 casts and re-zeroes it. Reading the sums in the same launch (a last-arriver cast) returned
-partial sums on the H100 at M = 16; stream order is what makes the sums complete.
+partial sums on the H100 at M = 16; the main grid's completion is what makes the sums complete
+(stream order, or under PDL the cast's ``griddepcontrol.wait``, which returns only then).
 """
 from __future__ import annotations
 
