@@ -20,7 +20,7 @@ import torch
 import triton
 
 from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel, attention_merge_kernel
-from flashflow.tuning import AttentionConfig, attention_fwd_config, autotune, gpu_family, interpreting, offline_capability
+from flashflow.tuning import AttentionConfig, attention_fwd_config, autotune, gpu_family, interpreting, on_gpu
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -54,7 +54,7 @@ def _check_common(q, k, v, head_axis: int) -> None:
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if q.device.type != "cuda" and not interpreting() and offline_capability() is None:
+    if not on_gpu(q.device) and not interpreting():
         raise ValueError(
             f"flashflow attention runs on CUDA tensors; got q on {q.device}. "
             "Move the tensors to the GPU (or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)."

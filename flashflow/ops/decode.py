@@ -19,7 +19,7 @@ import torch
 
 from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
 from flashflow.ops.attention import _cdiv, _next_pow2, _check_common, _check_softcap, _check_window, _sm_count
-from flashflow.tuning import gpu_family, interpreting, offline_capability
+from flashflow.tuning import gpu_family, interpreting, on_gpu
 
 KV_LAYOUTS = ("NHD", "FT")
 # programmatic dependent launch when a plan leaves ``pdl`` unset: off until it is timed on the
@@ -314,7 +314,7 @@ def _check_decode_inputs(q, k, v):
             raise ValueError(f"k and v must both be (batch, seqlen_new, kv_heads, head_dim), got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
         _check_common(q, k, v, head_axis=2)
-    elif q.device.type != "cuda" and not interpreting() and offline_capability() is None:
+    elif not on_gpu(q.device) and not interpreting():
         raise ValueError(f"flashflow attention runs on CUDA tensors; got q on {q.device}")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")

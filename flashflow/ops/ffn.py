@@ -16,6 +16,7 @@ from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_grouped_kernel, ff
 from flashflow.kernels.mlp import CNT_OFF as SYNC_CNT_OFF
 from flashflow.ops.attention import _cdiv, _next_pow2, _sm_count
 from flashflow.tuning import offline_capability, offline_sm_count
+from flashflow.tuning import on_gpu as _on_gpu
 
 _ACT_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
 
@@ -31,11 +32,6 @@ def _capability(device: torch.device) -> tuple[int, int]:
     if device.type != "cuda" and offline_capability() is not None:
         return tuple(offline_capability())
     return _capability_of(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def _on_gpu(device: torch.device) -> bool:
-    """A CUDA device, or CPU tensors standing for one (flashflow.tuning.offline)."""
-    return device.type == "cuda" or offline_capability() is not None
 
 
 def _num_sms(device: torch.device) -> int:

@@ -48,7 +48,7 @@ from flashflow.kernels.mlp import (CNT_OFF, HALFROW, MAX_THREADS, MULTIROW, SEQS
                                    mlp_gemm0_kernel, mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.ops.ffn import _capability, _on_gpu, decode_config, group_counters, launch_decode, wide_one_wave
 from flashflow.reference.mlp import ACTIVATIONS
-from flashflow.tuning import interpreting, offline_capability
+from flashflow.tuning import interpreting
 
 DECODE_MAX_M = 64        # the split-K decode kernel takes at most this many tokens
 # `auto` leaves split-K above this, unless split-K runs 128-wide slices in one wave there
@@ -373,7 +373,7 @@ def _check(x, w_gate_up, w_down, activation) -> None:
     if not (x.device == w_gate_up.device == w_down.device):
         raise ValueError(f"x, w_gate_up, w_down must be on one device, got {x.device}, {w_gate_up.device}, "
                          f"{w_down.device}")
-    if x.device.type != "cuda" and not interpreting() and offline_capability() is None:
+    if not _on_gpu(x.device) and not interpreting():
         raise ValueError(f"flashflow's fused_mlp runs on CUDA tensors; got x on {x.device} "
                          "(or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)")
     if not isinstance(activation, str) or activation not in ACTIVATIONS:

@@ -55,6 +55,11 @@ def offline_sm_count():
     return _OFFLINE_SM_COUNT
 
 
+def on_gpu(device) -> bool:
+    """A CUDA device, or CPU tensors standing for one (flashflow.tuning.offline)."""
+    return device.type == "cuda" or _OFFLINE_CAPABILITY is not None
+
+
 def gpu_family(device) -> str:
     """'interpreter', 'sm90' (Hopper and newer) or 'sm80' (Ampere/Ada and anything older)."""
     if device.type != "cuda" and _OFFLINE_CAPABILITY is not None and not interpreting():
