@@ -15,7 +15,8 @@ import torch
 from flashflow.kernels.ffn import ffn_cast_kernel, ffn_decode_grouped_kernel, ffn_decode_kernel
 from flashflow.kernels.mlp import CNT_OFF as SYNC_CNT_OFF
 from flashflow.ops.attention import _cdiv, _next_pow2, _sm_count
-from flashflow.tuning import offline_capability, offline_sm_count
+from flashflow.device import offline_capability
+from flashflow.device import num_sms as _device_num_sms
 from flashflow.tuning import on_gpu as _on_gpu
 
 _ACT_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
@@ -37,7 +38,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device)
-    return offline_sm_count() or 4   # the interpreter runs programs one by one: a few suffice
+    return _device_num_sms(device)
 
 
 def decode_block_i(inter: int, num_sms: int) -> int:

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 _HERE = Path(__file__).parent
+
+# transitional re-exports: callers import these from flashflow.device
+from flashflow.device import gpu_family, interpreting, offline_capability, on_gpu  # noqa: E402,F401
 
 
 @dataclass(frozen=True)
@@ -29,47 +31,10 @@ class AttentionConfig:
         return asdict(self)
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @functools.lru_cache(maxsize=None)
 def _table(name: str) -> dict:
     with open(_HERE / f"{name}.json") as f:
         return json.load(f)
-
-
-# (major, minor) and SM count while flashflow.tuning.offline.pretend_cuda_capability is active:
-# CPU tensors then stand for that GPU (kernels are compiled for it, never run)
-_OFFLINE_CAPABILITY = None
-_OFFLINE_SM_COUNT = None
-
-
-def offline_capability():
-    """The capability CPU tensors stand for while compiling offline, else None."""
-    return _OFFLINE_CAPABILITY
-
-
-def offline_sm_count():
-    """The SM count of the GPU CPU tensors stand for while compiling offline, else None."""
-    return _OFFLINE_SM_COUNT
-
-
-def on_gpu(device) -> bool:
-    """A CUDA device, or CPU tensors standing for one (flashflow.tuning.offline)."""
-    return device.type == "cuda" or _OFFLINE_CAPABILITY is not None
-
-
-def gpu_family(device) -> str:
-    """'interpreter', 'sm90' (Hopper and newer) or 'sm80' (Ampere/Ada and anything older)."""
-    if device.type != "cuda" and _OFFLINE_CAPABILITY is not None and not interpreting():
-        return "sm90" if _OFFLINE_CAPABILITY[0] >= 9 else "sm80"
-    if interpreting() or device.type != "cuda":
-        return "interpreter"
-    import torch
-
-    major, _ = torch.cuda.get_device_capability(device)
-    return "sm90" if major >= 9 else "sm80"
 
 
 def family_entries(name: str, family: str) -> list[dict]:

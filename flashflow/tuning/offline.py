@@ -149,18 +149,17 @@ def pretend_cuda_capability(capability: tuple[int, int] = (9, 0), sm_count: int 
     tensors" refusal; ``sm_count`` (the H100's 132 by default) where a config depends on it.
     flashflow's launchers then also choose the GPU's launch options (proxy fence, PDL,
     ``maxnreg``)."""
-    import flashflow.tuning as tuning
+    from flashflow import device
 
-    if tuning.interpreting():
+    if device.interpreting():
         raise RuntimeError("pretend_cuda_capability is for offline compilation: unset TRITON_INTERPRET")
-    # the ops ask flashflow.tuning (gpu_family, offline_capability, offline_sm_count): setting
-    # the two values is all it takes
-    saved = (tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT)
-    tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT = tuple(capability), sm_count
+    # the ops ask flashflow.device (gpu_family, capability, num_sms, on_gpu): setting the two
+    # values is all it takes
+    saved = device.set_offline(capability, sm_count)
     try:
         yield
     finally:
-        tuning._OFFLINE_CAPABILITY, tuning._OFFLINE_SM_COUNT = saved
+        device.set_offline(*saved)
 
 
 def compile_offline(launch: Callable[[], object], capability: int = 90, name: Optional[str] = None,
