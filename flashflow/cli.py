@@ -9,14 +9,18 @@ import sys
 # subcommand modules, in the order `flashflow --help` lists them
 _SUBCOMMANDS = (
     "flashflow.bench.cli",        # bench
-    "flashflow.tuning.report",    # info
+    "flashflow.bench.info",       # info
+    "flashflow.bench.tune",       # tune
     "flashflow.dataflow.cli",     # dataflow
     "flashflow.viz.server",       # viz
 )
 
+DESCRIPTION = ("flashflow: Triton kernels for transformer inference that move as few bytes as the "
+               "hardware allows. Each subcommand has its own --help.")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flashflow", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="flashflow", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
     for name in _SUBCOMMANDS:
         try:
