@@ -1,10 +1,14 @@
 """`flashflow bench`: time flashflow against its anchors on the GPU and keep the numbers.
 
-Without a CUDA GPU it says so and runs a small correctness demo through Triton's interpreter.
+Suites: attention (default; flashflow vs SDPA cuDNN / FLASH), decode, mlp, memory, dataflow.
+Each writes ``<suite>-<device>.json`` to --out. Without a CUDA GPU the attention suite runs a
+small correctness demo through Triton's interpreter instead; the other suites need the GPU.
+``--from-json`` prints a saved result's tables, ``--tables`` the tables of docs/results.md.
 """
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import subprocess
@@ -13,49 +17,70 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flashflow.bench import runner
-from flashflow.bench.suites import SUITES
+from flashflow.bench.suites import ATTENTION_DEFAULTS, ATTENTION_OPTIONS, RUNNERS, SUITES
 
 NO_GPU = ("No CUDA GPU found (torch.cuda.is_available() is False), so there is nothing to time. "
           "Running a small correctness demo through the Triton CPU interpreter instead.")
 
 _DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-
-# suites whose metrics differ from the attention table (TB/s, µs): their module has run(args)
-OWN_RUNNER_SUITES = {"decode": "flashflow.bench.decode", "mlp": "flashflow.bench.mlp_suite"}
+_ALL_SUITES = sorted(SUITES) + sorted(RUNNERS)
+# shared options: argparse dest -> how the user spelled it
+_FLAGS = {"quick": "--quick", "providers": "--providers", "dtype": "--dtype", "warmup": "--warmup",
+          "rep": "--rep", "no_plot": "--no-plot", "markdown": "--markdown", "rescore": "--rescore",
+          "variants": "--variants", "write": "--write", "suite": "--suite"}
 
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="benchmark flashflow against its anchors (SDPA cuDNN / FlashAttention)",
-        description=__doc__.split("\n")[0])
-    p.add_argument("--suite", choices=sorted(SUITES) + sorted(OWN_RUNNER_SUITES), default="attention",
-                   help="which shapes and providers (default: attention)")
+        "bench", help="benchmark flashflow against its anchors; print and render measured tables",
+        description=__doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split()))
+    p.add_argument("--suite", choices=_ALL_SUITES, default=None,
+                   help="what to measure (default: attention): " + "; ".join(
+                       [f"attention: flashflow's forward vs {', '.join(SUITES['attention'].anchors)}"]
+                       + [f"{name}: {r.measures.removesuffix(' on a CUDA GPU')}" for name, r in sorted(RUNNERS.items())]))
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
                    help="comma list (default: all of the suite's; attention: "
-                        f"{','.join(SUITES['attention'].providers)})")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
+                        f"{','.join(SUITES['attention'].providers)}; mlp takes one too)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="input dtype (default: fp16 for memory, bf16 otherwise)")
+    p.add_argument("--warmup", type=int, default=None, metavar="MS",
+                   help="do_bench warm-up time per measurement, ms (default: 25; mlp: 5)")
+    p.add_argument("--rep", type=int, default=None, metavar="MS",
+                   help="do_bench measuring time per measurement, ms (default: 100; mlp: 20)")
     p.add_argument("--out", type=Path, default=Path("bench/results"),
-                   help="folder for the JSON and the plot (default: bench/results)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG plot")
-    p.add_argument("--warmup", type=int, default=25, metavar="MS",
-                   help="do_bench warm-up time per measurement, ms (default: 25)")
-    p.add_argument("--rep", type=int, default=100, metavar="MS",
-                   help="do_bench measuring time per measurement, ms (default: 100)")
+                   help="folder the results are written to, and --tables reads (default: bench/results)")
+    p.add_argument("--no-plot", action="store_true", help="attention: skip the PNG plot")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
-                   help="print the table of an earlier result instead of measuring")
+                   help="print the tables of a saved result (any suite's) instead of measuring")
     p.add_argument("--markdown", action="store_true",
-                   help="print the table as Markdown (for docs)")
+                   help="print the attention table as Markdown (the other suites' always are)")
+    p.add_argument("--rescore", action="store_true",
+                   help="with --from-json of a dataflow result: re-run the model on its measured points")
+    p.add_argument("--variants", default=None, metavar="all|LIST",
+                   help="with --from-json of a dataflow result: score these L2 model variants on its "
+                        "measured points (e.g. drift/p2-home-halves; all: every variant, minutes)")
+    p.add_argument("--tables", action="store_true",
+                   help="print the measured tables of docs/results.md, rendered from the JSON in --out")
+    p.add_argument("--write", nargs="+", type=Path, default=None, metavar="FILE",
+                   help="with --tables: replace the generated blocks of these files instead of printing "
+                        "(docs/results.md, docs/tutorial.md)")
     p.set_defaults(func=main)
 
 
-def _print_table(rows: list[dict], markdown: bool) -> None:
-    print(runner.markdown_table(rows) if markdown else runner.text_table(rows), flush=True)
+def _error(message: str) -> int:
+    print(f"flashflow bench: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _passed(args, names) -> list[str]:
+    """The options among ``names`` that the user gave (not at their default)."""
+    return [_FLAGS[n] for n in names if getattr(args, n) not in (None, False)]
 
 
 def _run_demo() -> int:
     """The interpreter must be chosen before Triton is imported; this process imported it."""
-    from flashflow.tuning import interpreting
+    from flashflow.device import interpreting
 
     if interpreting():
         from flashflow.bench import demo
@@ -67,56 +92,170 @@ def _run_demo() -> int:
     return subprocess.run([sys.executable, "-m", "flashflow.bench.demo"], env=env).returncode
 
 
-def _parse_providers(spec: str | None, suite) -> list[str]:
+def parse_providers(spec: str | None, known, suite: str) -> list[str]:
     if spec is None:
-        return list(suite.providers)
+        return list(known)
     names = [p.strip() for p in spec.split(",") if p.strip()]
-    unknown = [p for p in names if p not in suite.providers]
+    unknown = [p for p in names if p not in known]
     if unknown or not names:
-        raise ValueError(f"--providers must be a comma list of {', '.join(suite.providers)} "
-                         f"for suite {suite.name!r}, got {spec!r}")
+        raise ValueError(f"--providers must be a comma list of {', '.join(known)} "
+                         f"for suite {suite!r}, got {spec!r}")
     return list(dict.fromkeys(names))
+
+
+# --------------------------------------------------------------------------------------------
+# saved results
+# --------------------------------------------------------------------------------------------
+
+
+def print_result(result: dict, markdown: bool = False) -> None:
+    """A saved result's tables, whatever suite wrote it."""
+    suite = result.get("suite")
+    if suite == "attention":
+        print(runner.markdown_table(result["rows"]) if markdown else runner.text_table(result["rows"]))
+    elif suite == "decode":
+        from flashflow.bench.decode import markdown_table
+
+        print(markdown_table(result))
+    elif suite == "mlp":
+        from flashflow.bench import mlp_suite
+
+        for metric in ("us", "tbs", "tflops"):
+            print(mlp_suite.markdown_table(result, metric) + "\n")
+        print(mlp_suite.compact_table(result))
+    elif suite == "memory":
+        from flashflow.bench import memory
+
+        print(memory.caption(result) + "\n\n" + memory.markdown_table(result["rows"]))
+    elif suite == "dataflow":
+        from flashflow.bench import dataflow
+
+        print(dataflow.report(result))
+    elif suite == "info":
+        from flashflow.bench import info
+
+        for op in dict.fromkeys(r["op"] for r in result["rows"]):
+            print(f"{info._TITLES[op]}:\n")
+            print(info.format_table([r for r in result["rows"] if r["op"] == op], result.get("compiled", True)) + "\n")
+    else:
+        raise ValueError(f"not a flashflow bench result (its suite is {suite!r}, not one of "
+                         f"{', '.join(_ALL_SUITES + ['info'])})")
+
+
+def _from_json(args) -> int:
+    import json
+
+    extra = _passed(args, ("suite", "quick", "providers", "dtype", "warmup", "rep", "no_plot", "write"))
+    if extra:
+        return _error(f"{extra[0]} does not apply to --from-json (the file says what it measured)")
+    try:
+        result = json.loads(args.from_json.read_text())
+        if result.get("suite") == "attention" or "schema_version" in result:
+            result = runner.read_json(args.from_json)
+    except (OSError, ValueError) as e:
+        return _error(f"cannot read {args.from_json}: {e}")
+    if (args.rescore or args.variants) and result.get("suite") != "dataflow":
+        return _error(f"{'--rescore' if args.rescore else '--variants'} takes a dataflow result, and "
+                      f"{args.from_json} is a {result.get('suite')!r} result")
+    if result.get("suite") == "dataflow" and (args.rescore or args.variants):
+        from flashflow.bench import dataflow
+
+        if args.rescore:
+            result = {**result, "results": dataflow.rescore(result)}
+            print(f"{result.get('device')}: the model re-run on the measured points of {args.from_json}.\n")
+        if args.variants:
+            variants = None if args.variants == "all" else [v.strip() for v in args.variants.split(",") if v.strip()]
+            try:
+                for v in variants or ():
+                    dataflow.variant_kwargs(v, 1)
+            except ValueError as e:
+                return _error(f"--variants: {e}")
+            bar = []
+
+            def progress(done, total):
+                if not bar:
+                    bar.append(runner.progress_bar(total))
+                    bar[0].describe("simulating the model variants")
+                bar[0].update()
+            try:
+                scores = dataflow.score_variants(result, variants, progress=progress)
+            finally:
+                if bar:
+                    bar[0].close()
+            print("Model / measured ratios per shape list the orders as they appear in the file.\n")
+            print(dataflow.variants_table(scores) + "\n")
+    try:
+        print_result(result, args.markdown)
+    except (KeyError, ValueError) as e:
+        return _error(f"cannot read {args.from_json}: {e}")
+    return 0
+
+
+def _tables(args) -> int:
+    from flashflow.bench import tables
+
+    extra = _passed(args, ("suite", "quick", "providers", "dtype", "warmup", "rep", "no_plot", "markdown",
+                           "rescore", "variants"))
+    if extra:
+        return _error(f"{extra[0]} does not apply to --tables (it renders the results in --out)")
+    if not args.out.is_dir():
+        return _error(f"--out {args.out} is not a folder of results")
+    if not args.write:
+        print(tables.render(args.out))
+        return 0
+    for path in args.write:
+        try:
+            done = tables.write(path, args.out)
+        except (OSError, ValueError) as e:
+            return _error(f"--write {path}: {e}")
+        print(f"{path}: replaced {', '.join(done)}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# measuring
+# --------------------------------------------------------------------------------------------
 
 
 def main(args: argparse.Namespace) -> int:
     if args.from_json is not None:
-        try:
-            rows = runner.read_json(args.from_json)["rows"]
-        except (OSError, ValueError) as e:
-            print(f"flashflow bench: cannot read {args.from_json}: {e}", file=sys.stderr)
-            return 2
-        _print_table(rows, args.markdown)
-        return 0
+        return _from_json(args)
+    if args.tables:
+        return _tables(args)
+    for name in ("write", "rescore", "variants"):
+        if getattr(args, name):
+            needs = "--tables" if name == "write" else "--from-json FILE"
+            return _error(f"{_FLAGS[name]} needs {needs}")
 
-    if args.suite in OWN_RUNNER_SUITES:
-        import importlib
+    suite_name = args.suite or "attention"
+    options, defaults = ((ATTENTION_OPTIONS, ATTENTION_DEFAULTS) if suite_name in SUITES else
+                         (RUNNERS[suite_name].options, RUNNERS[suite_name].defaults))
+    extra = _passed(args, sorted(ATTENTION_OPTIONS - options))
+    if extra:
+        return _error(f"{extra[0]} does not apply to --suite {suite_name}")
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
 
-        import torch
+    if suite_name in RUNNERS:
+        return _run_runner(suite_name, args)
 
-        if not torch.cuda.is_available():
-            print(NO_GPU, flush=True)
-            return _run_demo()
-        return importlib.import_module(OWN_RUNNER_SUITES[args.suite]).run(args)
-
-    suite = SUITES[args.suite]
+    suite = SUITES[suite_name]
     try:
-        providers = _parse_providers(args.providers, suite)
+        providers = parse_providers(args.providers, suite.providers, suite.name)
     except ValueError as e:
-        print(f"flashflow bench: {e}", file=sys.stderr)
-        return 2
+        return _error(str(e))
 
     import torch
 
-    from flashflow.tuning import interpreting
+    from flashflow.device import interpreting
 
     if not torch.cuda.is_available():
         print(NO_GPU, flush=True)
         return _run_demo()
     if interpreting():
-        print("flashflow bench: TRITON_INTERPRET is set, so the kernels would run in the CPU "
-              "interpreter and the timings would mean nothing. Unset it to benchmark the GPU.",
-              file=sys.stderr)
-        return 2
+        return _error("TRITON_INTERPRET is set, so the kernels would run in the CPU interpreter and the "
+                      "timings would mean nothing. Unset it to benchmark the GPU.")
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     dtype = getattr(torch, _DTYPES[args.dtype])
@@ -150,5 +289,27 @@ def main(args: argparse.Namespace) -> int:
     print(f"\n{suite.name}, {args.dtype}, {env['device']}: median times; causal TF/s count half "
           f"the FLOPs;\n'{suite.ours} ÷' = its TF/s over the anchor's (>1: {suite.ours} faster); "
           f"'% of' the bf16 matmul ceiling; 'rel err' of the outputs vs the first anchor\n")
-    _print_table(rows, args.markdown)
+    print(runner.markdown_table(rows) if args.markdown else runner.text_table(rows), flush=True)
     return 0
+
+
+def _run_runner(name: str, args) -> int:
+    import torch
+
+    from flashflow.device import interpreting
+
+    spec = RUNNERS[name]
+    if not torch.cuda.is_available():
+        return _error(f"--suite {name} {spec.measures}, and torch finds none (torch.cuda.is_available() "
+                      "is False). Without a GPU, `flashflow bench` runs the attention suite's correctness "
+                      "demo in Triton's interpreter, and `--from-json FILE` prints a saved result.")
+    if interpreting():
+        return _error(f"--suite {name}: TRITON_INTERPRET is set, so the kernels would run in the CPU "
+                      "interpreter. Unset it to benchmark the GPU.")
+    module = importlib.import_module(spec.module)
+    if name == "mlp":
+        try:
+            args.providers = parse_providers(args.providers, module.PROVIDERS, name)
+        except ValueError as e:
+            return _error(str(e))
+    return module.run(args)

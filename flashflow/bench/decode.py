@@ -93,11 +93,11 @@ def graph_time_ms(fn, steps=GRAPH_STEPS, warmup: int = 25, rep: int = 100) -> fl
     return ms
 
 
-def _eager_time_ms(fn) -> float:
+def _eager_time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton
 
     fn()
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def rotation(nbytes: int, l2_bytes: int, steps: int = GRAPH_STEPS) -> int:
@@ -190,11 +190,13 @@ def make_providers(b, s, h, hk, d, dtype):
 
 
 def run(args) -> int:
+    """Entry point of ``flashflow bench --suite decode`` (args: quick, dtype, warmup, rep, out)."""
     from flashflow.bench import runner
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     started = datetime.now(timezone.utc)
     env = runner.environment(started)
+    print("measuring the read ceiling (a 2 GiB reduction)", file=sys.stderr, flush=True)
     ceiling = read_ceiling_tbs()
     print(f"measured read ceiling: {ceiling:.2f} TB/s", flush=True)
     rows = []
@@ -213,11 +215,11 @@ def run(args) -> int:
         row.update(num_splits=splits, cache_copies=copies, notes=notes, rel_err=errs, graph_us={}, eager_us={}, tbs={})
         for name, fn in provs.items():
             try:
-                tg = graph_time_ms(fn)
+                tg = graph_time_ms(fn, warmup=args.warmup, rep=args.rep)
             except Exception as e:  # noqa: BLE001
                 tg = None
                 row["notes"][name] = f"graph capture failed: {type(e).__name__}"
-            te = _eager_time_ms(fn)
+            te = _eager_time_ms(fn, args.warmup, args.rep)
             row["graph_us"][name] = None if tg is None else tg * 1e3
             row["eager_us"][name] = te * 1e3
             best = tg if tg is not None else te
@@ -231,6 +233,7 @@ def run(args) -> int:
         del provs
         torch.cuda.empty_cache()
     result = {"suite": "decode", **env, "dtype": args.dtype, "read_ceiling_tbs": ceiling,
+              "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
               "graph_steps": GRAPH_STEPS, "page_size": PAGE_SIZE, "rows": rows}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -57,7 +57,7 @@ def run_case(case: DemoCase, seed: int = 0) -> float:
 
 
 def main() -> int:
-    from flashflow.tuning import interpreting
+    from flashflow.device import interpreting
 
     if not interpreting():
         print("flashflow.bench.demo runs on the CPU through Triton's interpreter: "

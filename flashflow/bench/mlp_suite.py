@@ -227,24 +227,92 @@ def compact_table(result: dict) -> str:
 
 
 def run(args) -> int:
-    """Entry point of ``flashflow bench --suite mlp`` (args: dtype, quick, warmup, rep, out)."""
-    from flashflow.tuning import interpreting
-
-    if interpreting():
-        print("flashflow bench: TRITON_INTERPRET is set; unset it to benchmark the GPU.", file=sys.stderr)
-        return 2
-    dtype = torch.float16 if getattr(args, "dtype", "bf16") == "fp16" else torch.bfloat16
-    warmup, rep = getattr(args, "warmup", 5), getattr(args, "rep", 20)
+    """Entry point of ``flashflow bench --suite mlp`` (args: dtype, quick, warmup, rep, providers, out;
+    the CLI has checked them and that a GPU is there)."""
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    total = len(MODELS) * len(QUICK_TOKENS if args.quick else TOKENS)
+    done = []
 
     def log(row):
-        print(f"{row['model']} M={row['M']}: " + ", ".join(
+        done.append(row)
+        print(f"[{len(done)}/{total}] {row['model']} M={row['M']}: " + ", ".join(
             f"{p} {v['us']:.1f}µs" if v.get("us") else f"{p} {v.get('error', '-')}"
             for p, v in row["results"].items()), file=sys.stderr, flush=True)
 
-    result = run_bench(quick=getattr(args, "quick", False), dtype=dtype, warmup=warmup, rep=rep, log=log)
-    path = write_result(result, getattr(args, "out", "bench/results"))
+    print("measuring the read ceiling (a 2 GiB reduction)", file=sys.stderr, flush=True)
+    result = run_bench(quick=args.quick, dtype=dtype, warmup=args.warmup, rep=args.rep,
+                       providers=tuple(args.providers or PROVIDERS), log=log)
+    path = write_result(result, args.out)
     print(f"results: {path}\n")
     for metric in ("us", "tbs", "tflops"):
         print(markdown_table(result, metric) + "\n")
     print(compact_table(result))
     return 0
+
+
+# ---------------------------------------------------------------- DRAM bytes: measured and modelled
+
+
+def ncu_predictions(rows: list[dict]) -> list[dict]:
+    """Measured DRAM bytes of one call per (M, provider) (Nsight Compute rows: ``M``,
+    ``provider``, ``model``, ``read_bytes``, ``write_bytes``, ``launches``), each row of a
+    persistent-kernel policy with what :func:`model_traffic` predicts for the kernel's own tiles
+    and ticket order added: ``model_partitioned`` (the partitioned-L2 H100 model, which ranked
+    measured GEMM orders correctly: docs/dataflow.md) and ``model_unified`` (one LRU). New dicts;
+    ``rows`` is left as it is."""
+    from flashflow.dataflow.model import H100, H100_PARTITIONED
+
+    models = {"model_partitioned": H100_PARTITIONED, "model_unified": H100}
+    specs = {name: (act, hidden, inter) for name, act, hidden, inter in MODELS}
+    policies = set(POLICY_PROVIDERS) - {"splitk"} | {"flashflow"}
+    cache: dict = {}
+    out = []
+    for row in rows:
+        row = {k: v for k, v in row.items() if k not in models}
+        if row.get("provider") in policies and row.get("model") in specs:
+            act, hidden, inter = specs[row["model"]]
+            policy = "auto" if row["provider"] == "flashflow" else row["provider"]
+            for key, hw in models.items():
+                args = (act, hidden, inter, row["M"], policy, key)
+                if args not in cache:
+                    cache[args] = model_traffic(act, hidden, inter, row["M"], policy, hw=hw)
+                row[key] = cache[args]
+        out.append(row)
+    return out
+
+
+def ncu_table(rows: list[dict]) -> str:
+    """Markdown: measured and predicted MB per (M, provider)."""
+    head = ("| M | provider | measured read MB | model read MB (partitioned L2) | ÷ measured "
+            "| model read MB (unified L2) | ÷ measured | measured write MB | model write MB | kernels |")
+    lines = [head, "|--:|:--|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for r in rows:
+        if "read_bytes" not in r:
+            lines.append(f"| {r['M']} | {r['provider']} | {r.get('error', '')[:60]} |  |  |  |  |  |  |  |")
+            continue
+        mp, mu = r.get("model_partitioned") or {}, r.get("model_unified") or {}
+        read = r["read_bytes"]
+
+        def mb(d, k):
+            return f"{d[k] / 1e6:.0f}" if k in d else "—"
+
+        def ratio(d):
+            return f"{d['read_bytes'] / read:.2f}" if "read_bytes" in d else "—"
+        lines.append(f"| {r['M']} | {r['provider']} | {read / 1e6:.0f} | {mb(mp, 'read_bytes')} | {ratio(mp)} "
+                     f"| {mb(mu, 'read_bytes')} | {ratio(mu)} | {r['write_bytes'] / 1e6:.0f} "
+                     f"| {mb(mp, 'write_bytes')} | {r['launches']} |")
+    return "\n".join(lines)
+
+
+def ncu_rank_check(rows: list[dict]) -> list[str]:
+    """Per M: the persistent policies ordered by measured read bytes, and each model's order."""
+    out = []
+    for m in sorted({r["M"] for r in rows}):
+        pol = [r for r in rows if r["M"] == m and "read_bytes" in r and "model_partitioned" in r]
+        measured = [r["provider"] for r in sorted(pol, key=lambda r: r["read_bytes"])]
+        line = f"M={m}: measured {' < '.join(measured)}"
+        for key in ("model_partitioned", "model_unified"):
+            ranked = [r["provider"] for r in sorted(pol, key=lambda r: r[key].get("read_bytes", float("inf")))]
+            line += f"; {key.removeprefix('model_')} {'same' if ranked == measured else ' < '.join(ranked)}"
+        out.append(line)
+    return out

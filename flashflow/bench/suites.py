@@ -1,7 +1,8 @@
 """Benchmark suites: the shapes to time, how much work each one is, and who runs it.
 
-A suite is registered in :data:`SUITES` under the name ``flashflow bench --suite NAME`` takes.
-The `decode` and `mlp` suites will register themselves here the same way `attention` does.
+``flashflow bench --suite NAME`` takes the names of :data:`SUITES` (shapes × providers, timed
+by :mod:`flashflow.bench.runner`) and of :data:`RUNNERS` (suites whose metrics differ: a module
+with ``run(args) -> int``).
 """
 from __future__ import annotations
 
@@ -99,4 +100,33 @@ SUITES: dict[str, Suite] = {
         ours="flashflow",
         x_key="seqlen_q",
     ),
+}
+
+
+@dataclass(frozen=True)
+class Runner:
+    """A suite with a runner module of its own."""
+    module: str          # has run(args) -> int
+    measures: str        # what it does, for --help and for the error on a machine without a GPU
+    options: frozenset   # the shared `flashflow bench` options it takes (argparse dest names)
+    defaults: dict       # its defaults for those options
+
+
+# the shared options the attention suite takes, with its defaults
+ATTENTION_OPTIONS = frozenset({"quick", "providers", "dtype", "warmup", "rep", "no_plot"})
+ATTENTION_DEFAULTS = {"dtype": "bf16", "warmup": 25, "rep": 100}
+
+RUNNERS: dict[str, Runner] = {
+    "decode": Runner("flashflow.bench.decode",
+                     "times decode attention against SDPA's cuDNN and FLASH backends on a CUDA GPU",
+                     frozenset({"quick", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 25, "rep": 100}),
+    "mlp": Runner("flashflow.bench.mlp_suite",
+                  "times the fused FFN's policies against cuBLAS on a CUDA GPU",
+                  frozenset({"quick", "providers", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 5, "rep": 20}),
+    "memory": Runner("flashflow.bench.memory",
+                     "measures the peak CUDA memory of naive attention and flash_attn_func on a CUDA GPU",
+                     frozenset({"quick", "dtype"}), {"dtype": "fp16"}),
+    "dataflow": Runner("flashflow.bench.dataflow",
+                       "profiles a GEMM's DRAM bytes per tile order with Nsight Compute on a CUDA GPU",
+                       frozenset({"quick"}), {}),
 }

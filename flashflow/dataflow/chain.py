@@ -8,21 +8,20 @@ Cache keys: ``("X", r, k)`` x's block (row-block r, K-step k over the hidden siz
 intermediate blocks through the cache (write-allocate), so a GEMM1 tile that runs soon after
 reads them from L2; the final output streams to DRAM.
 
-Dependencies:
-- ``"rowblock"``: a GEMM1 tile of row-block r starts only when every GEMM0 tile of row-block r
-  is complete (one flag per row-block).
-- ``"tile"``: GEMM1's K-step s waits only on the GEMM0 tile that produced its K-chunk
+Dependencies (``deps``):
+- ``"rowblock"``: the kernel's: a GEMM1 tile of row-block r starts only when every GEMM0 tile it
+  reads is complete (all of row-block r, or one half of it when GEMM1 runs in K-halves).
+- ``"tile"``: a what-if: GEMM1's K-step s waits only on the GEMM0 tile that produced its K-chunk
   (n-tile j = s·block_k // block_n), so it starts on the first chunk and consumes the rest as
   they arrive. With M ≤ block_m there is one row-block and "rowblock" is a full barrier.
 
-Issue orders (policies) — all walk GEMM0 row-major inside a row-block:
-- ``"sequential"``: all of GEMM0, then all of GEMM1 (two launches, or one with a barrier).
-- ``"rowblock"``: per row-block, its GEMM0 row then its GEMM1 row.
-- ``"multirow:R"``: per group of R row-blocks, their GEMM0 rows then their GEMM1 rows.
-- ``"halfrow"``: per row-block, the first half of its GEMM0 row, then the second half
-  interleaved with its GEMM1 row, so GEMM1 tiles are issued while GEMM0 is still producing.
-  A GEMM1 tile that is issued before a GEMM0 tile it waits on holds its slot; with too few
-  slots this deadlocks, and the model says so (``Traffic`` is replaced by the error).
+Issue orders: the persistent FFN kernel's own ticket orders (``"sequential[:R]"``,
+``"rowblock"``, ``"multirow[:R]"``, ``"halfrow"``, ``"seqsplit[:R]"``), taken from
+:mod:`flashflow.kernels.tile_order`, the definition the kernel compiles; and one order the
+kernel does not run, ``"interleaved"``: per row-block, the first half of its GEMM0 row, then the
+second half interleaved with its GEMM1 row, so GEMM1 tiles are issued while GEMM0 is still
+producing. A GEMM1 tile that is issued before a GEMM0 tile it waits on holds its slot; with too
+few slots this deadlocks, and the model says so (``Traffic`` is replaced by the error).
 """
 from __future__ import annotations
 
@@ -30,8 +29,9 @@ from dataclasses import dataclass
 
 from flashflow.dataflow.machine import DeadlockError, Job, Schedule, Traffic, replay, schedule
 from flashflow.dataflow.shape import _positive_int
+from flashflow.kernels import tile_order
 
-POLICIES = ("sequential", "rowblock", "halfrow", "multirow")
+POLICIES = tile_order.ORDERS + ("interleaved",)
 DEPENDENCIES = ("rowblock", "tile")
 
 
@@ -105,76 +105,52 @@ def _gemm0_job(s: FfnShape, r: int, j: int) -> Job:
     return Job(name=("gemm0", r, j), steps=tuple(steps), writes=tuple(writes))
 
 
-def _gemm1_job(s: FfnShape, r: int, c: int, deps: str, g0_index: dict) -> Job:
-    e = s.elem_bytes
-    rows = s._rows(r)
-    cols = s._span(s.hidden, s.bn1, c)
-    per_tile = s.block_n // s.block_k
-    steps, waits = [], []
-    for sub in range(s.k_steps1):
-        depth = s._span(s.intermediate, s.block_k, sub)
-        steps.append(((("H", r, sub), rows * depth * e), (("W1", c, sub), depth * cols * e)))
-        if deps == "tile":
-            waits.append((g0_index[(r, sub // per_tile)],))
-        elif sub == 0:
-            waits.append(tuple(g0_index[(r, j)] for j in range(s.tiles_n0)))
-    return Job(name=("gemm1", r, c), steps=tuple(steps), store_bytes=rows * cols * e,
-               waits=tuple(waits))
-
-
-def issue_order(s: FfnShape, policy: str) -> list[tuple[str, int, int]]:
-    """The chain's jobs in issue order, as ("gemm0", r, j) / ("gemm1", r, c)."""
-    name, _, arg = policy.partition(":")
-    g0 = lambda r: [("gemm0", r, j) for j in range(s.tiles_n0)]  # noqa: E731
-    g1 = lambda r: [("gemm1", r, c) for c in range(s.tiles_n1)]  # noqa: E731
-    rows = range(s.row_blocks)
-    if name == "sequential":
-        return [t for r in rows for t in g0(r)] + [t for r in rows for t in g1(r)]
-    if name == "rowblock":
-        return [t for r in rows for t in (*g0(r), *g1(r))]
-    if name == "multirow":
-        group = int(arg) if arg else 2
-        if group <= 0:
-            raise ValueError(f"multirow group must be positive, got {policy!r}")
-        out = []
-        for first in range(0, s.row_blocks, group):
-            block = range(first, min(first + group, s.row_blocks))
-            out += [t for r in block for t in g0(r)] + [t for r in block for t in g1(r)]
-        return out
-    if name == "halfrow":
+def issue_order(s: FfnShape, policy: str) -> list[tuple[int, int, int, int]]:
+    """The chain's tiles in issue order, as (kind, r, j, part) (kind 0: GEMM0 tile (r, j);
+    kind 1: GEMM1 tile (r, j); part: the K-half of a split GEMM1 tile, or the half of the row a
+    GEMM0 tile counts towards): the kernel's ticket order for its policies, or the model-only
+    ``"interleaved"`` order."""
+    if policy == "interleaved":
         out = []
         half = (s.tiles_n0 + 1) // 2
-        for r in rows:
-            first, rest, second = g0(r)[:half], g0(r)[half:], g1(r)
+        for r in range(s.row_blocks):
+            first = [(0, r, j, 0) for j in range(half)]
+            rest = [(0, r, j, 0) for j in range(half, s.tiles_n0)]
+            second = [(1, r, c, 0) for c in range(s.tiles_n1)]
             out += first
             for i in range(max(len(rest), len(second))):
                 out += rest[i:i + 1] + second[i:i + 1]
         return out
-    raise ValueError(f"policy must be one of {POLICIES} (multirow:R for R rows), got {policy!r}")
+    try:
+        return tile_order.issue_order(policy, s.row_blocks, s.tiles_n0, s.tiles_n1)
+    except (TypeError, ValueError):
+        raise ValueError(f"policy must be one of {POLICIES} (sequential, multirow and seqsplit take ':R' "
+                         f"row-blocks per group), got {policy!r}") from None
 
 
 def chain_jobs(s: FfnShape, policy: str, deps: str = "tile") -> list[Job]:
     if deps not in DEPENDENCIES:
         raise ValueError(f"deps must be one of {DEPENDENCIES}, got {deps!r}")
-    names = issue_order(s, policy)
-    g0_index = {(r, j): i for i, (kind, r, j) in enumerate(names) if kind == "gemm0"}
-    return [_gemm0_job(s, r, j) if kind == "gemm0" else _gemm1_job(s, r, j, deps, g0_index)
-            for kind, r, j in names]
+    return ticket_jobs(s, issue_order(s, policy), deps=deps)
 
 
-def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4) -> list[Job]:
-    """The persistent FFN kernel's tiles as model jobs, in the kernel's own ticket order.
+def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4, deps: str = "rowblock") -> list[Job]:
+    """The persistent FFN kernel's tiles as model jobs, in the given ticket order.
 
-    ``order``: ``(kind, r, j, part)`` per ticket, as ``flashflow.ops.mlp.issue_order`` spells
-    the kernel's policies (kind 0: GEMM0 tile (r, j); kind 1: GEMM1 tile (r, j); ``part``:
-    the K-half of a split GEMM1 tile, or which half of the row a GEMM0 tile belongs to).
-    The waits are the kernel's: a GEMM1 tile starts when its row-block counter holds every
-    GEMM0 tile it reads (all of row-block r, or one half when GEMM1 is split in K-halves).
+    ``order``: ``(kind, r, j, part)`` per ticket, as :func:`issue_order` gives it (kind 0:
+    GEMM0 tile (r, j); kind 1: GEMM1 tile (r, j); ``part``: the K-half of a split GEMM1 tile, or
+    which half of the row a GEMM0 tile belongs to). With ``deps="rowblock"`` the waits are the
+    kernel's: a GEMM1 tile starts when its row-block counter holds every GEMM0 tile it reads
+    (all of row-block r, or one half when GEMM1 is split in K-halves); ``deps="tile"`` makes
+    each K-step wait only on the GEMM0 tile that holds its chunk.
     A split tile's part 0 writes fp32 partials (``partial_bytes`` each) through the cache
     (write-allocate: part 1 reads them back); part 1 waits on part 0 after its K loop, reads
     the partials in its last step and stores the output.
     """
+    if deps not in DEPENDENCIES:
+        raise ValueError(f"deps must be one of {DEPENDENCIES}, got {deps!r}")
     order = [tuple(t) for t in order]
+    per_tile = s.block_n // s.block_k
     split = any(kind == 1 and part == 1 for kind, _, _, part in order)
     half = -(-s.tiles_n0 // 2)
     k_split = min(half * s.block_n, s.intermediate)
@@ -194,16 +170,22 @@ def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4) -> list[Job]:
             else (0, s.intermediate)
         cols0 = range(s.tiles_n0) if not split else (range(half) if part == 0
                                                      else range(half, s.tiles_n0))
+        subs = range(lo // s.block_k, -(-hi // s.block_k))
         steps = []
-        for sub in range(lo // s.block_k, -(-hi // s.block_k)):
+        for sub in subs:
             depth = s._span(s.intermediate, s.block_k, sub)
             steps.append([(("H", r, sub), rows * depth * e), (("W1", j, sub), depth * cols * e)])
-        waits = [()] * len(steps)
-        waits[0] = tuple(g0[(r, c)] for c in cols0)
+        if deps == "tile":
+            waits = [(g0[(r, sub // per_tile)],) for sub in subs]
+        else:
+            waits = [()] * len(steps)
+            waits[0] = tuple(g0[(r, c)] for c in cols0)
         partial = (("P", r, j), rows * cols * partial_bytes)
         if split and part == 1:
             steps[-1].append(partial)
             waits[-1] = waits[-1] + (index[(1, r, j, 0)],)
+        while waits and not waits[-1]:   # no wait after the last one that holds any
+            waits.pop()
         if split and part == 0:
             jobs.append(Job(name=("gemm1", r, j, 0), steps=tuple(map(tuple, steps)),
                             writes=(partial,), waits=tuple(waits)))

@@ -30,8 +30,20 @@ from flashflow.dataflow.cache import PartitionedL2
 from flashflow.dataflow.machine import PLACEMENTS
 from flashflow.dataflow.model import H100, H100_PARTITIONED, compare_orders
 from flashflow.dataflow.shape import GemmShape
+from flashflow.progress import progress
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+ANNEAL_ITERATIONS = 2000
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in every option's help; descriptions keep their line breaks (examples)."""
+
+    def _get_help_string(self, action):
+        # an option without a default (None) says in its own words what happens without it
+        if action.default is None or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def parse_size(text: str) -> int:
@@ -39,7 +51,45 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?)(?:I?B)?\s*", str(text), re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"size must look like 4096, 256K or 50MiB, got {text!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    value = float(match.group(1)) * _UNITS[match.group(2).upper()]
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"size must be a whole number of bytes, got {text!r}")
+    return int(value)
+
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            word = "positive" if low == 1 else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {word}, got {value}")
+        return value
+    parse.__name__ = "int"   # argparse names the type in some messages
+    return parse
+
+
+_positive = _int_at_least(1)
+_non_negative = _int_at_least(0)
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text!r}") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text!r}")
+    return value
 
 
 def fmt_bytes(n: float) -> str:
@@ -63,28 +113,51 @@ def _shape(args) -> GemmShape:
                      args.elem_bytes)
 
 
+def _specs(text: str | None, shape: GemmShape) -> list[str] | None:
+    """``--orders`` as a list, every name checked against the grid (None: the default set)."""
+    if text is None:
+        return None
+    specs = [spec.strip() for spec in text.split(",")]
+    for spec in specs:
+        if not spec:
+            raise ValueError(f"--orders: empty name in {text!r}")
+        try:
+            _orders.make_order(spec, shape.tiles_m, shape.tiles_n)
+        except ValueError as e:
+            raise ValueError(f"--orders: {e}") from None
+    return specs
+
+
+def _unused(args, option: str, needs: str) -> None:
+    """Options that only a mode reads are refused outside it, not silently ignored."""
+    if getattr(args, option.lstrip("-").replace("-", "_")) is not None:
+        raise ValueError(f"{option} applies only {needs}")
+
+
 def _add_shape(p, M=4096, N=4096, K=4096):
-    p.add_argument("--M", type=int, default=M)
-    p.add_argument("--N", type=int, default=N)
-    p.add_argument("--K", type=int, default=K)
+    p.add_argument("--M", type=_positive, default=M, help="rows of A and C")
+    p.add_argument("--N", type=_positive, default=N, help="columns of B and C")
+    p.add_argument("--K", type=_positive, default=K, help="the reduction dimension")
     _add_tiles(p)
 
 
 def _add_tiles(p):
-    p.add_argument("--block-m", type=int, default=128)
-    p.add_argument("--block-n", type=int, default=128)
-    p.add_argument("--block-k", type=int, default=64)
-    p.add_argument("--elem-bytes", type=int, default=2, help="bytes per element (bf16: 2)")
+    p.add_argument("--block-m", type=_positive, default=128, help="tile rows")
+    p.add_argument("--block-n", type=_positive, default=128, help="tile columns")
+    p.add_argument("--block-k", type=_positive, default=64, help="K-step of a tile")
+    p.add_argument("--elem-bytes", type=_positive, default=2, help="bytes per element (bf16: 2)")
 
 
-def _add_machine(p, cache=True, partitions=False):
-    p.add_argument("--sms", type=int, default=H100.num_sms,
+def _add_machine(p, cache=True, partitions=False, both=False):
+    p.add_argument("--sms", type=_positive, default=H100.num_sms,
                    help="tiles running at once (SMs x resident tiles per SM)")
     if cache:
-        p.add_argument("--cache", type=parse_size, default=H100.l2_bytes, help="L2 size")
-        p.add_argument("--policy", choices=("lru", "belady", "both"), default="lru")
+        p.add_argument("--cache", type=parse_size, default="50MiB",
+                       help="L2 size (K, M, G suffixes: powers of 1024)")
+        p.add_argument("--policy", choices=("lru", "belady", "both") if both else ("lru", "belady"),
+                       default="lru", help="cache replacement policy")
     if partitions:
-        p.add_argument("--l2-partitions", type=int, default=1,
+        p.add_argument("--l2-partitions", type=_positive, default=1,
                        help="near L2 partitions, each of cache/N (H100: 2); LRU only")
         p.add_argument("--sharing", choices=PartitionedL2.SHARING,
                        default=H100_PARTITIONED.sharing,
@@ -93,24 +166,21 @@ def _add_machine(p, cache=True, partitions=False):
                             "(DRAM always)")
         p.add_argument("--placement", choices=PLACEMENTS, default=H100_PARTITIONED.placement,
                        help="which partition's SMs run each tile")
-        p.add_argument("--tiles-per-sm", type=int, default=1,
+        p.add_argument("--tiles-per-sm", type=_positive, default=1,
                        help="resident tiles per SM: --sms/this are SMs, for --placement")
-        p.add_argument("--drift", type=float, default=0.0,
+        p.add_argument("--drift", type=_fraction, default=0.0,
                        help="spread of the slots' phases, as a fraction of one tile "
                             "(0: lockstep waves, 1: fully drifted)")
 
 
 def _machine_options(args) -> dict:
-    if args.l2_partitions < 1:
-        raise SystemExit(f"--l2-partitions must be >= 1, got {args.l2_partitions}")
-    if not 0 <= args.drift <= 1:
-        raise SystemExit(f"--drift must be in [0, 1], got {args.drift}")
     if args.l2_partitions == 1:
         return {"drift": args.drift}
     if args.policy != "lru":
-        raise SystemExit("a partitioned L2 is modelled with --policy lru only")
+        raise ValueError(f"a partitioned L2 (--l2-partitions {args.l2_partitions}) is modelled "
+                         f"with --policy lru only, got --policy {args.policy}")
     if args.sms % args.tiles_per_sm:
-        raise SystemExit(f"--sms {args.sms} must be a multiple of --tiles-per-sm "
+        raise ValueError(f"--sms {args.sms} must be a multiple of --tiles-per-sm "
                          f"{args.tiles_per_sm}")
     return {"partitions": args.l2_partitions, "sharing": args.sharing,
             "placement": args.placement, "drift": args.drift, "tiles_per_sm": args.tiles_per_sm}
@@ -136,9 +206,24 @@ def _png(path, draw) -> None:
         print(f"note: no PNG written to {path}: {e}", file=sys.stderr)
 
 
+def _compare(shape, cache, sms, policy, specs, bar, extra=None, **machine):
+    """compare_orders one order at a time, so the bar counts orders."""
+    rows = []
+    for spec in specs:
+        rows += compare_orders(shape, cache, sms, policy, [spec], **machine)
+        bar.update()
+    for label, order in (extra or {}).items():
+        rows += compare_orders(shape, cache, sms, policy, [], {label: order}, **machine)
+        bar.update()
+    return rows
+
+
 def cmd_table(args) -> int:
     shape = _shape(args)
-    specs = args.orders.split(",") if args.orders else None
+    specs = _specs(args.orders, shape) or _orders.default_specs(shape.tiles_m, shape.tiles_n)
+    if not args.anneal:
+        _unused(args, "--seed", "with --anneal")
+        _unused(args, "--search-block-k", "with --anneal")
     policies = ("lru", "belady") if args.policy == "both" else (args.policy,)
     machine = _machine_options(args)
     b = _bounds.bounds(shape, args.cache)
@@ -147,17 +232,20 @@ def cmd_table(args) -> int:
           f"{args.sms} SMs, {_machine_text(args)}")
     print(f"compulsory reads {fmt_bytes(b.compulsory_read_bytes)}, writes "
           f"{fmt_bytes(b.compulsory_write_bytes)}; red-blue pebble bound "
-          f"{fmt_bytes(b.pebble_bytes)} (2MNK/sqrt(S))")
+          f"{fmt_bytes(b.pebble_bytes)} (2MNK/sqrt(S))", flush=True)
     extra = {}
     if args.anneal:
-        res = _search.anneal(shape, args.cache, args.sms, policies[0], iterations=args.anneal,
-                             seed=args.seed, block_k=args.search_block_k)
-        extra[f"anneal(seed={args.seed})"] = res.order
+        seed = args.seed or 0
+        with progress(None, f"annealing ({args.anneal} iterations)"):
+            res = _search.anneal(shape, args.cache, args.sms, policies[0], iterations=args.anneal,
+                                 seed=seed, block_k=args.search_block_k)
+        extra[f"anneal(seed={seed})"] = res.order
     headers = ["order"]
     for p in policies:
         headers += [f"read ({p})", "x compulsory", "hit rate"]
-    results = {p: compare_orders(shape, args.cache, args.sms, p, specs, extra, **machine)
-               for p in policies}
+    with progress(len(policies) * (len(specs) + len(extra)), "simulating orders") as bar:
+        results = {p: _compare(shape, args.cache, args.sms, p, specs, bar, extra, **machine)
+                   for p in policies}
     rows = []
     for i, row in enumerate(results[policies[0]]):
         line = [row.spec]
@@ -179,48 +267,55 @@ def cmd_table(args) -> int:
 
 def cmd_sweep(args) -> int:
     shape = _shape(args)
-    specs = args.orders.split(",") if args.orders else _orders.default_specs(shape.tiles_m,
-                                                                             shape.tiles_n)
+    specs = _specs(args.orders, shape) or _orders.default_specs(shape.tiles_m, shape.tiles_n)
+    if args.min_cache > args.max_cache:
+        raise ValueError(f"--min-cache ({fmt_bytes(args.min_cache)}) must not exceed "
+                         f"--max-cache ({fmt_bytes(args.max_cache)})")
     sizes = []
     size = args.min_cache
     while size <= args.max_cache:
         sizes.append(size)
         size *= 2
-    policy = "lru" if args.policy == "both" else args.policy
-    if args.l2_partitions > 1:
-        args.policy = policy
     machine = _machine_options(args)
     series = {s: [] for s in specs}
-    for c in sizes:
-        for row in compare_orders(shape, c, args.sms, policy, specs, **machine):
-            series[row.spec].append(row.traffic.read_bytes)
+    with progress(len(sizes) * len(specs), "simulating orders") as bar:
+        for c in sizes:
+            for row in _compare(shape, c, args.sms, args.policy, specs, bar, **machine):
+                series[row.spec].append(row.traffic.read_bytes)
     lower = [_bounds.bounds(shape, c).read_lower_bound for c in sizes]
     print(_table(["cache"] + specs + ["lower bound"],
                  [[fmt_bytes(c)] + [fmt_bytes(series[s][i]) for s in specs] +
                   [fmt_bytes(lower[i])] for i, c in enumerate(sizes)]))
     _png(args.png, lambda p: _plots.traffic_vs_cache(
-        p, sizes, series, lower, f"{shape.M}x{shape.N}x{shape.K}, {args.sms} SMs ({policy})"))
+        p, sizes, series, lower,
+        f"{shape.M}x{shape.N}x{shape.K}, {args.sms} SMs ({args.policy})"))
     return 0
 
 
 def cmd_search(args) -> int:
     shape = _shape(args)
-    policy = "lru" if args.policy == "both" else args.policy
     grid = (shape.tiles_m, shape.tiles_n)
     panels = {}
     if shape.num_tiles <= _search.MAX_EXHAUSTIVE_TILES and not args.anneal:
-        if policy != "lru":
+        for option in ("--iterations", "--seed", "--search-block-k"):
+            _unused(args, option, f"to annealing (add --anneal; grids of at most "
+                                  f"{_search.MAX_EXHAUSTIVE_TILES} tiles are searched "
+                                  f"exhaustively)")
+        if args.policy != "lru":
             print("note: exhaustive search prunes with LRU states; searching under LRU",
                   file=sys.stderr)
-        r = _search.exhaustive(shape, args.cache, args.sms)
+        with progress(None, f"exhaustive search of a {grid[0]}x{grid[1]} grid"):
+            r = _search.exhaustive(shape, args.cache, args.sms)
         print(f"exhaustive over a {grid[0]}x{grid[1]} grid: {r.explored} nodes explored, "
               f"{r.complete} complete orders reached, of {r.total_orders} without pruning")
         print(f"best : {fmt_bytes(r.best_read_bytes)} read  {r.best_order}")
         print(f"worst: {fmt_bytes(r.worst_read_bytes)} read  {r.worst_order}")
         panels = {"best": r.best_order, "worst": r.worst_order}
     else:
-        r = _search.anneal(shape, args.cache, args.sms, policy, iterations=args.iterations,
-                           seed=args.seed, block_k=args.search_block_k)
+        iterations = args.iterations or ANNEAL_ITERATIONS
+        with progress(None, f"annealing ({iterations} iterations)"):
+            r = _search.anneal(shape, args.cache, args.sms, args.policy, iterations=iterations,
+                               seed=args.seed or 0, block_k=args.search_block_k)
         full = f" ({fmt_bytes(r.full_read_bytes)} at block_k={shape.block_k})" \
             if r.full_read_bytes is not None else ""
         print(f"anneal (seed {r.seed}, {r.iterations} iterations, {r.accepted} accepted): "
@@ -236,6 +331,9 @@ def cmd_search(args) -> int:
 
 def cmd_waves(args) -> int:
     step = args.n_step or args.block_n
+    if args.n_max < step:
+        raise ValueError(f"--n-max ({args.n_max}) must be at least the N step ({step}: "
+                         f"--n-step, or --block-n when no --n-step is given)")
     points = _waves.stair_steps(args.M, range(step, args.n_max + 1, step), args.block_m,
                                 args.block_n, args.sms, args.tiles_per_sm)
     print(_table(["N", "tiles", "waves", "last wave", "time", "ideal"],
@@ -248,81 +346,121 @@ def cmd_waves(args) -> int:
     return 0
 
 
+def _chain_policies(text: str) -> list[str]:
+    policies = [p.strip() for p in text.split(",")]
+    probe = _chain.FfnShape(1, 64, 64, block_n=64, block_k=64)
+    for p in policies:
+        try:
+            _chain.chain_jobs(probe, p)
+        except ValueError as e:
+            raise ValueError(f"--policies: {e}") from None
+    return policies
+
+
 def cmd_chain(args) -> int:
     s = _chain.FfnShape(args.M, args.hidden, args.intermediate, args.block_m, args.block_n,
                         args.block_k, args.elem_bytes, gated=not args.ungated)
-    policy = "lru" if args.policy == "both" else args.policy
+    policies = _chain_policies(args.policies)
     print(f"FFN M={s.M} hidden={s.hidden} intermediate={s.intermediate}: GEMM0 "
           f"{s.row_blocks}x{s.tiles_n0} tiles, GEMM1 {s.row_blocks}x{s.tiles_n1}; {args.sms} SMs, "
-          f"cache {fmt_bytes(args.cache)}")
+          f"cache {fmt_bytes(args.cache)}", flush=True)
     rows = []
-    for deps in ("rowblock", "tile"):
-        for r in _chain.compare_policies(s, args.cache, args.sms, deps, args.policies.split(","),
-                                         policy):
-            if r.deadlocked:
-                rows.append([r.policy, deps, "deadlock", "", "", "", ""])
-                continue
-            t = r.traffic
-            rows.append([r.policy, deps, fmt_bytes(t.read_bytes), fmt_bytes(t.write_bytes),
-                         f"{t.hit_rate:.3f}", t.makespan, f"{t.utilization:.0%}"])
+    with progress(2 * len(policies), "simulating policies") as bar:
+        for deps in ("rowblock", "tile"):
+            for policy in policies:
+                r, = _chain.compare_policies(s, args.cache, args.sms, deps, [policy],
+                                             args.policy)
+                bar.update()
+                if r.deadlocked:
+                    rows.append([r.policy, deps, "deadlock", "", "", "", ""])
+                    continue
+                t = r.traffic
+                rows.append([r.policy, deps, fmt_bytes(t.read_bytes), fmt_bytes(t.write_bytes),
+                             f"{t.hit_rate:.3f}", t.makespan, f"{t.utilization:.0%}"])
     print(_table(["policy", "deps", "read", "write", "hit rate", "time (K-steps)",
                   "SM busy"], rows))
     return 0
 
 
+def _run(args) -> int:
+    """Bad values the options' types cannot see alone (combinations, order names, shapes the
+    model refuses) end as argparse errors: usage, one line, exit status 2."""
+    try:
+        return args.command(args)
+    except ValueError as e:
+        args.parser.error(str(e))
+
+
+def _sub(sub, name, command, help, description):
+    p = sub.add_parser(name, help=help, description=description, formatter_class=_Formatter)
+    p.set_defaults(func=_run, command=command, parser=p)
+    return p
+
+
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("dataflow", help="tile-order / cache-traffic model",
-                              description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="dataflow_command", required=True)
+    p = subparsers.add_parser(
+        "dataflow", help="tile-order / cache-traffic model: tables, sweeps, searches, plots",
+        description=__doc__, formatter_class=_Formatter)
+    sub = p.add_subparsers(dest="dataflow_command", required=True, metavar="COMMAND")
 
-    t = sub.add_parser("table", help="named orders and their DRAM traffic")
+    t = _sub(sub, "table", cmd_table, "named orders and their DRAM traffic",
+             "DRAM traffic of named tile orders (and an annealed one) for one GEMM.")
     _add_shape(t)
-    _add_machine(t, partitions=True)
-    t.add_argument("--orders", help="comma-separated specs, e.g. row_major,grouped_m:8")
-    t.add_argument("--anneal", type=int, default=0, metavar="ITERS",
-                   help="add an annealed order found in ITERS iterations")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--search-block-k", type=int, default=None,
-                   help="coarser K-step for the annealing's evaluations")
+    _add_machine(t, partitions=True, both=True)
+    t.add_argument("--orders", help="comma-separated specs, e.g. row_major,grouped_m:8 "
+                                    "(default: the named orders that fit the grid)")
+    t.add_argument("--anneal", type=_non_negative, default=0, metavar="ITERS",
+                   help="add an annealed order found in ITERS iterations (0: none)")
+    t.add_argument("--seed", type=int, default=None, help="annealing seed (default 0)")
+    t.add_argument("--search-block-k", type=_positive, default=None,
+                   help="coarser K-step for the annealing's evaluations (default: --block-k)")
     t.add_argument("--png", help="write heat maps of the orders to this PNG")
-    t.set_defaults(func=cmd_table)
 
-    s = sub.add_parser("sweep", help="traffic vs cache size")
+    s = _sub(sub, "sweep", cmd_sweep, "traffic vs cache size",
+             "DRAM traffic of tile orders as the cache doubles from --min-cache to --max-cache.")
     _add_shape(s)
     _add_machine(s, partitions=True)
-    s.add_argument("--orders")
-    s.add_argument("--min-cache", type=parse_size, default=parse_size("1M"))
-    s.add_argument("--max-cache", type=parse_size, default=parse_size("128M"))
-    s.add_argument("--png")
-    s.set_defaults(func=cmd_sweep)
+    s.add_argument("--orders", help="comma-separated specs (default: the named orders that fit "
+                                    "the grid)")
+    s.add_argument("--min-cache", type=_positive_size, default="1MiB", help="smallest cache")
+    s.add_argument("--max-cache", type=_positive_size, default="128MiB", help="largest cache")
+    s.add_argument("--png", help="write traffic against cache size to this PNG")
 
-    q = sub.add_parser("search", help="best order: exhaustive (<= 16 tiles) or annealing")
+    q = _sub(sub, "search", cmd_search, "best order: exhaustive (<= 16 tiles) or annealing",
+             f"The best tile order: proven by exhaustive search on grids of at most "
+             f"{_search.MAX_EXHAUSTIVE_TILES} tiles (LRU), found by simulated annealing on "
+             f"larger grids or with --anneal.")
     _add_shape(q, 512, 512, 512)
     _add_machine(q)
     q.add_argument("--anneal", action="store_true", help="anneal even on a small grid")
-    q.add_argument("--iterations", type=int, default=2000)
-    q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--search-block-k", type=int, default=None)
-    q.add_argument("--png")
-    q.set_defaults(func=cmd_search)
+    q.add_argument("--iterations", type=_positive, default=None,
+                   help=f"annealing iterations (default {ANNEAL_ITERATIONS})")
+    q.add_argument("--seed", type=int, default=None, help="annealing seed (default 0)")
+    q.add_argument("--search-block-k", type=_positive, default=None,
+                   help="coarser K-step for the annealing's evaluations (default: --block-k)")
+    q.add_argument("--png", help="write heat maps of the orders found to this PNG")
 
-    w = sub.add_parser("waves", help="waves, last-wave utilization, stair-step latency")
-    w.add_argument("--M", type=int, default=4096)
-    w.add_argument("--n-max", type=int, default=16384)
-    w.add_argument("--n-step", type=int, default=None, help="default: block_n")
-    w.add_argument("--block-m", type=int, default=128)
-    w.add_argument("--block-n", type=int, default=128)
-    w.add_argument("--tiles-per-sm", type=int, default=1)
+    w = _sub(sub, "waves", cmd_waves, "waves, last-wave utilization, stair-step latency",
+             "Waves, last-wave utilization and the stair-step latency of an MxN GEMM as N "
+             "grows.")
+    w.add_argument("--M", type=_positive, default=4096, help="rows of the output")
+    w.add_argument("--n-max", type=_positive, default=16384, help="largest N")
+    w.add_argument("--n-step", type=_positive, default=None,
+                   help="step of N (default: --block-n)")
+    w.add_argument("--block-m", type=_positive, default=128, help="tile rows")
+    w.add_argument("--block-n", type=_positive, default=128, help="tile columns")
+    w.add_argument("--tiles-per-sm", type=_positive, default=1, help="resident tiles per SM")
     _add_machine(w, cache=False)
-    w.add_argument("--png")
-    w.set_defaults(func=cmd_waves)
+    w.add_argument("--png", help="write the stair-step curve to this PNG")
 
-    c = sub.add_parser("chain", help="GEMM0 -> GEMM1 (fused FFN) scheduling policies")
-    c.add_argument("--M", type=int, default=4096)
-    c.add_argument("--hidden", type=int, default=4096)
-    c.add_argument("--intermediate", type=int, default=14336)
+    c = _sub(sub, "chain", cmd_chain, "GEMM0 -> GEMM1 (fused FFN) scheduling policies",
+             "Traffic and time of the fused FFN's two GEMMs under each issue policy and "
+             "dependency kind.")
+    c.add_argument("--M", type=_positive, default=4096, help="tokens")
+    c.add_argument("--hidden", type=_positive, default=4096, help="model width")
+    c.add_argument("--intermediate", type=_positive, default=14336, help="FFN width")
     c.add_argument("--ungated", action="store_true", help="W_gate_up is one matrix, not two")
-    c.add_argument("--policies", default="sequential,rowblock,halfrow,multirow:2")
+    c.add_argument("--policies", default="sequential,rowblock,halfrow,multirow:2",
+                   help="comma-separated issue policies (multirow:R for R row-blocks)")
     _add_tiles(c)
     _add_machine(c)
-    c.set_defaults(func=cmd_chain)

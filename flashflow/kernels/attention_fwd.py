@@ -32,20 +32,19 @@ combines the pieces (the flash-decoding merge).
 Cost per (batch, head): FLOPs = 4·Sq·Sk·d (halved for causal), bytes ≥ 2·(2·Sq + 2·Sk)·d (bf16),
 so at Sq = Sk = 4096, d = 128 the arithmetic intensity is ~1000 FLOP/B: matrix-unit bound.
 
-Scores are kept in the base-2 domain (pre-multiplied by ``softmax_scale·log2(e)``) so that the
-exponentials are ``exp2``; the log-sum-exp is converted back to natural log in the epilogue.
+Scores are kept in the base-2 domain (:mod:`flashflow.kernels.softmax`); which keys a row sees
+is :mod:`flashflow.kernels.mask`'s rule.
+
+``DOT_FP32`` (the launcher sets it only for bf16 under Triton's interpreter, whose bf16 ``tl.dot``
+is wrong): the tiles are converted to fp32 after loading, so both dots run in fp32. On a GPU it
+is off and compiles to nothing.
 """
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _tanh(x):
-    # tanh through exp2 so that the interpreter and every GPU generation share one code path.
-    e = tl.math.exp2(x * 2.8853900817779268)  # exp(2x)
-    return 1.0 - 2.0 / (e + 1.0)
+from flashflow.kernels.mask import key_allowed, key_blocks, rows_mask
+from flashflow.kernels.softmax import (LOG2E_C, log_sum_exp, merge_partials, normalize, online_softmax,
+                                       online_softmax_scaled, softcap_scores)
 
 
 @triton.jit
@@ -55,26 +54,21 @@ def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, se
     """log2(e)·(softcap(q·kᵀ·scale) + bias), -inf outside the sequence, the window and the diagonal."""
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
-        # softcap·tanh(qk·scale/softcap); the launcher passes scale/softcap as qk_scale_log2 here
-        s = _tanh(s * qk_scale_log2) * (softcap * 1.4426950408889634)
+        s = softcap_scores(s, qk_scale_log2, softcap)
     else:
         s = s * qk_scale_log2
     if HAS_BIAS:
         b = tl.load(bias_ptrs, mask=offs_n[None, :] < seqlen_k, other=0.0).to(tl.float32)
-        s += b * 1.4426950408889634
-    allowed = offs_n[None, :] < seqlen_k
-    diag = offs_m[:, None] + diag_offset
-    if HAS_RIGHT:
-        allowed &= offs_n[None, :] <= diag + window_right
-    if HAS_LEFT:
-        allowed &= offs_n[None, :] >= diag - window_left
+        s += b * LOG2E_C
+    allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n, offs_m[:, None] + diag_offset, window_left,
+                          window_right, HAS_LEFT, HAS_RIGHT)
     return tl.where(allowed, s, float("-inf"))
 
 
 @triton.jit
 def _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, stride_vn, seqlen_k,
              HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, MASKED: tl.constexpr,
-             LOAD_MODE: tl.constexpr):
+             LOAD_MODE: tl.constexpr, DOT_FP32: tl.constexpr):
     if LOAD_MODE == 2:
         k = KD.load([k_row0 + start_n, k_col0])
         v = VD.load([k_row0 + start_n, k_col0])
@@ -85,12 +79,15 @@ def _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, s
         k_ptrs = K + offs_n[:, None] * stride_kn + offs_d[None, :]
         v_ptrs = V + offs_n[:, None] * stride_vn + offs_d[None, :]
         if MASKED or HEAD_DIM != HEAD_DIM_PAD:
-            kv_mask = (offs_n[:, None] < seqlen_k) & (offs_d[None, :] < HEAD_DIM)
+            kv_mask = rows_mask(offs_n, seqlen_k, offs_d, HEAD_DIM)
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     return k, v
 
 
@@ -101,7 +98,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
              MASKED: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
-             HAS_RIGHT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+             HAS_RIGHT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr):
     """Fold key blocks [lo, hi) into (acc, l, m). ``MASKED=False`` is the hot loop: no masks,
     scale folded into one FMA with the max subtraction."""
     offs_nb = tl.arange(0, BLOCK_N)
@@ -109,7 +106,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
         start_n = tl.multiple_of(start_n, BLOCK_N)
         offs_n = start_n + offs_nb
         k, v = _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, stride_vn,
-                        seqlen_k, HEAD_DIM, HEAD_DIM_PAD, MASKED, LOAD_MODE)
+                        seqlen_k, HEAD_DIM, HEAD_DIM_PAD, MASKED, LOAD_MODE, DOT_FP32)
         if MASKED or HAS_SOFTCAP:
             if MASKED:
                 s = _masked_scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n,
@@ -117,22 +114,13 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
                                    window_right, DOT_PRECISION, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT,
                                    HAS_RIGHT)
             else:
-                s = tl.dot(q, k.T, input_precision=DOT_PRECISION)
-                s = _tanh(s * qk_scale_log2) * (softcap * 1.4426950408889634)
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            # rows that have seen only masked keys keep m = -inf: shift by 0 so exp2 gives 0, not NaN
-            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(s - m_shift[:, None])
-            alpha = tl.math.exp2(m_i - m_shift)
+                s = softcap_scores(tl.dot(q, k.T, input_precision=DOT_PRECISION), qk_scale_log2, softcap)
+            p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
         else:
             qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
-            p = tl.math.exp2(qk * qk_scale_log2 - m_new[:, None])  # one FMA per score
-            alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, l_i, m_i = online_softmax_scaled(qk, m_i, l_i, qk_scale_log2)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
     return acc, l_i, m_i
 
 
@@ -153,7 +141,7 @@ def attention_fwd_kernel(
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, RETURN_LSE: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr, TAIL_SPLITS: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, TAIL_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr = False,
 ):
     """1-D grid over tiles, m-block fastest, then head, then batch (programs that run together
     share K/V in L2). Tiles ``>= num_full`` are cut into ``TAIL_SPLITS`` key-range pieces.
@@ -213,8 +201,10 @@ def attention_fwd_kernel(
     else:
         kd = KD
         vd = VD
-        q_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        q_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
         q = tl.load(q_base + offs_m[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
 
     if HAS_BIAS:
         bias_ptrs = (BIAS + batch.to(tl.int64) * stride_bb + head.to(tl.int64) * stride_bh
@@ -226,22 +216,8 @@ def attention_fwd_kernel(
     # Key range of this query block (see the module docstring for the three loops).
     diag_offset = seqlen_k - seqlen_q
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
-    full_lo = 0
-    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
-    if HAS_LEFT:
-        lo = tl.maximum(m_start + diag_offset - window_left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
-        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
-    if HAS_RIGHT:
-        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
-        right_edge = tl.minimum(m_start + diag_offset + window_right + 1, seqlen_k)
-        full_hi = (tl.maximum(right_edge, 0) // BLOCK_N) * BLOCK_N
-    if HAS_BIAS:
-        # an arbitrary mask can cut anywhere: every tile takes the masked path
-        full_lo = hi
+    lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right,
+                                          BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS)
     if TAIL_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), TAIL_SPLITS) * BLOCK_N
         lo = tl.where(is_piece, tl.maximum(lo, split * chunk), lo)
@@ -257,17 +233,18 @@ def attention_fwd_kernel(
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False)
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE)
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE,
+                             DOT_FP32)
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False)
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
 
     if TAIL_SPLITS > 1:
         if is_piece:
@@ -279,12 +256,9 @@ def attention_fwd_kernel(
             tl.store(WS_ML + piece.to(tl.int64) * (2 * BLOCK_M) + BLOCK_M + offs_r, l_i)
             return
 
-    # Epilogue: normalise; rows with no allowed key (l = 0) give 0 and lse = -inf.
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = (acc / l_safe[:, None]).to(O.dtype.element_ty)
+    out = normalize(acc, l_i).to(O.dtype.element_ty)
     if RETURN_LSE:
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = log_sum_exp(m_i, l_i)
         l_ptrs = (LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
                   + (q_start + offs_m).to(tl.int64) * stride_ls)
         tl.store(l_ptrs, lse, mask=offs_m < seqlen_q)
@@ -295,7 +269,7 @@ def attention_fwd_kernel(
     elif LOAD_MODE == 2 and m_start + BLOCK_M <= seqlen_q:
         OD.store([batch * o_row_b + head * o_row_h + m_start, head * o_col_h], out)
     else:
-        o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
+        o_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
         tl.store(o_base + offs_m[:, None] * stride_os + offs_d[None, :], out, mask=o_mask)
 
 
@@ -319,27 +293,14 @@ def attention_merge_kernel(
     batch = tile // (num_m_blocks * heads)
     offs_r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m_tot = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(SPLITS):
-        m_tot = tl.maximum(m_tot, tl.load(WS_ML + (t * SPLITS + j) * (2 * BLOCK_M) + offs_r))
-    m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-    l_tot = tl.zeros([MERGE_ROWS], dtype=tl.float32)
-    acc = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    for j in tl.static_range(SPLITS):
-        piece = t * SPLITS + j
-        w = tl.math.exp2(tl.load(WS_ML + piece * (2 * BLOCK_M) + offs_r) - m_shift)
-        l_tot += w * tl.load(WS_ML + piece * (2 * BLOCK_M) + BLOCK_M + offs_r)
-        a = tl.load(WS_ACC + piece.to(tl.int64) * (BLOCK_M * HEAD_DIM_PAD)
-                    + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :])
-        acc += w[:, None] * a
-    empty = l_tot == 0.0
-    l_safe = tl.where(empty, 1.0, l_tot)
+    acc, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, t * SPLITS, offs_r, offs_d, offs_r, BLOCK_M, HEAD_DIM_PAD,
+                                       SPLITS, False, "")
     offs_m = pid_m * BLOCK_M + offs_r
     o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
-    o_mask = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(o_ptrs, (acc / l_safe[:, None]).to(O.dtype.element_ty), mask=o_mask)
+    o_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
+    tl.store(o_ptrs, normalize(acc, l_tot).to(O.dtype.element_ty), mask=o_mask)
     if RETURN_LSE:
-        lse = tl.where(empty, float("-inf"), (m_tot + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = log_sum_exp(m_tot, l_tot)
         tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh
                  + offs_m.to(tl.int64) * stride_ls, lse, mask=offs_m < seqlen_q)

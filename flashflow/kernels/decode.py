@@ -35,10 +35,17 @@ through ``block_table``; 2 FasterTransformer: K ``(b, hk, d/x, s, x)``, V ``(b, 
 
 Bytes: every program reads its K/V slice once: ``2 · batch · kv_heads · seqlen · d · 2`` bytes
 in bf16, the floor of the whole op; FLOPs (4 · heads · seqlen · d per token) are negligible.
+
+The softmax, its merge and the key mask are the prefill kernel's (:mod:`flashflow.kernels.softmax`,
+:mod:`flashflow.kernels.mask`); ``DOT_FP32`` is as there (bf16 under the interpreter only).
 """
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from flashflow.kernels.mask import key_allowed, window_start
+from flashflow.kernels.softmax import (log_sum_exp, merge_partials, normalize, online_softmax, shift_of,
+                                       softcap_scores)
 
 
 @triton.jit
@@ -82,20 +89,12 @@ def _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softca
             DOT_PRECISION: tl.constexpr):
     s = tl.dot(q, k.T, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
-        s = (1.0 - 2.0 / (tl.math.exp2(s * qk_scale_log2 * 2.8853900817779268) + 1.0)) * (softcap * 1.4426950408889634)
+        s = softcap_scores(s, qk_scale_log2, softcap)
     else:
         s = s * qk_scale_log2
-    allowed = valid_n[None, :]
-    if HAS_RIGHT:
-        allowed &= offs_n[None, :] <= diag[:, None] + window_right
-    if HAS_LEFT:
-        allowed &= offs_n[None, :] >= diag[:, None] - window_left
+    allowed = key_allowed(valid_n[None, :], offs_n, diag[:, None], window_left, window_right, HAS_LEFT, HAS_RIGHT)
     s = tl.where(allowed, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_shift[:, None])
-    alpha = tl.math.exp2(m_i - m_shift)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, l_i, m_new = online_softmax(s, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
@@ -103,14 +102,12 @@ def _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softca
 @triton.jit
 def _store_rows(O, LSE, acc, l_i, m_i, b, row_head, row_tok, row_valid, offs_d, soq_b, soq_s, soq_h,
                 sl_b, sl_h, sl_s, HEAD_DIM: tl.constexpr, RETURN_LSE: tl.constexpr):
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc / l_safe[:, None]
+    out = normalize(acc, l_i)
     o_ptrs = (O + b.to(tl.int64) * soq_b + row_tok[:, None] * soq_s + row_head[:, None] * soq_h
               + offs_d[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=row_valid[:, None] & (offs_d[None, :] < HEAD_DIM))
     if RETURN_LSE:
-        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        lse = log_sum_exp(m_i, l_i)
         tl.store(LSE + b.to(tl.int64) * sl_b + row_head * sl_h + row_tok * sl_s, lse, mask=row_valid)
 
 
@@ -152,7 +149,7 @@ def _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, 
                        + offs_r[None, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
                        mask=rs_mask[:, :, None], other=0.0, cache_modifier=".cg")
         m_new = tl.maximum(m_tot, tl.max(m_c, 0))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        m_shift = shift_of(m_new)
         alpha = tl.math.exp2(m_tot - m_shift)
         w = tl.math.exp2(m_c - m_shift[None, :])
         l_tot = l_tot * alpha + tl.sum(w * l_c, 0)
@@ -175,7 +172,7 @@ def decode_attention_kernel(
     HAS_NEW: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
-    MERGE_CHUNK: tl.constexpr = 1,
+    MERGE_CHUNK: tl.constexpr = 1, DOT_FP32: tl.constexpr = False,
 ):
     if PDL:
         # launched programmatically dependent (sm90+): this grid may start while the previous
@@ -199,13 +196,14 @@ def decode_attention_kernel(
     d_valid = offs_d < HEAD_DIM
     q = tl.load(Q + b.to(tl.int64) * sq_b + row_tok[:, None] * sq_s + row_head[:, None] * sq_h + offs_d[None, :],
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
     diag = total - seqlen_q + row_tok        # last key each row may see (causal, bottom-right)
 
     # this program's slice of the cached keys
     lo = 0
     if HAS_LEFT:
-        lo = tl.maximum(total - seqlen_q - window_left, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
+        lo = window_start(total - seqlen_q, window_left, BLOCK_N)
     n_blocks = tl.cdiv(tl.maximum(cache_len - lo, 0), BLOCK_N)
     per_split = tl.cdiv(n_blocks, NUM_SPLITS)
     start = lo + split * per_split * BLOCK_N
@@ -233,6 +231,9 @@ def decode_attention_kernel(
         kv_mask = valid_n[:, None] & d_valid[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap,
                                 window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
     if PDL:
@@ -251,6 +252,9 @@ def decode_attention_kernel(
                          mask=new_mask, other=0.0)
             vn = tl.load(VNEW + b.to(tl.int64) * svn_b + offs_j[:, None] * svn_s + kvh * svn_h + offs_d[None, :],
                          mask=new_mask, other=0.0)
+            if DOT_FP32:
+                kn = kn.to(tl.float32)
+                vn = vn.to(tl.float32)
             pos = cache_len + offs_j
             acc, l_i, m_i = _attend(acc, l_i, m_i, q, kn, vn, pos, valid_j, diag, qk_scale_log2, softcap,
                                     window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
@@ -281,22 +285,8 @@ def decode_attention_kernel(
                             sl_b, sl_h, sl_s, HEAD_DIM, HEAD_DIM_PAD, BLOCK_R, NUM_SPLITS, MERGE_ROWS,
                             MERGE_CHUNK, RETURN_LSE)
             else:
-                m_tot = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
-                # unrolled: the partials' loads are independent and issue back to back
-                for j in tl.static_range(NUM_SPLITS):
-                    m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r,
-                                                      mask=row_valid, other=float("-inf"), cache_modifier=".cg"))
-                m_shift = tl.where(m_tot == float("-inf"), 0.0, m_tot)
-                l_tot = tl.zeros([BLOCK_R], dtype=tl.float32)
-                acc_tot = tl.zeros([BLOCK_R, HEAD_DIM_PAD], dtype=tl.float32)
-                for j in tl.static_range(NUM_SPLITS):
-                    w = tl.math.exp2(tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + offs_r, mask=row_valid,
-                                             other=float("-inf"), cache_modifier=".cg") - m_shift)
-                    l_tot += w * tl.load(WS_ML + (first + j) * (2 * BLOCK_R) + BLOCK_R + offs_r, mask=row_valid,
-                                         other=0.0, cache_modifier=".cg")
-                    acc_tot += w[:, None] * tl.load(WS_ACC + (first + j) * (BLOCK_R * HEAD_DIM_PAD)
-                                                    + offs_r[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                                                    mask=row_valid[:, None], other=0.0, cache_modifier=".cg")
+                acc_tot, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, first, offs_r, offs_d, row_valid, BLOCK_R,
+                                                       HEAD_DIM_PAD, NUM_SPLITS, True, ".cg")
                 _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
                             so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
             tl.atomic_xchg(COUNTERS + bh, 0)  # ready for the next launch / graph replay
@@ -321,7 +311,7 @@ def merge_states_kernel(OA, LA, OB, LB, O, L, n_rows, heads, seqlen,
     la = tl.load(LA + bi * sla_b + h * sla_h + si * sla_s, mask=valid, other=float("-inf"))
     lb = tl.load(LB + bi * slb_b + h * slb_h + si * slb_s, mask=valid, other=float("-inf"))
     m = tl.maximum(la, lb)
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    m_shift = shift_of(m)
     wa = tl.exp(la - m_shift)
     wb = tl.exp(lb - m_shift)
     tot = wa + wb

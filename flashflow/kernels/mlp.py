@@ -5,12 +5,13 @@ Notation: M tokens, ``hidden`` (GEMM0's K, GEMM1's N), ``inter`` (GEMM0's N, GEM
 element size. Weight bytes W = (2 if gated else 1)·inter·hidden·e + hidden·inter·e (Llama-3-8B:
 352 MB); FLOPs 2·M·W/e.
 
-Two regimes (the op module picks; see :mod:`flashflow.ops.mlp`): decode, M ≤ 64, lives in
-:mod:`flashflow.kernels.ffn` (weights stream once, the intermediate stays on chip). This module
-holds the prefill regime: ``mlp_persistent_kernel`` runs GEMM0 and GEMM1 as ticketed tiles of
-one persistent launch, ordered by a policy, synchronised by per-row-block counters. Its tiles
-load their operands either through host-built TMA descriptors (USE_TMA, sm90+) or through
-masked pointer loads (older GPUs, fp32, unaligned strides, and the interpreter's tests).
+Two regimes (:mod:`flashflow.ops.mlp` picks): decode, M ≤ 64, lives in
+:mod:`flashflow.kernels.mlp_splitk` (weights stream once, the intermediate stays on chip). This
+module holds the prefill regime: ``mlp_persistent_kernel`` runs GEMM0 and GEMM1 as ticketed
+tiles of one persistent launch, in an order of :mod:`flashflow.kernels.tile_order`,
+synchronised by per-row-block counters, and the producer/consumer words both regimes share.
+Its tiles load their operands either through host-built TMA descriptors (USE_TMA, sm90+) or
+through masked pointer loads (older GPUs, fp32, unaligned strides, and the interpreter's tests).
 
 Baselines for the bench share the tile code: ``mlp_gemm0_kernel`` / ``mlp_gemm1_kernel`` (two
 kernels in sequence, or a CuSync-style producer/consumer pair on two streams with flags).
@@ -54,13 +55,16 @@ argument is needed (an epoch passed as an argument would be frozen into a captur
 import triton
 import triton.language as tl
 
-# SYNC layout (keep in step with flashflow.ops.mlp)
+from flashflow.kernels.tile_order import _HALFROW, _SEQSPLIT, grouped_tile, ticket_to_tile
+
+# activations the kernels compute (`_act`'s codes; SwiGLU's gate is SiLU)
+ACTIVATIONS = ("swiglu", "gelu", "silu", "relu")
+ACTIVATION_CODE = {"swiglu": 0, "silu": 0, "gelu": 1, "relu": 2}
+
+# SYNC layout (the launchers size and offset the buffer with these)
 SYNC_TICKET, SYNC_DONE, SYNC_ERR, SYNC_FENCE = 0, 1, 2, 8
 MAX_THREADS = 1024
 CNT_OFF = SYNC_FENCE + 2 * MAX_THREADS
-
-# ticket policies (constexpr codes); "rowblock" is multirow with one row per group
-SEQUENTIAL, MULTIROW, HALFROW, SEQSPLIT = 0, 1, 2, 3
 
 # the same numbers as compile-time constants for the @triton.jit code
 _TICKET = tl.constexpr(SYNC_TICKET)
@@ -68,10 +72,6 @@ _DONE = tl.constexpr(SYNC_DONE)
 _ERR = tl.constexpr(SYNC_ERR)
 _FENCE = tl.constexpr(SYNC_FENCE)
 _CNT_OFF = tl.constexpr(CNT_OFF)
-_SEQUENTIAL = tl.constexpr(SEQUENTIAL)
-_MULTIROW = tl.constexpr(MULTIROW)
-_HALFROW = tl.constexpr(HALFROW)
-_SEQSPLIT = tl.constexpr(SEQSPLIT)
 
 
 # ------------------------------------------------------------------------------------------
@@ -130,89 +130,6 @@ def _proxy_fence():
     proxies without it, and the producers stored H with ordinary stores."""
     tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
                               is_pure=False, pack=1)
-
-
-@triton.jit
-def _grouped_tile(t, tiles_m, tiles_n, group_rows):
-    """Tile ``t`` of a (tiles_m × tiles_n) grid walked in groups of ``group_rows`` row-blocks,
-    column-major inside a group: consecutive tiles share a weight column (L2 reuse) and rows of
-    one group finish together."""
-    g = t // (group_rows * tiles_n)
-    rows_g = tl.minimum(group_rows, tiles_m - g * group_rows)
-    local = t - g * group_rows * tiles_n
-    return g * group_rows + local % rows_g, local // rows_g
-
-
-@triton.jit
-def ticket_to_tile(t, tiles_m, n0, n1, group_rows, half, POLICY: tl.constexpr):
-    """Ticket -> (kind, row-block r, column j, part); kind 0 = GEMM0 tile (r, j) of the
-    intermediate, kind 1 = GEMM1 tile (r, j) of the output. Every tile a ticket depends on has a
-    smaller ticket (the op module's ``issue_order`` spells the same orders out in Python).
-
-    * SEQUENTIAL: all GEMM0 tiles, then all GEMM1 tiles; each phase in groups of
-      ``group_rows`` row-blocks, column-major inside a group.
-    * MULTIROW: per group of ``group_rows`` row-blocks, their GEMM0 tiles then their GEMM1
-      tiles, both column-major inside the group (``group_rows`` = 1 is "rowblock").
-    * HALFROW: per row-block, GEMM0 columns [0, half) (part 0); GEMM1 over K-part 0 (the
-      intermediate those columns hold); GEMM0 columns [half, n0) (part 1); GEMM1 over K-part 1,
-      which adds the part-0 partial sums. GEMM1 starts after half a row of GEMM0.
-    * SEQSPLIT: SEQUENTIAL's GEMM0 phase (GEMM0 tile (r, j) counts towards half
-      ``j >= half`` of row-block r), then every GEMM1 tile over K-part 0, then every GEMM1 tile
-      over K-part 1 (adds the part-0 partials), each pass in groups. Part 0 needs only the
-      first GEMM0 columns, which finish a wave or more before the GEMM0 phase ends, so no
-      program idles at the phase change, and the last tiles are half as long (a shorter tail).
-    """
-    if POLICY == _SEQUENTIAL:
-        total0 = tiles_m * n0
-        is_g1 = t >= total0
-        u = tl.where(is_g1, t - total0, t)
-        r, j = _grouped_tile(u, tiles_m, tl.where(is_g1, n1, n0), group_rows)
-        kind = is_g1.to(tl.int32)
-        part = t * 0
-    elif POLICY == _MULTIROW:
-        per_group = group_rows * (n0 + n1)
-        g = t // per_group
-        rows_g = tl.minimum(group_rows, tiles_m - g * group_rows)
-        local = t - g * per_group
-        is_g1 = local >= rows_g * n0
-        u = tl.where(is_g1, local - rows_g * n0, local)
-        r = g * group_rows + u % rows_g
-        j = u // rows_g
-        kind = is_g1.to(tl.int32)
-        part = t * 0
-    elif POLICY == _SEQSPLIT:
-        total0 = tiles_m * n0
-        is_g1 = t >= total0
-        u = tl.where(is_g1, t - total0, t)
-        second = is_g1 & (u >= tiles_m * n1)
-        u = tl.where(second, u - tiles_m * n1, u)
-        r, j = _grouped_tile(u, tiles_m, tl.where(is_g1, n1, n0), group_rows)
-        kind = is_g1.to(tl.int32)
-        part = tl.where(is_g1, second, j >= half).to(tl.int32)
-    else:
-        per = n0 + 2 * n1
-        r = t // per
-        u = t - r * per
-        in_b = (u >= half) & (u < half + n1)     # GEMM1, K-part 0
-        in_c = (u >= half + n1) & (u < n0 + n1)  # GEMM0, columns [half, n0)
-        in_d = u >= n0 + n1                      # GEMM1, K-part 1
-        kind = (in_b | in_d).to(tl.int32)
-        part = (in_c | in_d).to(tl.int32)
-        j = tl.where(in_b, u - half, tl.where(in_c, u - n1, tl.where(in_d, u - n0 - n1, u)))
-    return kind, r, j, part
-
-
-@triton.jit
-def mlp_ticket_map_kernel(OUT, total, tiles_m, n0, n1, group_rows, half, POLICY: tl.constexpr,
-                          BLOCK: tl.constexpr):
-    """Writes ``ticket_to_tile`` of tickets [0, total) as rows (kind, r, j, part) (tests)."""
-    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = t < total
-    kind, r, j, part = ticket_to_tile(tl.minimum(t, total - 1), tiles_m, n0, n1, group_rows, half, POLICY)
-    tl.store(OUT + 4 * t, kind, mask=ok)
-    tl.store(OUT + 4 * t + 1, r, mask=ok)
-    tl.store(OUT + 4 * t + 2, j, mask=ok)
-    tl.store(OUT + 4 * t + 3, part, mask=ok)
 
 
 @triton.jit
@@ -450,7 +367,7 @@ def mlp_gemm0_kernel(
     """GEMM0 + activation alone: one program per tile, grouped order (``group_rows``
     row-blocks, column-major inside). With SIGNAL, each tile also bumps its row-block's counter
     (the producer of the two-stream baseline). Bytes: as GEMM0 in the persistent kernel."""
-    r, j = _grouped_tile(tl.program_id(0), tiles_m, n0, group_rows)
+    r, j = grouped_tile(tl.program_id(0), tiles_m, n0, group_rows)
     _gemm0_tile(X, W1, H, None, None, None, r, j, M, hidden, inter, stride_xm, stride_w1, stride_hm,
                 BLOCK_M, BLOCK_N0, BLOCK_K, GATED, ACTIVATION, DOT_PRECISION, False)
     if SIGNAL:
@@ -475,7 +392,7 @@ def mlp_gemm1_kernel(
         total = tiles_m * n1
         t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
         while t < total:
-            r, c = _grouped_tile(t, tiles_m, n1, group_rows)
+            r, c = grouped_tile(t, tiles_m, n1, group_rows)
             _wait(SYNC, _CNT_OFF + 2 * r, n0, spin_limit, THREADS)
             acc = _gemm1_tile(H, W2, None, None, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
                               BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION, False)
@@ -483,7 +400,7 @@ def mlp_gemm1_kernel(
             t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
         _last_out_resets(SYNC, _CNT_OFF, 2 * tiles_m, THREADS)
     else:
-        r, c = _grouped_tile(tl.program_id(0), tiles_m, n1, group_rows)
+        r, c = grouped_tile(tl.program_id(0), tiles_m, n1, group_rows)
         acc = _gemm1_tile(H, W2, None, None, r, c, 0, inter, M, hidden, stride_hm, stride_w2,
                           BLOCK_M, BLOCK_N1, BLOCK_K, DOT_PRECISION, False)
         _store_tile(OUT, acc, r, c, M, hidden, stride_om, BLOCK_M, BLOCK_N1)

@@ -12,83 +12,19 @@ All three go through one ``torch.library`` custom op, ``flashflow::attention_fwd
 """
 from __future__ import annotations
 
-import functools
-import math
 from typing import Optional
 
 import torch
 import triton
 
-from flashflow.kernels.attention_fwd import LOG2E, attention_fwd_kernel, attention_merge_kernel
-from flashflow.tuning import AttentionConfig, attention_fwd_config, autotune, gpu_family, interpreting, on_gpu
-
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# plain-Python versions: triton.cdiv / next_power_of_2 go through the JIT's call machinery,
-# which costs microseconds of host time on every launch
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
-MAX_HEAD_DIM = 256
-
-# --------------------------------------------------------------------------------------------
-# validation (shape/dtype only: safe under torch.compile tracing)
-# --------------------------------------------------------------------------------------------
-
-
-def _check_tensor(name: str, t, rank: int, form: str) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}")
-    if t.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank} {form}, got shape {tuple(t.shape)}")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
-
-
-def _check_common(q, k, v, head_axis: int) -> None:
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
-    if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if not on_gpu(q.device) and not interpreting():
-        raise ValueError(
-            f"flashflow attention runs on CUDA tensors; got q on {q.device}. "
-            "Move the tensors to the GPU (or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)."
-        )
-    d = q.shape[-1]
-    if k.shape[-1] != d or v.shape[-1] != d:
-        raise ValueError(f"q, k, v must share head_dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
-    if not 1 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
-    heads, kv_heads = q.shape[head_axis], k.shape[head_axis]
-    if v.shape[head_axis] != kv_heads:
-        raise ValueError(f"k and v must have the same number of heads, got {kv_heads} and {v.shape[head_axis]}")
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(
-            f"heads of q ({heads}) must be a multiple of heads of k/v ({kv_heads}) (GQA/MQA)"
-        )
-
-
-def _check_window(window_size) -> tuple[int, int]:
-    try:
-        left, right = (int(w) for w in window_size)
-    except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
-    if left < -1 or right < -1:
-        raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {window_size!r}")
-    return left, right
-
-
-def _check_softcap(softcap) -> float:
-    softcap = float(softcap)
-    if softcap < 0 or not math.isfinite(softcap):
-        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
-    return softcap
-
+from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_sms
+from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
+from flashflow.kernels.softmax import LOG2E
+from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
+from flashflow.ops.validate import (check_no_grad, check_qkv, check_softcap, check_tensor,
+                                    softmax_scale_or_default, window_bounds)
+from flashflow.tuning import autotune
+from flashflow.tuning.attention import AttentionConfig, attention_config
 
 # --------------------------------------------------------------------------------------------
 # launch
@@ -136,16 +72,6 @@ def _rows_view(t: torch.Tensor):
     return None
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
-
-
 def tail_splits(total_tiles: int, num_sms: int, kv_blocks: int, max_splits: int = 16) -> int:
     """How many key-range pieces to cut each tile of the last partial wave into (1 = none).
 
@@ -160,19 +86,9 @@ def tail_splits(total_tiles: int, num_sms: int, kv_blocks: int, max_splits: int 
     return splits if splits >= 2 else 1
 
 
-@functools.lru_cache(maxsize=None)
-def _family(device: torch.device) -> str:
-    return gpu_family(device)
-
-
-@functools.lru_cache(maxsize=None)
-def _config_for(head_dim_pad: int, causal: bool, family: str) -> AttentionConfig:
-    return attention_fwd_config(head_dim_pad, causal, family)
-
-
-def pick_config(q: torch.Tensor, causal: bool) -> AttentionConfig:
-    head_dim_pad = max(16, _next_pow2(q.shape[-1]))
-    return _config_for(head_dim_pad, causal, _family(q.device))
+def pick_config(q: torch.Tensor, causal: bool, bias: bool = False) -> AttentionConfig:
+    """The shipped config for ``q``'s head_dim and GPU (:func:`flashflow.tuning.attention.attention_config`)."""
+    return attention_config(_head_dim_pad(q.shape[-1]), causal, gpu_family(q.device), bias)
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -227,7 +143,7 @@ def _portable_forward(
     ``window_left/right = None`` means unbounded on that side; the diagonal is bottom-right
     aligned. ``bias`` is an additive float score bias broadcastable to ``(b, h, sq, sk)`` as
     a 4-D strided view (stride 0 on broadcast axes); -inf entries mask. ``num_sms`` overrides
-    the SM count used for the tail split (tests use it on the CPU).
+    the SM count used for the tail split (:func:`flashflow.device.num_sms` by default).
     """
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     varlen = cu_seqlens_q is not None
@@ -261,9 +177,9 @@ def _portable_forward(
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
 
-    cfg = config or pick_config(q, causal=window_right is not None)
-    head_dim_pad = max(16, _next_pow2(head_dim))
-    if config is None and autotune.enabled() and q.is_cuda and not torch.cuda.is_current_stream_capturing():
+    cfg = config or pick_config(q, causal=window_right is not None, bias=bias is not None)
+    head_dim_pad = _head_dim_pad(head_dim)
+    if config is None and autotune.enabled() and q.is_cuda and not capturing(q.device):
         key = (torch.cuda.get_device_name(q.device), q.dtype, head_dim_pad, window_left, window_right,
                bias is not None, varlen, autotune.seqlen_bucket(seqlen_q), autotune.seqlen_bucket(seqlen_k))
         kw = dict(bias=bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
@@ -276,10 +192,6 @@ def _portable_forward(
             return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
 
         cfg = autotune.pick(key, autotune.candidates(cfg), time_ms)
-    if bias is not None and config is None and cfg.use_tma:
-        # the fp32 bias tile is pipelined with K and V: shrink the stages to stay in smem
-        cfg = cfg.replace(BLOCK_N=min(cfg.BLOCK_N, 64 if head_dim_pad <= 128 else 32),
-                          num_stages=min(cfg.num_stages, 2), warp_specialize=False)
 
     # load path: host descriptors > device descriptors > pointers
     load_mode = 0
@@ -302,15 +214,14 @@ def _portable_forward(
 
     has_softcap = softcap > 0
     qk_scale_log2 = softmax_scale / softcap if has_softcap else softmax_scale * LOG2E
-    num_m_blocks = _cdiv(seqlen_q, cfg.BLOCK_M)
+    num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
     total = num_m_blocks * heads * batch
     splits = 1
     plain = not (varlen or heavy_first or bias is not None or window_left is not None or window_right is not None)
     if cfg.tail_split and plain:
-        if num_sms is None and q.device.type == "cuda":
-            num_sms = _sm_count(q.device)
-        if num_sms:
-            splits = tail_splits(total, num_sms, _cdiv(seqlen_k, cfg.BLOCK_N))
+        if num_sms is None:
+            num_sms = device_num_sms(q.device)
+        splits = tail_splits(total, num_sms, cdiv(seqlen_k, cfg.BLOCK_N))
     if splits > 1:
         num_full = total - total % num_sms
         n_pieces = (total - num_full) * splits
@@ -340,8 +251,7 @@ def _portable_forward(
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         IS_VARLEN=varlen, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
         HAS_SOFTCAP=has_softcap, HAS_BIAS=bias is not None, RETURN_LSE=return_lse,
-        HEAVY_FIRST=heavy_first, LOAD_MODE=load_mode,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HEAVY_FIRST=heavy_first, LOAD_MODE=load_mode, **dot_options(q.dtype),
         WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
@@ -367,7 +277,7 @@ register_forward_kernel("triton-portable", lambda q, k, v, **kw: True, _portable
 
 def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q, max_seqlen_k):
     """Value checks need the numbers on the host; skipped while a CUDA graph is being captured."""
-    if cu_seqlens_q.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(cu_seqlens_q.device):
         return
     for name, cu, total, max_len in (("cu_seqlens_q", cu_seqlens_q, total_q, max_seqlen_q),
                                      ("cu_seqlens_k", cu_seqlens_k, total_k, max_seqlen_k)):
@@ -427,9 +337,8 @@ def _attention_fwd(*args):
 
 
 def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
-    left, right = _check_window(window_size)
-    if causal:
-        right = 0
+    """The custom op's window arguments: (has_left, left, has_right, right)."""
+    left, right = window_bounds(causal, window_size)
     return left >= 0, max(left, 0), right >= 0, max(right, 0)
 
 
@@ -456,16 +365,17 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         (and lse = -inf).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 4, "(batch, seqlen, heads, head_dim)")
-    _check_common(q, k, v, head_axis=2)
+        check_tensor(name, t, 4, "(batch, seqlen, heads, head_dim)")
+    check_no_grad("flash_attn_func", q=q, k=k, v=v)
+    check_qkv(q, k, v, head_axis=2)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k, v must share batch, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must share seqlen_k, got {k.shape[1]} and {v.shape[1]}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out, lse = _attention_fwd(q, k, v, None, None, None, 0, 0, scale,
-                                 *_window_args(causal, window_size), _check_softcap(softcap),
-                                 bool(return_lse), bool(causal))
+                              *_window_args(causal, window_size), check_softcap(softcap),
+                              bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
 
 
@@ -479,8 +389,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out ``(total_q, heads, head_dim)`` and, with ``return_lse``, lse ``(heads, total_q)``.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
-    _check_common(q, k, v, head_axis=1)
+        check_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
+    check_no_grad("flash_attn_varlen_func", q=q, k=k, v=v)
+    check_qkv(q, k, v, head_axis=1)
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must share total_k, got {k.shape[0]} and {v.shape[0]}")
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
@@ -496,11 +407,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError(f"max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}, {max_seqlen_k}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     out, lse = _attention_fwd(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                                 int(max_seqlen_q), int(max_seqlen_k), scale,
-                                 *_window_args(causal, window_size), _check_softcap(softcap),
-                                 bool(return_lse), bool(causal))
+                              int(max_seqlen_q), int(max_seqlen_k), scale,
+                              *_window_args(causal, window_size), check_softcap(softcap),
+                              bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
 
 
@@ -522,12 +433,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             attn_mask = attn_mask[None]
         squeeze = True
     for name, t in (("query", query), ("key", key), ("value", value)):
-        _check_tensor(name, t, 4, "(batch, heads, seqlen, head_dim)")
+        check_tensor(name, t, 4, "(batch, heads, seqlen, head_dim)")
+    check_no_grad("scaled_dot_product_attention", query=query, key=key, value=value, attn_mask=attn_mask)
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    _check_common(q, k, v, head_axis=2)
+    check_qkv(q, k, v, head_axis=2)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"query, key, value must share batch, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
     if k.shape[1] != v.shape[1]:
@@ -557,7 +469,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             bias = expanded
         else:
             raise TypeError(f"attn_mask must be bool or floating point, got {attn_mask.dtype}")
-    softmax_scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    softmax_scale = softmax_scale_or_default(scale, head_dim, name="scale")
     # PyTorch's causal mask keeps j <= i (top-left); the kernel's diagonal is bottom-right,
     # i.e. j <= i + (seqlen_k - seqlen_q) + right, so shift the right edge back.
     has_right = bool(is_causal)

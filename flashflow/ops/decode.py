@@ -9,26 +9,26 @@
 """
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from flashflow.device import capturing, cdiv, gpu_family, next_pow2, num_sms as device_num_sms
 from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
-from flashflow.ops.attention import _cdiv, _next_pow2, _check_common, _check_softcap, _check_window, _sm_count
-from flashflow.tuning import gpu_family, interpreting, on_gpu
+from flashflow.kernels.softmax import LOG2E
+from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
+from flashflow.ops.validate import (check_head_dim, check_heads, check_no_grad, check_qkv, check_runs_here,
+                                    check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
+from flashflow.tuning.decode import DecodeConfig, decode_config
 
 KV_LAYOUTS = ("NHD", "FT")
-# programmatic dependent launch when a plan leaves ``pdl`` unset: off until it is timed on the
-# H100 against plain stream order (``scripts/gpu_verify.sh decode-pdl``)
+# programmatic dependent launch when a plan leaves ``pdl`` unset: off, plain stream order
 PDL_DEFAULT = False
 # how the last program of a split (sequence, KV head) merges the partials: "rows" in the attention
-# tile's row layout (timed on the H100), or "wide" over a (split, row, dim) tile that spreads
-# the real rows' loads over every thread so they issue in one round (sm90 build: see the kernel's
-# _merge_wide). "rows" until "wide" is timed (``scripts/gpu_verify.sh decode-pdl``)
+# tile's row layout, or "wide" over a (split, row, dim) tile that spreads the real rows' loads
+# over every thread so they issue in one round (see the kernel's _merge_wide)
 MERGE_DEFAULT = "rows"
 MERGES = ("rows", "wide")
 MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread at 4 warps
@@ -37,23 +37,6 @@ MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 def _ft_x(dtype: torch.dtype) -> int:
     return 16 // dtype.itemsize
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    BLOCK_N: int
-    num_warps: int
-    num_stages: int
-
-
-def decode_config(family: str, head_dim_pad: int) -> DecodeConfig:
-    """Swept on the H100 (bench/results/tune-decode-h100.json): 64-token tiles, 4 warps and 3
-    stages led or tied at every shape; 32-token tiles for head_dim 256 keep the stages in smem."""
-    if family == "interpreter":
-        return DecodeConfig(BLOCK_N=32, num_warps=4, num_stages=1)
-    if head_dim_pad > 128:
-        return DecodeConfig(BLOCK_N=32, num_warps=4, num_stages=3)
-    return DecodeConfig(BLOCK_N=64, num_warps=4, num_stages=3)
 
 
 def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
@@ -65,9 +48,9 @@ def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, b
     sequence of Llama-3-8B on 132 SMs); splitting the sequence fills them. More splits than SMs
     only add partials to merge: on the H100 1×8k ran best at 16 splits, not 32.
     """
-    if 4 * batch_kv_heads >= 3 * num_sms:
+    if batch_kv_heads == 0 or 4 * batch_kv_heads >= 3 * num_sms:
         return 1
-    n_blocks = _cdiv(max(max_seqlen_k, 1), block_n)
+    n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
     want = max(1, num_sms // batch_kv_heads)
     return max(1, min(want, n_blocks // 2, max_splits))
 
@@ -137,43 +120,43 @@ class DecodePlan:
             raise TypeError(f"pdl must be True, False or None (the default), got {pdl!r}")
         if merge is not None and merge not in MERGES:
             raise ValueError(f"merge must be one of {MERGES} or None (the default), got {merge!r}")
-        if heads % kv_heads:
-            raise ValueError(f"heads ({heads}) must be a multiple of kv_heads ({kv_heads})")
+        for name, value, least in (("batch", batch, 0), ("seqlen_q", seqlen_q, 0), ("max_seqlen_k", max_seqlen_k, 0)):
+            if not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        check_heads(heads, kv_heads)
+        check_head_dim(head_dim)
         group = heads // kv_heads
         if group * seqlen_q > MAX_ROWS:
             raise ValueError(f"kv group ({group}) × seqlen_q ({seqlen_q}) must be <= {MAX_ROWS}; use "
                              "flash_attn_func for longer query blocks")
         self.batch, self.heads, self.kv_heads, self.head_dim = batch, heads, kv_heads, head_dim
         self.seqlen_q, self.max_seqlen_k = seqlen_q, max_seqlen_k
-        self.head_dim_pad = max(16, _next_pow2(head_dim))
-        self.block_r = max(16, _next_pow2(group * seqlen_q))
+        self.head_dim_pad = _head_dim_pad(head_dim)
+        self.block_r = max(16, next_pow2(group * seqlen_q))
         self.merge = merge or MERGE_DEFAULT
-        self.merge_rows = _next_pow2(group * seqlen_q)   # the real rows, to a power of two
+        self.merge_rows = next_pow2(group * seqlen_q)   # the real rows, to a power of two
         family = gpu_family(device)
         # griddepcontrol exists from sm90; elsewhere (and in the interpreter) launches keep
         # plain stream order whatever was asked
         self.pdl = family == "sm90" and (PDL_DEFAULT if pdl is None else pdl)
-        self.config_given = config is not None
-        self.config = config or decode_config(family, self.head_dim_pad)
         if num_sms is None:
-            num_sms = _sm_count(device) if device.type == "cuda" else 132
-        if num_splits < 0:
-            raise ValueError(f"num_splits must be >= 0 (0 = heuristic), got {num_splits}")
+            num_sms = device_num_sms(device)
+        if not isinstance(num_splits, int) or num_splits < 0:
+            raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
+        self.config_given = config is not None
+        # the tiles for a contiguous cache; a paged one may take page-sized tiles (config_for)
+        self._lookup = dict(family=family, head_dim_pad=self.head_dim_pad, programs=batch * kv_heads,
+                            num_sms=num_sms, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
+        self.config = config or decode_config(**self._lookup)
+        self._page_configs: dict[int, DecodeConfig] = {}
         self.num_splits = num_splits or num_splits_heuristic(batch * kv_heads, max_seqlen_k, num_sms,
                                                              self.config.BLOCK_N)
-        if config is None and family == "sm90" and self.num_splits == 1 and batch * kv_heads > num_sms \
-                and max_seqlen_k >= 2048 and self.head_dim_pad <= 128:
-            # long streams, more programs than SMs: one program per SM with 128-token tiles beat
-            # two with 64-token tiles on the H100 (64×8k GQA 3.10 vs 2.84 TB/s, 16×8k MHA 3.12 vs
-            # 2.75; cold caches, bench/results/tune-decode-large-h100.json). At batch 1 the 64-token
-            # tiles led or tied once caches were cold (tune-decode-small-h100.json).
-            self.config = DecodeConfig(BLOCK_N=128, num_warps=4, num_stages=3)
         # "wide": every split in one chunk where it holds <= 8192 values (one round of loads,
         # 64 registers a thread at 4 warps: 1 × 8k GQA is 16 × 4 × 128); else chunks of 2048
         # values, as ptxas keeps several chunks' loads in flight (8192-value chunks took the
         # kernel to 228-255 registers where 2048 kept it near the row merge's; sm90 build)
         row_values = self.merge_rows * self.head_dim_pad
-        splits_pad = _next_pow2(self.num_splits)
+        splits_pad = next_pow2(self.num_splits)
         self.merge_chunk = splits_pad if splits_pad * row_values <= MERGE_CHUNK_VALUES \
             else max(1, MERGE_CHUNK_VALUES // 4 // row_values)
         n = batch * kv_heads
@@ -187,11 +170,21 @@ class DecodePlan:
         self._no_lse = torch.empty(1, dtype=torch.float32, device=device)   # never written
         self._full_lens: dict[int, torch.Tensor] = {}   # cache_seqlens=None, built outside capture
 
+    def config_for(self, page_size: Optional[int]) -> DecodeConfig:
+        """The tiles of a launch on a paged cache of ``page_size`` (None: contiguous): the plan's
+        ``config`` if one was given, else :func:`flashflow.tuning.decode.decode_config`'s."""
+        if self.config_given or page_size is None:
+            return self.config
+        cfg = self._page_configs.get(page_size)
+        if cfg is None:
+            cfg = self._page_configs[page_size] = decode_config(**self._lookup, page_size=page_size)
+        return cfg
+
     def run(self, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, return_lse=False,
             kv_layout="NHD", out=None):
         """One decode step. Shapes and dtypes are checked (no device values are read)."""
-        _check_decode_inputs(q, k, v)
+        _check_decode_inputs(q, k, v, k_cache, v_cache)
         capacity, kv_heads, page, layout = _cache_geometry(q, k_cache, v_cache, block_table, kv_layout)
         batch, seqlen_q, heads, head_dim = q.shape
         if (batch, heads, kv_heads, head_dim, seqlen_q) != (self.batch, self.heads, self.kv_heads,
@@ -205,23 +198,23 @@ class DecodePlan:
         n_new = 0 if k is None else k.shape[1]
         if n_new and cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
-        if cache_seqlens is None and not _capturing(q.device):
+        if cache_seqlens is None and not capturing(q.device):
             full = self._full_lens.get(capacity)
             if full is None:
                 full = self._full_lens[capacity] = _seqlens_tensor(None, batch, capacity, q.device)
             cache_seqlens = full
         else:
             cache_seqlens = _seqlens_tensor(cache_seqlens, batch, capacity - n_new, q.device)
-        left, right = _check_window(window_size)
-        if causal:
-            right = 0
-        softcap = _check_softcap(softcap)
-        scale = 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
-        qk_scale_log2 = scale / softcap if softcap > 0 else scale * 1.4426950408889634
+        left, right = window_bounds(causal, window_size)
+        softcap = check_softcap(softcap)
+        scale = softmax_scale_or_default(softmax_scale, head_dim)
+        qk_scale_log2 = scale / softcap if softcap > 0 else scale * LOG2E
         if out is None:
             out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse \
             else self._no_lse
+        if batch == 0 or (seqlen_q == 0 and n_new == 0):   # nothing to attend, nothing to append
+            return (out, lse) if return_lse else out
         ls = lse.stride() if return_lse else (0, 0, 0)
         if layout == 2:
             sk = k_cache.stride()[:4]
@@ -231,13 +224,7 @@ class DecodePlan:
             sv = v_cache.stride()[:3]
         kn = k if k is not None else q
         vn = v if v is not None else q
-        cfg = self.config
-        if layout == 1 and not self.config_given and 16 <= page < cfg.BLOCK_N and page & (page - 1) == 0:
-            # tiles never straddle a page: one table entry per tile, read a tile ahead as a scalar;
-            # one more stage partly makes up for the smaller tiles (swept on the H100 for 64-token
-            # pages under 128-token tiles: bench/results/tune-decode-paged-h100.json; smaller
-            # pages take the same rule unswept)
-            cfg = DecodeConfig(BLOCK_N=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages + 1)
+        cfg = self.config_for(page if layout == 1 else None)
         block_n = cfg.BLOCK_N
         wide = self.merge == "wide" and self.num_splits > 1   # else the merge constants stay 1: one compile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
@@ -250,19 +237,14 @@ class DecodePlan:
             seqlen_q, n_new, heads // kv_heads, kv_heads,
             qk_scale_log2, softcap, max(left, 0), max(right, 0),
             HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
-            BLOCK_R=self.block_r, BLOCK_NEW=max(16, _next_pow2(max(n_new, 1))),
+            BLOCK_R=self.block_r, BLOCK_NEW=max(16, next_pow2(n_new)),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(q.dtype) if layout == 2 else 1,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-            RETURN_LSE=return_lse, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
+            RETURN_LSE=return_lse, **dot_options(q.dtype), PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
             MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
         )
         return (out, lse) if return_lse else out
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 _EAGER_PLANS: "OrderedDict[tuple, DecodePlan]" = OrderedDict()
@@ -277,7 +259,7 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
     evicted plan's memory returns to the allocator on that same stream. During graph capture a
     fresh plan is built as before: a graph must not keep pointers into a workspace that this
     cache may drop."""
-    if _capturing(device):
+    if capturing(device):
         return DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
                           num_splits=num_splits, pdl=pdl)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
@@ -303,23 +285,21 @@ def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, d
                       num_splits=num_splits, pdl=pdl, merge=merge)
 
 
-def _check_decode_inputs(q, k, v):
-    if not isinstance(q, torch.Tensor) or q.dim() != 4:
-        raise ValueError(f"q must be (batch, seqlen_q, heads, head_dim), got "
-                         f"{tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}")
+def _check_decode_inputs(q, k, v, k_cache, v_cache):
+    check_tensor("q", q, 4, "(batch, seqlen_q, heads, head_dim)")
+    check_no_grad("flash_attn_with_kvcache", q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     if (k is None) != (v is None):
         raise ValueError("pass both k and v to append, or neither")
     if k is not None:
-        if k.dim() != 4 or k.shape != v.shape:
+        for name, t in (("k", k), ("v", v)):
+            check_tensor(name, t, 4, "(batch, seqlen_new, kv_heads, head_dim)")
+        if k.shape != v.shape:
             raise ValueError(f"k and v must both be (batch, seqlen_new, kv_heads, head_dim), got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        _check_common(q, k, v, head_axis=2)
-    elif not on_gpu(q.device) and not interpreting():
-        raise ValueError(f"flashflow attention runs on CUDA tensors; got q on {q.device}")
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"q must be float16, bfloat16 or float32, got {q.dtype}")
-    if not 1 <= q.shape[-1] <= 256:
-        raise ValueError(f"head_dim must be between 1 and 256, got {q.shape[-1]}")
+        check_qkv(q, k, v, head_axis=2)
+    else:
+        check_runs_here("q", q)
+        check_head_dim(q.shape[-1])
 
 
 def _seqlens_tensor(cache_seqlens, batch, default, device):
@@ -353,7 +333,7 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
             return
     lens_given = isinstance(cache_seqlens, torch.Tensor)
     probe = cache_seqlens if lens_given else block_table
-    if _capturing(probe.device):
+    if capturing(probe.device):
         return
     if block_table is None:   # lengths only: one copy to the host, a Python loop (fewest launches)
         for i, n in enumerate(cache_seqlens.tolist()):
@@ -415,11 +395,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
     Returns ``out`` ``(batch, seqlen_q, heads, head_dim)``, or ``(out, lse)`` with lse float32
     ``(batch, heads, seqlen_q)``.
     """
-    _check_decode_inputs(q, k, v)
+    _check_decode_inputs(q, k, v, k_cache, v_cache)
     capacity, kv_heads, page, _ = _cache_geometry(q, k_cache, v_cache, block_table, kv_layout)
     batch, seqlen_q, heads, head_dim = q.shape
-    if heads % kv_heads:
-        raise ValueError(f"heads of q ({heads}) must be a multiple of kv_heads of the cache ({kv_heads})")
+    check_heads(heads, kv_heads, "kv_heads of the cache")
     n_new = 0 if k is None else k.shape[1]
     if plan is None:
         if cache_seqlens is not None and not isinstance(cache_seqlens, int):
@@ -441,6 +420,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
         if not isinstance(t, torch.Tensor) or t.dim() != rank:
             raise ValueError(f"{name} must be a rank-{rank} tensor, got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    check_no_grad("merge_attention_states", out_a=out_a, lse_a=lse_a, out_b=out_b, lse_b=lse_b)
     if out_a.shape != out_b.shape:
         raise ValueError(f"out_a and out_b must have one shape, got {tuple(out_a.shape)} and {tuple(out_b.shape)}")
     batch, seqlen, heads, head_dim = out_a.shape
@@ -459,11 +439,11 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     if rows == 0:
         return out, lse
     block_rows = 16
-    merge_states_kernel[(_cdiv(rows, block_rows),)](
+    merge_states_kernel[(cdiv(rows, block_rows),)](
         out_a, lse_a, out_b, lse_b, out, lse, batch * seqlen, heads, seqlen,
         *out_a.stride()[:3], *out_b.stride()[:3], *out.stride()[:3],
         *lse_a.stride(), *lse_b.stride(), *lse.stride(),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, _next_pow2(head_dim)), BLOCK_ROWS=block_rows,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=_head_dim_pad(head_dim), BLOCK_ROWS=block_rows,
         num_warps=4,
     )
     return out, lse

@@ -6,6 +6,8 @@ import math
 
 import torch
 
+from flashflow.device import interpreting, on_gpu
+
 
 def check_no_grad(op: str, **tensors) -> None:
     """flashflow's ops have no backward yet: an input that requires grad would come back detached
@@ -28,3 +30,90 @@ def check_scale(name: str, value, positive: bool = True) -> float:
     if not math.isfinite(value) or (positive and value <= 0):
         raise ValueError(f"{name} must be a finite number{' > 0' if positive else ''}, got {value}")
     return value
+
+
+# --------------------------------------------------------------------------------------------
+# attention inputs (prefill and decode)
+# --------------------------------------------------------------------------------------------
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def check_tensor(name: str, t, rank: int, form: str) -> None:
+    """A float16/bfloat16/float32 tensor of ``rank`` dimensions laid out as ``form``."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}")
+    if t.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} {form}, got shape {tuple(t.shape)}")
+    if t.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+def check_runs_here(name: str, t: torch.Tensor) -> None:
+    """CUDA tensors, or CPU tensors under Triton's interpreter (or standing for a GPU offline)."""
+    if not on_gpu(t.device) and not interpreting():
+        raise ValueError(
+            f"flashflow attention runs on CUDA tensors; got {name} on {t.device}. "
+            "Move the tensors to the GPU (or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)."
+        )
+
+
+def check_head_dim(d: int) -> None:
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be between 1 and {MAX_HEAD_DIM}, got {d}")
+
+
+def check_qkv(q, k, v, head_axis: int) -> None:
+    """q, k, v of one dtype and device, one head_dim, and ``heads % kv_heads == 0`` along
+    ``head_axis`` (GQA/MQA)."""
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    check_runs_here("q", q)
+    d = q.shape[-1]
+    if k.shape[-1] != d or v.shape[-1] != d:
+        raise ValueError(f"q, k, v must share head_dim, got {d}, {k.shape[-1]}, {v.shape[-1]}")
+    check_head_dim(d)
+    heads, kv_heads = q.shape[head_axis], k.shape[head_axis]
+    if v.shape[head_axis] != kv_heads:
+        raise ValueError(f"k and v must have the same number of heads, got {kv_heads} and {v.shape[head_axis]}")
+    check_heads(heads, kv_heads, "heads of k/v")
+
+
+def check_heads(heads: int, kv_heads: int, what: str = "kv_heads") -> None:
+    """At least one head on each side, and a whole number of query heads per KV head (GQA/MQA)."""
+    if heads < 1 or kv_heads < 1:
+        raise ValueError(f"q and k/v need at least one head each, got {heads} heads of q and {kv_heads} {what}")
+    if heads % kv_heads:
+        raise ValueError(f"heads of q ({heads}) must be a multiple of {what} ({kv_heads}) (GQA/MQA)")
+
+
+def window_bounds(causal, window_size) -> tuple[int, int]:
+    """``(left, right)`` key bounds around each row's diagonal from ``causal`` and a
+    ``window_size`` pair; -1 = unbounded on that side, causal = right bound 0."""
+    try:
+        left, right = (int(w) for w in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {window_size!r}")
+    if causal not in (True, False):
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+    return left, 0 if causal else right
+
+
+def check_softcap(softcap) -> float:
+    """A finite float >= 0 (0 disables the softcap)."""
+    softcap = check_scale("softcap", softcap, positive=False)
+    if softcap < 0:
+        raise ValueError(f"softcap must be a finite number >= 0 (0 disables it), got {softcap}")
+    return softcap
+
+
+def softmax_scale_or_default(softmax_scale, head_dim: int, name: str = "softmax_scale") -> float:
+    """``1/sqrt(head_dim)`` for None, else a finite float > 0."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    return check_scale(name, softmax_scale)

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-ACTIVATIONS = ("swiglu", "gelu", "silu", "relu")
+from flashflow.kernels.mlp import ACTIVATIONS  # noqa: F401  (the names the oracle covers: the kernels')
 
 
 def activation_ref(name: str, a: torch.Tensor) -> torch.Tensor:

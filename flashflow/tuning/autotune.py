@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Callable, Iterable
 
-from flashflow.tuning import AttentionConfig
+from flashflow.tuning.attention import AttentionConfig
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@ http.server. GET / and /static/* return the page's files (package data); GET /ap
 POST /api/{simulate,order,search} run :mod:`flashflow.viz.api`."""
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import threading
@@ -99,7 +100,10 @@ def serve_in_thread(host: str = "127.0.0.1", port: int = 0):
 
 
 def cmd_viz(args) -> int:
-    server = make_server(args.host, args.port)
+    try:
+        server = make_server(args.host, args.port)
+    except OSError as e:   # port taken, address not on this machine, no permission
+        args.parser.error(f"cannot serve on {args.host}:{args.port}: {e.strerror or e}")
     h, p = server.server_address[:2]
     url = f"http://{h}:{p}/"
     print(f"dataflow explorer at {url} (Ctrl-C to stop)", flush=True)
@@ -114,11 +118,28 @@ def cmd_viz(args) -> int:
     return 0
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535] (0 picks a free port), "
+                                         f"got {value}")
+    return value
+
+
+DESCRIPTION = ("Serve the dataflow explorer, a web page to build tile orders by hand and watch "
+               "the cache model's traffic, on this machine (the standard library's http.server; "
+               "nothing to build or install). Ctrl-C stops it.")
+
+
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("viz", help="dataflow explorer web page on 127.0.0.1",
-                              description=__doc__.split("\n")[0])
+                              description=DESCRIPTION,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+                   help="address to bind (127.0.0.1: reachable from this machine only)")
+    p.add_argument("--port", type=_port, default=8765, help="TCP port; 0 picks a free one")
     p.add_argument("--open", action="store_true", help="open the page in a browser")
-    p.set_defaults(func=cmd_viz)
+    p.set_defaults(func=cmd_viz, parser=p)

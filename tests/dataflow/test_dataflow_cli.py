@@ -1,4 +1,6 @@
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -106,10 +108,153 @@ def test_table_partitioned_l2(capsys):
     assert fmt_bytes(t.read_bytes) in row
 
 
-def test_partitioned_l2_rejects_belady_and_bad_options():
-    with pytest.raises(SystemExit, match="lru only"):
-        main(["dataflow", "table", *SMALL, "--l2-partitions", "2", "--policy", "belady"])
-    with pytest.raises(SystemExit, match="drift"):
-        main(["dataflow", "table", *SMALL, "--drift", "2"])
-    with pytest.raises(SystemExit, match="tiles-per-sm"):
-        main(["dataflow", "table", *SMALL, "--l2-partitions", "2", "--tiles-per-sm", "3"])
+def _usage_error(capsys, argv) -> str:
+    """Runs a command that must fail as argparse does: exit status 2, one error line on
+    stderr (after the usage), nothing on stdout; returns that line."""
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("usage: flashflow dataflow ")
+    errors = [line for line in captured.err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "Traceback" not in captured.err
+    return errors[0]
+
+
+def test_partitioned_l2_rejects_belady_and_bad_options(capsys):
+    assert "lru only" in _usage_error(
+        capsys, ["dataflow", "table", *SMALL, "--l2-partitions", "2", "--policy", "belady"])
+    assert "drift" in _usage_error(capsys, ["dataflow", "table", *SMALL, "--drift", "2"])
+    assert "tiles-per-sm" in _usage_error(
+        capsys, ["dataflow", "table", *SMALL, "--l2-partitions", "2", "--tiles-per-sm", "3"])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["table", "--M", "-5"], "argument --M: must be positive, got -5"),
+    (["table", "--N", "0"], "argument --N: must be positive, got 0"),
+    (["table", "--K", "4k"], "argument --K: must be an integer, got '4k'"),
+    (["table", "--block-k", "-64"], "argument --block-k: must be positive"),
+    (["table", "--elem-bytes", "0"], "argument --elem-bytes: must be positive"),
+    (["table", "--sms", "0"], "argument --sms: must be positive"),
+    (["table", "--cache", "lots"], "argument --cache: size must look like 4096, 256K or 50MiB"),
+    (["table", "--cache=-1M"], "argument --cache: size must look like"),
+    (["table", "--cache", "1.5"], "argument --cache: size must be a whole number of bytes"),
+    (["table", "--policy", "fifo"], "argument --policy: invalid choice: 'fifo'"),
+    (["table", "--orders", "row_major,zigzag"], "--orders: order must be one of"),
+    (["table", "--orders", "grouped_m:0"], "--orders: group must be positive, got 0"),
+    (["table", "--orders", "hilbert:2"], "--orders: order 'hilbert' takes no parameter"),
+    (["table", "--orders", "row_major,"], "--orders: empty name in 'row_major,'"),
+    (["table", "--anneal", "-1"], "argument --anneal: must be >= 0, got -1"),
+    (["table", "--seed", "3"], "--seed applies only with --anneal"),
+    (["table", "--l2-partitions", "0"], "argument --l2-partitions: must be positive"),
+    (["table", "--sharing", "some"], "argument --sharing: invalid choice"),
+    (["table", "--placement", "left"], "argument --placement: invalid choice"),
+    (["table", "--drift", "-0.5"], "argument --drift: must be in [0, 1]"),
+    (["table", "--drift", "much"], "argument --drift: must be a number in [0, 1]"),
+    (["sweep", "--min-cache", "0"], "argument --min-cache: size must be positive"),
+    (["sweep", "--min-cache", "64M", "--max-cache", "1M"],
+     "--min-cache (64.00 MiB) must not exceed --max-cache (1.00 MiB)"),
+    (["sweep", "--policy", "both"], "argument --policy: invalid choice: 'both'"),
+    (["search", "--iterations", "0", "--anneal"], "argument --iterations: must be positive"),
+    (["search", "--iterations", "50"], "--iterations applies only to annealing"),
+    (["search", "--search-block-k", "128"], "--search-block-k applies only to annealing"),
+    (["waves", "--n-max", "64"], "--n-max (64) must be at least the N step (128"),
+    (["waves", "--n-step", "0"], "argument --n-step: must be positive"),
+    (["waves", "--tiles-per-sm", "-2"], "argument --tiles-per-sm: must be positive"),
+    (["chain", "--policies", "sequential,zigzag"], "--policies: policy must be one of"),
+    (["chain", "--policies", "multirow:0"], "--policies: multirow group must be positive"),
+    (["chain", "--block-n", "96"], "block_n (96) must be a multiple of block_k (64)"),
+    (["chain", "--hidden", "-4096"], "argument --hidden: must be positive"),
+])
+def test_bad_values_are_usage_errors(argv, message, capsys):
+    line = _usage_error(capsys, ["dataflow", *argv])
+    assert line.startswith(f"flashflow dataflow {argv[0]}: error: ")
+    assert message in line
+
+
+def test_bad_value_from_the_shell_exits_2_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "flashflow.cli", "dataflow", "search",
+                           "--cache=-64K"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and "Traceback" not in proc.stderr
+    assert proc.stderr.rstrip().splitlines()[-1] == (
+        "flashflow dataflow search: error: argument --cache: size must look like 4096, 256K "
+        "or 50MiB, got '-64K'")
+
+
+@pytest.mark.parametrize("command,defaults", [
+    ("table", ["(default: 4096)", "(default: 50MiB)", "(default: lru)", "(default: 132)",
+               "(default: 0.0)"]),
+    ("sweep", ["(default: 1MiB)", "(default: 128MiB)"]),
+    ("search", ["(default: 512)", "annealing iterations (default 2000)"]),
+    ("waves", ["(default: 16384)", "(default: --block-n)"]),
+    ("chain", ["(default: 14336)", "(default: sequential,rowblock,halfrow,multirow:2)"]),
+])
+def test_help_shows_defaults(command, defaults, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["dataflow", command, "--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())   # undo the help's line wrapping
+    for text in defaults:
+        assert text in out
+    assert "(default: None)" not in out
+
+
+def test_help_descriptions_are_whole_sentences(capsys):
+    for argv in (["dataflow", "--help"], ["viz", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        out = capsys.readouterr().out
+        description = out.split("\n\n")[1]
+        assert description.rstrip().endswith("."), description
+    with pytest.raises(SystemExit):
+        main(["viz", "--help"])
+    assert "(default: 8765)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_long_commands_show_progress(monkeypatch, capsys):
+    import flashflow.progress
+    monkeypatch.setattr(flashflow.progress, "DELAY", 0.0)
+    monkeypatch.setitem(sys.modules, "tqdm", None)          # the plain counter
+    assert main(["dataflow", "chain", "--M", "256", "--hidden", "256", "--intermediate", "512",
+                 "--sms", "2", "--cache", "128K", "--policies", "sequential,halfrow"]) == 0
+    captured = capsys.readouterr()
+    assert "simulating policies: 4/4" in captured.err
+    assert "sequential" in captured.out and "simulating" not in captured.out
+    assert main(["dataflow", "sweep", *SMALL, "--orders", "row_major,snake",
+                 "--min-cache", "64K", "--max-cache", "256K"]) == 0
+    assert "simulating orders: 6/6" in capsys.readouterr().err
+
+
+def test_search_shows_elapsed_time(monkeypatch, capsys):
+    import flashflow.progress
+    from flashflow.dataflow import search
+    monkeypatch.setattr(flashflow.progress, "DELAY", 0.0)
+    monkeypatch.setattr(flashflow.progress, "TICK", 0.01)
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    real = search.exhaustive
+
+    def slow(*args, **kwargs):
+        time.sleep(0.2)   # long enough for the ticking thread to draw
+        return real(*args, **kwargs)
+    monkeypatch.setattr(search, "exhaustive", slow)
+    assert main(["dataflow", "search", "--M", "256", "--N", "256", "--K", "128", "--sms", "1",
+                 "--cache", "64K"]) == 0
+    captured = capsys.readouterr()
+    assert "exhaustive search of a 2x2 grid: 0 s" in captured.err
+    assert "best :" in captured.out
+
+
+def test_quick_commands_print_no_progress(capsys):
+    assert main(["dataflow", "table", *SMALL, "--orders", "row_major"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_progress_with_tqdm(monkeypatch, capsys):
+    pytest.importorskip("tqdm", reason="tqdm is not installed (the plain counter is tested above)")
+    import flashflow.progress
+    monkeypatch.setattr(flashflow.progress, "DELAY", 0.0)
+    assert main(["dataflow", "chain", "--M", "256", "--hidden", "256", "--intermediate", "512",
+                 "--sms", "2", "--cache", "128K", "--policies", "sequential,halfrow"]) == 0
+    assert "simulating policies" in capsys.readouterr().err

@@ -1,9 +1,12 @@
-"""The dataflow model of the persistent FFN kernel's own ticket orders (ops.mlp.issue_order)."""
+"""The dataflow model of the persistent FFN kernel's own ticket orders (kernels.tile_order)."""
 import pytest
+import torch
 
+from flashflow.dataflow import chain
 from flashflow.dataflow.chain import FfnShape, simulate_tickets, ticket_jobs
 from flashflow.dataflow.model import Hardware
-from flashflow.ops import mlp
+from flashflow.kernels import tile_order
+from flashflow.tuning import interpreting
 
 # 2 row-blocks of 16; GEMM0: 4 tiles of 16 intermediate columns, 2 K-steps of 16 over hidden 32;
 # GEMM1: 1 tile of 32 output columns, 4 K-steps of 16 over the intermediate 64. 1-byte elements.
@@ -14,8 +17,39 @@ SPLIT = ("halfrow", "seqsplit")
 
 
 def order(s, policy):
-    name, rows = mlp.parse_policy(policy)
-    return mlp.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
+    return chain.issue_order(s, policy)
+
+
+def kernel_order(policy, tiles_m, n0, n1):
+    """The ticket map as the kernel compiles it (Triton's interpreter, or the GPU)."""
+    name, rows = tile_order.parse_order(policy)
+    o = tile_order.launch_order(name, rows, tiles_m, n0, n1)
+    device = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
+    got = torch.full((o.total, 4), -1, dtype=torch.int32, device=device)
+    tile_order.mlp_ticket_map_kernel[(-(-o.total // 64),)](got, o.total, tiles_m, n0, n1, o.group_rows, o.half,
+                                                           POLICY=o.code, BLOCK=64)
+    return [tuple(r) for r in got.tolist()]
+
+
+_MODEL_SHAPES = [
+    # one row-block: halfrow is 8 tickets (GEMM1 in K-halves), not the 6 of an interleaved order
+    FfnShape(M=16, hidden=64, intermediate=128, block_m=16, block_n=32, block_k=16, elem_bytes=1),
+    S,
+    FfnShape(M=70, hidden=80, intermediate=160, block_m=16, block_n=32, block_k=16, elem_bytes=1, block_n1=16),
+    FfnShape(M=32, hidden=32, intermediate=16, block_m=16, block_n=16, block_k=16, elem_bytes=1, gated=False),
+]
+
+
+@pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(), reason="needs TRITON_INTERPRET=1 or a GPU")
+@pytest.mark.parametrize("policy", ["sequential", "sequential:2", "rowblock", "multirow", "multirow:2", "multirow:3",
+                                    "halfrow", "seqsplit", "seqsplit:2"])
+@pytest.mark.parametrize("shape", range(len(_MODEL_SHAPES)))
+def test_model_order_is_the_kernel_order(policy, shape):
+    s = _MODEL_SHAPES[shape]
+    got = order(s, policy)
+    assert got == kernel_order(policy, s.row_blocks, s.tiles_n0, s.tiles_n1)
+    if shape == 0 and policy == "halfrow":
+        assert len(got) == s.tiles_n0 + 2 * s.tiles_n1 == 8
 
 
 @pytest.mark.parametrize("policy", POLICIES)

@@ -12,7 +12,9 @@ import flashflow
 from flashflow.ops import attention as attn_ops
 from flashflow.ops.attention import attention_forward, tail_splits
 from flashflow.reference import attention_naive, attention_tiled, attention_varlen_naive
-from flashflow.tuning import AttentionConfig, interpreting
+from flashflow.device import interpreting
+from flashflow.ops import validate
+from flashflow.tuning.attention import AttentionConfig
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
@@ -292,7 +294,7 @@ def test_kv_mismatch():
 
 
 def test_cpu_tensor_on_gpu_path(monkeypatch):
-    monkeypatch.setattr(attn_ops, "interpreting", lambda: False)
+    monkeypatch.setattr(validate, "interpreting", lambda: False)
     x = torch.randn(1, 8, 2, 32, dtype=torch.float16)
     with pytest.raises(ValueError, match="runs on CUDA tensors; got q on cpu"):
         flashflow.flash_attn_func(x, x, x)
@@ -340,3 +342,106 @@ def test_sdpa_bad_inputs():
     with pytest.raises(ValueError, match="not both"):
         flashflow.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool,
                                                                                device=DEVICE), is_causal=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# bf16 (the interpreter's bf16 tl.dot is wrong: the kernels convert to fp32 there), grad, scale
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bf16_against_float64(causal):
+    check_dense(2, 77, 130, 4, 2, 64, dtype=torch.bfloat16, causal=causal)
+
+
+def test_bf16_softcap_window_tail_split_varlen_sdpa():
+    check_dense(1, 61, 97, 2, 1, 48, dtype=torch.bfloat16, softcap=5.0, window=(8, 8))
+    check_dense(2, 77, 300, 4, 2, 64, dtype=torch.bfloat16, config=AttentionConfig(32, 32, 4, 1), num_sms=10)
+    lens = [1, 17, 40]
+    cu = _cu(lens)
+    q, k, v = (rand(sum(lens), 2, 32, dtype=torch.bfloat16) for _ in range(3))
+    out = flashflow.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True)
+    ref = attention_varlen_naive(q.double(), k.double(), v.double(), cu, cu, causal=True)
+    assert rel(out, ref) < TOL[torch.bfloat16]
+    qs, ks, vs = (rand(1, 2, 20, 32, dtype=torch.bfloat16) for _ in range(3))
+    mask = torch.rand(20, 20, device=DEVICE) > 0.3
+    mask[:, 0] = True
+    out = flashflow.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask)
+    assert rel(out, sdpa_ref(qs, ks, vs, attn_mask=mask)) < TOL[torch.bfloat16]
+
+
+def _grad_cases():
+    x = rand(1, 8, 2, 32)
+    xv = rand(8, 2, 32)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    return {
+        "flash_attn_func": lambda q, k, v: flashflow.flash_attn_func(q, k, v),
+        "flash_attn_varlen_func": lambda q, k, v: flashflow.flash_attn_varlen_func(
+            q[0], k[0], v[0], cu, cu, 8, 8),
+        "scaled_dot_product_attention": lambda q, k, v: flashflow.scaled_dot_product_attention(q, k, v),
+    }, x, xv
+
+
+@pytest.mark.parametrize("entry", ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_inputs_requiring_grad_are_refused(entry, which):
+    # there is no backward: an input that requires grad would come back detached, its gradient
+    # silently wrong; under no_grad / inference_mode the call is fine
+    fns, x, _ = _grad_cases()
+    args = [x.clone(), x.clone(), x.clone()]
+    args[which].requires_grad_(True)
+    name = {"scaled_dot_product_attention": ("query", "key", "value")}.get(entry, ("q", "k", "v"))[which]
+    with pytest.raises(ValueError, match=rf"{entry}: {name} requires grad.*no backward"):
+        fns[entry](*args)
+    with torch.no_grad():
+        fns[entry](*args)
+
+
+def test_sdpa_mask_requiring_grad_is_refused():
+    q = rand(1, 2, 8, 32, dtype=torch.float32)
+    bias = torch.zeros(8, 8, device=DEVICE, requires_grad=True)
+    with pytest.raises(ValueError, match="attn_mask requires grad"):
+        flashflow.scaled_dot_product_attention(q, q, q, attn_mask=bias)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), float("-inf"), 0.0, -0.5])
+def test_bad_softmax_scale(scale):
+    x = rand(1, 8, 2, 32)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"softmax_scale must be a finite number > 0, got {scale}"):
+        flashflow.flash_attn_func(x, x, x, softmax_scale=scale)
+    with pytest.raises(ValueError, match="softmax_scale must be a finite number > 0"):
+        flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, softmax_scale=scale)
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        flashflow.scaled_dot_product_attention(x, x, x, scale=scale)
+    with pytest.raises(TypeError, match="softmax_scale must be a float"):
+        flashflow.flash_attn_func(x, x, x, softmax_scale="0.1")
+
+
+def test_bad_softcap_and_causal_values():
+    x = rand(1, 8, 2, 32)
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="softcap must be a finite number"):
+            flashflow.flash_attn_func(x, x, x, softcap=bad)
+    with pytest.raises(TypeError, match="causal must be True or False, got 'yes'"):
+        flashflow.flash_attn_func(x, x, x, causal="yes")
+
+
+def test_empty_inputs_give_empty_outputs_and_zero_kv_heads_is_named():
+    for b, sq, sk in ((0, 8, 8), (2, 0, 8)):
+        q, k = rand(b, sq, 2, 32), rand(b, sk, 2, 32)
+        out, lse = flashflow.flash_attn_func(q, k, k, return_lse=True)
+        assert out.shape == q.shape and lse.shape == (b, 2, sq)
+    with pytest.raises(ValueError, match=r"at least one head each, got 2 heads of q and 0 heads of k/v"):
+        flashflow.flash_attn_func(rand(1, 8, 2, 32), rand(1, 8, 0, 32), rand(1, 8, 0, 32))
+
+
+def test_sdpa_with_a_bias_looks_up_the_bias_config(monkeypatch):
+    # the config is the lookup's, bias included, and used as it is (no edit after the lookup)
+    seen = []
+    real = attn_ops.attention_config
+    monkeypatch.setattr(attn_ops, "attention_config", lambda *a: seen.append(a) or real(*a))
+    q = rand(1, 2, 8, 32)
+    flashflow.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(8, 8, dtype=torch.bool, device=DEVICE))
+    flashflow.scaled_dot_product_attention(q, q, q)
+    assert [a[-1] for a in seen] == [True, False]

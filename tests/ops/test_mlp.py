@@ -1,21 +1,27 @@
 """Fused FFN (flashflow.ops.mlp) through Triton's interpreter, against float64.
 
 The interpreter runs programs one after another in program-id order, so these tests check the
-arithmetic, the tile orders (the Triton ticket map against the Python one, and that every
-dependency has a smaller ticket), the workspace protocol (counters and accumulators left zeroed,
-repeated calls) and the bounded-spin failure path. Concurrency itself is checked on the GPU by
-scripts/gpu_mlp.py.
+arithmetic of every plan (split-K, grouped split-K, the persistent kernel's tile orders,
+cuBLAS), the tile orders (the Triton ticket map against its host evaluation, and that every
+dependency has a smaller ticket), the workspace protocol (counters and accumulators left
+zeroed, repeated calls), the bounded-spin failure path, the config tables and the input checks.
+Concurrency itself needs a GPU.
 """
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
-from flashflow.kernels.mlp import CNT_OFF, HALFROW, MULTIROW, SEQSPLIT, SEQUENTIAL, mlp_ticket_map_kernel
+from flashflow.kernels.mlp import CNT_OFF
+from flashflow.kernels.tile_order import HALFROW, MULTIROW, SEQSPLIT, SEQUENTIAL, mlp_ticket_map_kernel
 from flashflow.ops import mlp
 from flashflow.ops.mlp import (MlpWorkspace, PersistentConfig, SplitKConfig, dependency_violations, fused_mlp,
                                issue_order, launch_persistent, launch_splitk, mlp_two_kernels, mlp_two_streams,
                                parse_policy, resolve_policy)
 from flashflow.reference.mlp import ACTIVATIONS, mlp_ref
 from flashflow.tuning import interpreting
+from flashflow.tuning import mlp as tuning
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
@@ -272,19 +278,92 @@ def test_policy_parsing_and_auto_choice():
     assert parse_policy("seqsplit") == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
     assert parse_policy("rowblock") == ("rowblock", 1)
     assert parse_policy("multirow") == ("multirow", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", mlp.AUTO_SPLITK_MAX_M)[0] == "splitk"
-    assert resolve_policy("auto", mlp.AUTO_SPLITK_MAX_M + 1)[0] == "seqsplit"
-    assert resolve_policy("auto", 64, gated=False)[0] == "halfrow"
-    gpu = PersistentConfig(BLOCK_M=128, BLOCK_N0=64, BLOCK_N1=128, BLOCK_K=64)
-    assert resolve_policy("auto", 65, gpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", 256, gpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", 257, gpu) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", 256, gpu, gated=False) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", 257, gpu, gated=False) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("auto", 100, gpu, gated=False) == ("halfrow", 1)
-    assert resolve_policy("auto", 4096, gpu) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
-    assert resolve_policy("sequential", 1) == ("sequential", mlp.DEFAULT_GROUP_ROWS)
+    assert parse_policy("cublas") == ("cublas", 1) and parse_policy("splitk") == ("splitk", 1)
+    cpu = torch.device(DEVICE)
+    if interpreting():   # auto on the CPU runs the fused kernels: split-K, then the persistent kernel
+        assert resolve_policy("auto", 32, True, 96, cpu) == ("splitk", 1)
+        assert resolve_policy("auto", 33, True, 96, cpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
+        assert resolve_policy("auto", 64, False, 96, cpu) == ("seqsplit", mlp.DEFAULT_GROUP_ROWS)
+        assert resolve_policy("auto", 65, True, 96, cpu) == ("multirow", mlp.DEFAULT_GROUP_ROWS)
+    assert resolve_policy("sequential", 1, True, 96, cpu) == ("sequential", mlp.DEFAULT_GROUP_ROWS)
+    assert resolve_policy("cublas", 7, True, 96, cpu) == ("cublas", 1)
     assert CNT_OFF % 2 == 0 and mlp.ACC_OFF >= CNT_OFF and mlp.ACC_OFF % 64 == 0
+
+
+# the H100's auto plan (flashflow/tuning/mlp.json), from its measurements: Llama-3-8B-like
+# (64-wide split-K slices), Llama-3-70B-like (128-wide) and a non-gated 4096 -> 14336 FFN
+_SM90_AUTO = [
+    (True, 14336, {1: "splitk", 4: "splitk", 16: "splitk", 32: "splitk", 33: "cublas", 64: "cublas",
+                   65: "seqsplit:8", 128: "seqsplit:8", 256: "seqsplit:8", 257: "cublas", 512: "cublas",
+                   513: "multirow:8", 1024: "multirow:8", 4096: "multirow:8"}),
+    (True, 28672, {m: "cublas" for m in (1, 16, 32, 64, 256, 1024, 4096)}),
+    (False, 14336, {1: "splitk", 4: "splitk", 5: "cublas", 64: "cublas", 256: "cublas", 4096: "cublas"}),
+    (True, 8192, {m: "cublas" for m in (1, 64, 1024)}),    # 32-wide slices: nothing measured
+]
+
+
+@pytest.mark.parametrize("gated,inter,plans", _SM90_AUTO)
+def test_auto_plan_of_the_h100(gated, inter, plans):
+    assert {m: tuning.auto_plan("sm90", gated, m, inter, 132) for m in plans} == plans
+    assert all(tuning.auto_plan("sm80", gated, m, inter, 108) == "cublas" for m in plans)
+
+
+def test_splitk_configs_of_the_h100():
+    """Llama-3-8B: the plain kernel up to M = 4, two slices' partials per group up to 16, four
+    (32-wide GEMM1 steps) up to 32, then 128-wide slices in one wave; Llama-3-70B: 128-wide
+    slices, 64-wide steps, unstaggered."""
+    c = {m: tuning.splitk_config("sm90", True, m, 14336, 132) for m in (1, 4, 5, 16, 17, 32, 33, 64)}
+    assert [c[m].group for m in (1, 4, 5, 16, 17, 32, 33, 64)] == [0, 0, 2, 2, 4, 4, 0, 0]
+    assert (c[16].BLOCK_I, c[16].BLOCK_K, c[16].BLOCK_N) == (64, 128, 64)
+    assert (c[32].BLOCK_I, c[32].BLOCK_K, c[32].BLOCK_N) == (64, 128, 32)
+    assert (c[64].BLOCK_I, c[64].BLOCK_N, c[64].num_warps, c[64].pdl) == (128, 64, 8, False)
+    c70 = tuning.splitk_config("sm90", True, 16, 28672, 132)
+    assert (c70.BLOCK_I, c70.BLOCK_K, c70.stagger, c70.group) == (128, 64, 0, 0)
+    gelu = tuning.splitk_config("sm90", False, 16, 14336, 132)
+    assert (gelu.BLOCK_I, gelu.BLOCK_K, gelu.stagger, gelu.group) == (64, 128, 2, 0)
+    assert not tuning.splitk_config("sm80", True, 16, 14336, 108).pdl
+
+
+def test_persistent_configs_of_the_h100():
+    P = PersistentConfig
+    assert tuning.persistent_config("sm90", True, 128, "bfloat16") == P(64, 128, 128, 64, 8, 5, use_tma=True)
+    assert tuning.persistent_config("sm90", True, 129, "bfloat16") == P(128, 128, 128, 64, 8, 4, use_tma=True)
+    assert tuning.persistent_config("sm90", False, 64, "bfloat16") == P(128, 128, 128, 64, 8, 4, use_tma=True)
+    assert tuning.persistent_config("sm90", True, 513, "bfloat16") == P(128, 128, 256, 64, 8, 3, use_tma=True)
+    assert tuning.persistent_config("sm90", False, None, "float16") == P(128, 256, 256, 64, 8, 3, use_tma=True)
+    assert tuning.persistent_config("sm90", True, 64, "float32").num_stages == 3
+    assert tuning.persistent_config("sm80", True, 64, "bfloat16").use_tma is False
+
+
+@pytest.mark.parametrize("family", tuning.FAMILIES)
+def test_every_family_has_a_plan_and_configs_for_every_shape(family):
+    for gated in (True, False):
+        for inter in (96, 4096, 14336, 28672, 65536):
+            for m in (0, 1, 5, 17, 33, 64, 65, 200, 513, 5000):
+                plan = tuning.auto_plan(family, gated, m, inter, 132)
+                assert plan in ("splitk", "cublas") or parse_policy(plan)[0] in mlp.POLICIES
+                if plan == "splitk":
+                    assert m <= mlp.DECODE_MAX_M
+                    cfg = tuning.splitk_config(family, gated, m, inter, 132)
+                    assert cfg.BLOCK_I in (16, 32, 64, 128) and (cfg.group == 0 or cfg.group >= 2)
+                for dtype in ("float16", "bfloat16", "float32"):
+                    assert tuning.persistent_config(family, gated, m, dtype).BLOCK_M > 0
+
+
+def test_config_table_notes_cite_measurements_that_exist():
+    table = tuning.table()
+    root = Path(__file__).resolve().parents[2]
+    assert table["_rejected"] and all(isinstance(v, str) and v for v in table["_rejected"].values())
+    notes = list(table["_rejected"].values()) + [e.get("_why", "") for kind in ("plan", "splitk", "persistent")
+                                                 for e in table[kind]["sm90"]]
+    cited = {w.strip("(),;") for n in notes for w in n.split() if w.strip("(),;").endswith(".json")}
+    assert cited
+    for name in cited:
+        path = root / name if "/" in name else root / "bench/results" / name
+        assert path.exists(), name
+        json.loads(path.read_text())
+    with pytest.raises(ValueError, match="family must be one of"):
+        tuning.auto_plan("sm70", True, 1, 14336, 80)
 
 
 # --------------------------------------------------------------------------------------------
@@ -319,6 +398,8 @@ def test_bad_inputs():
         fused_mlp(x, w1, w2, policy="multirow:0")
     with pytest.raises(ValueError, match="policy must be one of"):
         fused_mlp(x, w1, w2, policy="halfrow:2")
+    with pytest.raises(ValueError, match="policy must be one of"):
+        fused_mlp(x, w1, w2, policy="cublas:2")
     with pytest.raises(TypeError, match="policy must be a str"):
         fused_mlp(x, w1, w2, policy=2)
     with pytest.raises(ValueError, match="'splitk' is the decode kernel"):
@@ -331,19 +412,17 @@ def test_bad_inputs():
         MlpWorkspace(0)
 
 
-def test_auto_keeps_splitk_to_64_tokens_only_where_it_runs_in_one_wave(monkeypatch):
-    # measured on the H100: Llama-3-8B at M = 64 split-K with 112 programs of 128-wide slices
-    # 156.3 us vs seqsplit 170.7; Llama-3-70B (224 programs, two waves) and GELU lose above 32
-    from flashflow.ops import ffn
-
-    monkeypatch.setattr(ffn, "_sm_count", lambda device: 132)
+def test_auto_on_an_h100_stand_in(monkeypatch):
+    """The op asks flashflow.device for the family and the SM count: with the H100's, auto
+    resolves from its table (Llama-3-8B at M = 64 measured cuBLAS 145.6 µs against split-K's
+    156.5, so cuBLAS; 70B-class slices: cuBLAS; M = 65: the persistent kernel)."""
+    monkeypatch.setattr(mlp, "gpu_family", lambda device: "sm90")
+    monkeypatch.setattr(mlp, "num_sms", lambda device: 132)
     gpu = torch.device("cuda")
-    assert ffn.wide_one_wave(64, 14336, True, gpu)
-    assert not ffn.wide_one_wave(32, 14336, True, gpu)          # M ≤ 32: the two-program config
-    assert not ffn.wide_one_wave(64, 28672, True, gpu)          # 70B: 224 slices, two waves
-    assert not ffn.wide_one_wave(64, 14336, False, gpu)         # GELU: not gated
-    assert not ffn.wide_one_wave(64, 14336, True, torch.device("cpu"))
-    assert resolve_policy("auto", 64, gated=True, inter=14336, device=gpu) == ("splitk", 1)
-    assert resolve_policy("auto", 33, gated=True, inter=28672, device=gpu)[0] == "seqsplit"
-    assert resolve_policy("auto", 48, gated=False, inter=14336, device=gpu)[0] == "halfrow"
-    assert resolve_policy("auto", 65, gated=True, inter=14336, device=gpu)[0] == "seqsplit"
+    assert resolve_policy("auto", 16, True, 14336, gpu) == ("splitk", 1)
+    assert resolve_policy("auto", 64, True, 14336, gpu) == ("cublas", 1)
+    assert resolve_policy("auto", 33, True, 28672, gpu) == ("cublas", 1)
+    assert resolve_policy("auto", 48, False, 14336, gpu) == ("cublas", 1)
+    assert resolve_policy("auto", 65, True, 14336, gpu) == ("seqsplit", 8)
+    assert mlp.splitk_config(16, 14336, True, gpu).group == 2
+    assert mlp.persistent_config(True, gpu, 100, torch.bfloat16).BLOCK_M == 64

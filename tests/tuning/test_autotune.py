@@ -1,7 +1,8 @@
 """Autotune selection logic (the timing itself needs a GPU; here it is a stand-in function)."""
 import pytest
 
-from flashflow.tuning import AttentionConfig, autotune
+from flashflow.tuning import autotune
+from flashflow.tuning.attention import AttentionConfig
 
 
 def test_picks_fastest_skips_failures_and_caches():

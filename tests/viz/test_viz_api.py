@@ -113,3 +113,28 @@ def test_search_on_a_large_grid_stays_bounded(monkeypatch):
     order = [tuple(t) for t in res["path"]]
     assert simulate(shape, order, 4 << 20, 16).read_bytes == res["read_bytes"] \
         <= res["start_read_bytes"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--port", "70000"], "argument --port: must be in [0, 65535] (0 picks a free port), got 70000"),
+    (["--port=-1"], "argument --port: must be in [0, 65535]"),
+    (["--port", "web"], "argument --port: must be an integer, got 'web'"),
+])
+def test_viz_bad_port_is_a_usage_error(argv, message, capsys):
+    from flashflow.cli import main
+    with pytest.raises(SystemExit) as exc:
+        main(["viz", *argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"flashflow viz: error: {message}" in err and "Traceback" not in err
+
+
+def test_viz_port_in_use_is_a_usage_error(server_url, capsys):
+    from flashflow.cli import main
+    port = server_url.rstrip("/").rsplit(":", 1)[1]
+    with pytest.raises(SystemExit) as exc:
+        main(["viz", "--port", port])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"flashflow viz: error: cannot serve on 127.0.0.1:{port}: " in err
+    assert "Traceback" not in err

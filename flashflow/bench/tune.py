@@ -1,0 +1,497 @@
+"""`flashflow tune OP`: time candidate configs of one op beside its anchor, on this GPU.
+
+A candidate is the shipped config with some fields replaced (``--vary FIELD=V1,V2``, repeated;
+by default one field at a time over the op's axes below, ``--product`` for every combination).
+``shipped`` is the op as it ships (its own config lookup); the anchor is SDPA on cuDNN for
+attention and decode, torch (cuBLAS) captured in a CUDA graph for mlp. Every candidate's output
+is checked against the anchor's (relative error ≤ 1e-2, else it is reported and not timed);
+every provider is timed as CUDA-graph replays after a warm-up, in ``--rounds`` interleaved
+rounds (clocks drift with heat: each ratio is taken inside its round, then the median).
+
+Besides config fields, a few plan options vary like fields: ``num_splits``, ``merge``, ``pdl``
+(decode) and ``policy`` (mlp: which kernel and tile order). The JSON goes to
+``--out/tune-OP-<device>.json``; the table printed last lists the best candidate per shape.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import statistics
+import sys
+from pathlib import Path
+
+TOLERANCE = 1e-2
+
+# Default axes (field -> values) per op; a value equal to the shipped one is not a candidate.
+AXES = {
+    "attention": {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8),
+                  "num_stages": (2, 3, 4), "use_tma": (False, True), "warp_specialize": (False, True)},
+    "decode": {"BLOCK_N": (32, 64, 128), "num_stages": (2, 3, 4, 5), "num_splits": (1, 4, 8, 16, 32),
+               "merge": ("rows", "wide"), "pdl": (False, True)},
+    "mlp": {"policy": ("splitk", "seqsplit:8", "multirow:8", "halfrow"),
+            "BLOCK_I": (64, 128), "BLOCK_N": (64, 128), "group": (0, 2, 4),
+            "BLOCK_N1": (128, 256), "num_stages": (3, 4, 5), "use_tma": (False, True)},
+}
+PLAN_OPTIONS = {"attention": (), "decode": ("num_splits", "merge", "pdl"), "mlp": ("policy",)}
+NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+class NotApplicable(Exception):
+    """A candidate that does not exist for this shape (e.g. a split-K field on a prefill shape)."""
+
+
+# --------------------------------------------------------------------------------------------
+# candidates
+# --------------------------------------------------------------------------------------------
+
+
+def _value(text: str):
+    low = text.strip().lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text.strip()
+
+
+def config_classes(op: str) -> tuple:
+    """The config dataclasses whose fields a candidate of ``op`` may replace."""
+    if op == "attention":
+        from flashflow.tuning.attention import AttentionConfig
+
+        return (AttentionConfig,)
+    if op == "decode":
+        from flashflow.tuning.decode import DecodeConfig
+
+        return (DecodeConfig,)
+    from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
+
+    return (SplitKConfig, PersistentConfig)
+
+
+def tunable(op: str) -> tuple[str, ...]:
+    """Every name ``--vary`` takes for ``op``: its configs' fields, then its plan options."""
+    names = [f.name for cls in config_classes(op) for f in dataclasses.fields(cls)] + list(PLAN_OPTIONS[op])
+    return tuple(dict.fromkeys(names))
+
+
+def parse_vary(specs, op: str) -> dict:
+    """``["BLOCK_N=64,128", ...]`` -> ``{"BLOCK_N": (64, 128)}`` (the op's AXES when empty).
+    Raises ValueError naming the spec and the form expected."""
+    if not specs:
+        return dict(AXES[op])
+    axes = {}
+    for spec in specs:
+        field, sep, values = spec.partition("=")
+        field = field.strip()
+        if not sep or not field or not values.strip():
+            raise ValueError(f"--vary must be FIELD=V1,V2,... (e.g. num_stages=3,4), got {spec!r}")
+        if field not in tunable(op):
+            raise ValueError(f"--vary {spec!r}: {op} has no field {field!r}; it takes {', '.join(tunable(op))}")
+        axes[field] = tuple(_value(v) for v in values.split(","))
+    return axes
+
+
+def candidates(axes: dict, product: bool = False) -> dict:
+    """name -> overrides. ``shipped`` (no override) first; then one field at a time, or with
+    ``product`` every combination of the axes' values."""
+    out = {"shipped": {}}
+    if product:
+        fields = list(axes)
+        for values in itertools.product(*(axes[f] for f in fields)):
+            ov = dict(zip(fields, values))
+            out[",".join(f"{f}={v}" for f, v in ov.items())] = ov
+    else:
+        for field, values in axes.items():
+            for v in values:
+                out[f"{field}={v}"] = {field: v}
+    return out
+
+
+def replace_fields(base, overrides: dict, plan_options=()):
+    """``base`` (a frozen config dataclass) with the overrides that are its fields replaced;
+    NotApplicable if an override is neither its field nor a plan option, or changes nothing."""
+    fields = {f.name for f in dataclasses.fields(base)}
+    unknown = [k for k in overrides if k not in fields and k not in plan_options]
+    if unknown:
+        raise NotApplicable(f"{', '.join(unknown)} not a field of {type(base).__name__}")
+    mine = {k: v for k, v in overrides.items() if k in fields}
+    return dataclasses.replace(base, **mine)
+
+
+def _same_as_shipped(base, overrides: dict, plan: dict) -> bool:
+    """Whether a candidate only restates what ships (timed once, as ``shipped``)."""
+    for k, v in overrides.items():
+        current = getattr(base, k) if hasattr(base, k) else plan.get(k)
+        if current != v:
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# per-op cases: the shapes, the anchor, and how to build a candidate
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Case:
+    label: str
+    shape: dict
+    anchor: object     # zero-argument callable, the reference output and the time to beat
+    make: object       # overrides -> zero-argument callable (NotApplicable if it does not exist)
+    work: float        # FLOP or bytes: work / seconds is the metric
+    steps: int         # calls per CUDA graph
+    shipped: dict      # the shipped config's fields and plan options
+
+
+def _sdpa_anchor(qt, kt, vt, causal, gqa=False):
+    """SDPA on cuDNN (FlashAttention's backend where cuDNN refuses the shape); output in
+    FlashAttention's (b, s, h, d) layout."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+        try:
+            run()
+        except RuntimeError:
+            continue
+        run.backend = "sdpa-" + backend.name.split("_")[0].lower()
+        return run
+    raise RuntimeError("neither cuDNN nor FlashAttention SDPA runs this shape")
+
+
+def _attention_shapes(args):
+    from flashflow.bench.suites import attention_shapes
+
+    return [s for s in attention_shapes(args.quick) if not args.head_dims or s.head_dim in args.head_dims]
+
+
+def _attention_case(s, args) -> Case:
+    import torch
+
+    import flashflow
+    from flashflow.device import gpu_family, next_pow2
+    from flashflow.ops.attention import attention_forward
+    from flashflow.tuning.attention import attention_config
+
+    q, k, v = (torch.randn(s.batch, n, s.heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
+               for n in (s.seqlen_q, s.seqlen_k, s.seqlen_k))
+    anchor = _sdpa_anchor(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), s.causal)
+    base = attention_config(max(16, next_pow2(s.head_dim)), s.causal, gpu_family(q.device))
+
+    def make(ov):
+        if not ov:
+            return lambda: flashflow.flash_attn_func(q, k, v, causal=s.causal)
+        if _same_as_shipped(base, ov, {}):
+            raise NotApplicable("the shipped config")
+        cfg = replace_fields(base, ov)
+        return lambda: attention_forward(q, k, v, softmax_scale=s.head_dim ** -0.5,
+                                         window_right=0 if s.causal else None, return_lse=False,
+                                         heavy_first=s.causal, config=cfg)[0]
+    return Case(s.label, s.as_dict(), anchor, make, s.flops, 4, dataclasses.asdict(base))
+
+
+def _decode_shapes(args):
+    from flashflow.bench.decode import decode_shapes
+
+    return [(*shape, paged) for shape in decode_shapes(args.quick) for paged in (False, True)[:1 + args.paged]]
+
+
+def _decode_case(shape, args) -> Case:
+    import torch
+
+    from flashflow.bench.decode import PAGE_SIZE, cycling, kv_bytes, paged_copy, rotation
+    from flashflow.ops.decode import DecodePlan
+
+    b, s, h, hk, d, paged = shape
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    kc = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    lens = torch.full((b,), s, dtype=torch.int32, device="cuda")
+    nbytes = kv_bytes(b, s, hk, d)
+    # caches under three L2s are cloned and the steps cycle through the clones: a step must not
+    # find the previous step's cache in L2 (in a model the other layers' weights flush it)
+    copies = rotation(nbytes, torch.cuda.get_device_properties(0).L2_cache_size)
+
+    def clones(*ts):
+        return [ts] + [tuple(t.clone() for t in ts) for _ in range(copies - 1)]
+
+    qt = q.transpose(1, 2)
+    anchors = [_sdpa_anchor(qt, a, c, False, gqa=h != hk)
+               for a, c in clones(kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous())]
+    anchor = cycling(lambda i: anchors[i], copies)
+    anchor.backend = anchors[0].backend
+    table = None
+    if paged:
+        kc, vc, table = paged_copy(kc, vc, PAGE_SIZE, generator=g)
+    caches = clones(kc, vc)
+    shipped = DecodePlan(b, h, hk, d, s, device="cuda")
+    plan_opts = {"num_splits": shipped.num_splits, "merge": shipped.merge, "pdl": shipped.pdl}
+
+    def make(ov):
+        plan = shipped
+        if ov:
+            if _same_as_shipped(shipped.config, ov, plan_opts):
+                raise NotApplicable("the shipped config")
+            cfg = replace_fields(shipped.config, ov, PLAN_OPTIONS["decode"])
+            opts = {**plan_opts, **{k: v for k, v in ov.items() if k in plan_opts}}
+            try:
+                plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, **opts)
+            except ValueError as e:
+                raise NotApplicable(str(e)) from e
+        return cycling(lambda i: lambda: plan.run(q, *caches[i], cache_seqlens=lens, block_table=table), copies)
+    label = f"b{b} s{s} h{h}/{hk} d{d}{' paged' if paged else ''}"
+    info = {"batch": b, "seqlen": s, "heads": h, "kv_heads": hk, "head_dim": d, "paged": paged, "copies": copies}
+    return Case(label, info, anchor, make, nbytes, 16, {**dataclasses.asdict(shipped.config), **plan_opts})
+
+
+def _mlp_shapes(args):
+    from flashflow.bench import mlp_suite
+
+    tokens = args.tokens or (mlp_suite.QUICK_TOKENS if args.quick else mlp_suite.TOKENS)
+    return [(*mo, m) for mo in mlp_suite.MODELS if not args.models or mo[0] in args.models for m in tokens]
+
+
+def _mlp_case(shape, args) -> Case:
+    import torch
+
+    from flashflow.bench import mlp_suite
+    from flashflow.ops import mlp
+
+    model, act, hidden, inter, m = shape
+    x, w1, w2 = mlp_suite.make_inputs(act, hidden, inter, m, torch.bfloat16)
+    ws = mlp.MlpWorkspace(hidden, max_tokens=m, device="cuda")
+    shipped_policy = _mlp_shipped(None, x, w2, act)
+
+    def make(ov):
+        if not ov:
+            return lambda: mlp.fused_mlp(x, w1, w2, act, workspace=ws)
+        policy = ov.get("policy", shipped_policy)
+        if policy == "cublas":
+            raise NotApplicable("cuBLAS is the anchor")
+        name, rows = mlp.parse_policy(policy)
+        if name == "splitk" and m > mlp.DECODE_MAX_M:
+            raise NotApplicable(f"split-K takes at most {mlp.DECODE_MAX_M} tokens")
+        base = _mlp_shipped(name, x, w2, act)
+        if _same_as_shipped(base, ov, {"policy": shipped_policy}):
+            raise NotApplicable("the shipped config")
+        cfg = replace_fields(base, ov, PLAN_OPTIONS["mlp"])
+        if name == "splitk":
+            return lambda: mlp.launch_splitk(x, w1, w2, act, ws, config=cfg)
+        return lambda: mlp.launch_persistent(x, w1, w2, act, name, rows, ws, config=cfg)
+    info = {"model": model, "activation": act, "hidden": hidden, "intermediate": inter, "M": m}
+    kernel = "splitk" if shipped_policy == "splitk" else "persistent"
+    return Case(f"{model} M={m}", info, lambda: mlp_suite.torch_ffn(x, w1, w2, act), make,
+                mlp_suite.weight_bytes(act, hidden, inter), mlp_suite.steps_for(m),
+                {**dataclasses.asdict(_mlp_shipped(kernel, x, w2, act)), "policy": shipped_policy})
+
+
+def _mlp_shipped(kernel, x, w2, act):
+    """What ships for this shape: with ``kernel`` None the plan ``policy="auto"`` runs
+    (``"splitk"``, ``"cublas"`` or a tile order ``NAME:R``); with ``"splitk"`` that kernel's
+    config, with any other policy name the persistent kernel's."""
+    from flashflow.device import gpu_family, num_sms
+    from flashflow.tuning import mlp as tuning
+
+    family, sms, gated, (m, hidden), inter = gpu_family(x.device), num_sms(x.device), act == "swiglu", x.shape, w2.shape[1]
+    if kernel is None:
+        return tuning.auto_plan(family, gated, m, inter, sms)
+    if kernel == "splitk":
+        return tuning.splitk_config(family, gated, m, inter, sms)
+    return tuning.persistent_config(family, gated, m, str(x.dtype).replace("torch.", ""))
+
+
+# op -> (its shapes from the parsed arguments, the case of one shape)
+OPS = {"attention": (_attention_shapes, _attention_case), "decode": (_decode_shapes, _decode_case),
+       "mlp": (_mlp_shapes, _mlp_case)}
+UNITS = {"attention": "TFLOP/s", "decode": "TB/s", "mlp": "TB/s"}
+ANCHORS = {"attention": "sdpa", "decode": "sdpa", "mlp": "torch+graph"}
+
+
+# --------------------------------------------------------------------------------------------
+# timing
+# --------------------------------------------------------------------------------------------
+
+
+def _rel(out, ref) -> float:
+    out, ref = out.float(), ref.float()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar) -> dict:
+    """One shape: check every candidate against the anchor, then time them all, interleaved."""
+    import torch
+
+    from flashflow.bench.decode import graph_time_ms
+
+    ref = case.anchor()
+    fns = {"anchor": case.anchor}
+    row = {"label": case.label, "shape": case.shape, "shipped_config": case.shipped,
+           "anchor": getattr(case.anchor, "backend", None), "candidates": {}, "skipped": {}}
+    for name, ov in cands.items():
+        try:
+            fn = case.make(ov)
+            err = _rel(fn(), ref)
+        except NotApplicable as e:
+            row["skipped"][name] = str(e)
+            continue
+        except Exception as e:  # noqa: BLE001 — a config that does not compile or fit is a result
+            row["candidates"][name] = {"overrides": ov, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            continue
+        row["candidates"][name] = {"overrides": ov, "rel_err": err}
+        if err <= TOLERANCE:
+            fns[name] = fn
+        else:
+            row["candidates"][name]["error"] = f"relative error {err:.2e} > {TOLERANCE}"
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    samples = {name: [] for name in fns}
+    for r in range(rounds):
+        order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]   # rotate who runs first
+        for name in order:
+            try:
+                samples[name].append(graph_time_ms(fns[name], case.steps, warmup, rep) * 1e3)
+            except Exception as e:  # noqa: BLE001
+                samples[name].append(None)
+                row["candidates"].setdefault(name, {})["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            bar.update()
+    bar.update(rounds * (len(cands) + 1 - len(fns)))   # skipped or refused: done too
+    base = samples.pop("anchor")
+    row["anchor_us"] = statistics.median(u for u in base if u is not None)
+    for name, us in samples.items():
+        if None in us:
+            continue
+        med = statistics.median(us)
+        row["candidates"][name].update(us=med, rounds_us=[round(u, 2) for u in us],
+                                       metric=case.work / (med * 1e-6) / 1e12,
+                                       vs_anchor=statistics.median(b / u for b, u in zip(base, us)))
+    timed = {n: c for n, c in row["candidates"].items() if "us" in c}
+    if timed:
+        row["best"] = min(timed, key=lambda n: timed[n]["us"])
+    return row
+
+
+def table(rows, unit: str, anchor: str) -> str:
+    head = f"| shape | {anchor} µs | shipped µs | {unit} | best | µs | {unit} | best ÷ shipped |"
+    lines = [head, "|:--|--:|--:|--:|:--|--:|--:|--:|"]
+    for r in rows:
+        c = r["candidates"]
+        ship, best = c.get("shipped", {}), c.get(r.get("best"), {})
+
+        def cell(d, key, spec):
+            return format(d[key], spec) if key in d else "—"
+        gain = f"{ship['us'] / best['us']:.3f}" if "us" in ship and "us" in best else "—"
+        lines.append(f"| {r['label']} | {r['anchor_us']:.1f} | {cell(ship, 'us', '.1f')} | "
+                     f"{cell(ship, 'metric', '.2f')} | {r.get('best', '—')} | {cell(best, 'us', '.1f')} | "
+                     f"{cell(best, 'metric', '.2f')} | {gain} |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# command line
+# --------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {text!r}") from None
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults shown (empty ones say "none" in their help instead), the description's paragraphs kept."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, (), "", False):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("tune", help="time candidate configs of an op beside its anchor (GPU)",
+                              description=__doc__, formatter_class=_Formatter)
+    p.add_argument("op", choices=sorted(AXES), help="which op's configs to sweep")
+    p.add_argument("--vary", action="append", default=None, metavar="FIELD=V1,V2",
+                   help="a field (or plan option) and its values; repeat for more. Default per op: "
+                        + "; ".join(f"{op}: " + " ".join(f"{f}={','.join(map(str, v))}" for f, v in ax.items())
+                                    for op, ax in AXES.items()))
+    p.add_argument("--product", action="store_true",
+                   help="every combination of the --vary values, not one field at a time")
+    p.add_argument("--quick", action="store_true", help="the bench suite's quick shapes")
+    p.add_argument("--head-dims", type=_int_list, default=(), metavar="D,D",
+                   help="attention: only these head dims (none: all the suite's)")
+    p.add_argument("--paged", action="store_true", help="decode: also 64-token pages behind a shuffled table")
+    p.add_argument("--models", default="", help="mlp: comma list of the mlp suite's FFNs (none: all)")
+    p.add_argument("--tokens", type=_int_list, default=(), metavar="M,M",
+                   help="mlp: token counts (none: the mlp suite's)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (medians reported)")
+    p.add_argument("--warmup", type=int, default=25, metavar="MS", help="do_bench warm-up per measurement")
+    p.add_argument("--rep", type=int, default=100, metavar="MS", help="do_bench measuring time per measurement")
+    p.add_argument("--out", type=Path, default=Path("bench/results"), help="folder of the JSON")
+    p.set_defaults(func=main, parser=p)
+
+
+def _validate(args):
+    """Parsed options that argparse cannot check alone (ValueError with the fix)."""
+    from flashflow.bench import mlp_suite
+
+    args.models = tuple(m for m in args.models.split(",") if m)
+    known = [mo[0] for mo in mlp_suite.MODELS]
+    bad = [m for m in args.models if m not in known]
+    if bad:
+        raise ValueError(f"--models must be a comma list of {', '.join(known)}, got {', '.join(bad)}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    return candidates(parse_vary(args.vary, args.op), args.product)
+
+
+def main(args: argparse.Namespace) -> int:
+    parser = getattr(args, "parser", None)
+    try:
+        cands = _validate(args)
+    except ValueError as e:
+        if parser is None:
+            raise
+        parser.error(str(e))   # exits 2 with the usage line
+    import torch
+
+    from flashflow.device import interpreting
+
+    if not torch.cuda.is_available() or interpreting():
+        reason = NO_GPU if not torch.cuda.is_available() else "times the GPU: unset TRITON_INTERPRET"
+        print(f"flashflow tune: {reason}", file=sys.stderr)
+        return 2
+    from flashflow.bench import runner
+    from flashflow.progress import progress
+
+    env = runner.environment()
+    shapes_of, case_of = OPS[args.op]
+    shapes = shapes_of(args)
+    rows = []
+    with progress(len(shapes) * args.rounds * (len(cands) + 1), f"tune {args.op}") as bar:
+        for shape in shapes:
+            case = case_of(shape, args)
+            rows.append(tune_case(case, cands, args.rounds, args.warmup, args.rep, bar))
+            del case   # its tensors, before the next shape allocates
+            torch.cuda.empty_cache()
+    result = {"suite": f"tune-{args.op}", **env, "dtype": "bfloat16", "unit": UNITS[args.op],
+              "tolerance": TOLERANCE, "candidates": cands, "rows": rows,
+              "timing": {"rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
+                         "return_mode": "median", "cuda_graph": True}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"tune-{args.op}-{runner.device_slug(env['device'])}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(table(rows, UNITS[args.op], ANCHORS[args.op]))
+    print(f"\nresults: {path}")
+    return 0

@@ -1,0 +1,66 @@
+"""Which keys a query row may see, shared by the attention kernels (prefill and decode).
+
+FlashAttention's rule, aligned to the bottom-right corner of the score matrix: query row ``i``
+has the *diagonal* key ``diag = i + seqlen_k − seqlen_q`` and may see key ``j`` iff
+
+    diag − window_left <= j <= diag + window_right      (and j < seqlen_k)
+
+where an unbounded side is left out (``HAS_LEFT`` / ``HAS_RIGHT`` false) and causal attention
+is ``window_right = 0``. The launchers turn ``causal`` / ``window_size`` into these two bounds
+(:func:`flashflow.ops.validate.window_bounds`).
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rows_mask(offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr):
+    """``(rows, head_dim)`` tile mask: rows before ``n_rows`` (the sequence's end), real columns
+    of a head_dim padded to a power of two."""
+    return (offs_rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+
+
+@triton.jit
+def key_allowed(in_seq, offs_n, diag, window_left, window_right,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """``(rows, keys)`` mask of the keys each row may see: ``in_seq`` (``[1, keys]``) marks the
+    keys that exist, ``diag`` (``[rows, 1]``) is each row's diagonal key."""
+    allowed = in_seq
+    if HAS_RIGHT:
+        allowed &= offs_n[None, :] <= diag + window_right
+    if HAS_LEFT:
+        allowed &= offs_n[None, :] >= diag - window_left
+    return allowed
+
+
+@triton.jit
+def window_start(first_diag, window_left, BLOCK_N: tl.constexpr):
+    """First key block any row may see, for rows whose smallest diagonal is ``first_diag``: the
+    left edge of the window, rounded down to a block."""
+    lo = tl.maximum(first_diag - window_left, 0)
+    return (lo // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right,
+               BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               HAS_BIAS: tl.constexpr):
+    """Key range ``[lo, hi)`` of the query rows ``m_start..m_last`` of one tile, and the part
+    ``[full_lo, full_hi)`` of it where every row may see every key of a block (the unmasked hot
+    loop; it may be empty or lie outside ``[lo, hi)``: the caller clamps). ``diag_offset``:
+    ``seqlen_k − seqlen_q``. An additive bias can mask anywhere: then no block is unmasked."""
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = (seqlen_k // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = window_start(m_start + diag_offset, window_left, BLOCK_N)
+        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
+        full_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
+        right_edge = tl.minimum(m_start + diag_offset + window_right + 1, seqlen_k)
+        full_hi = (tl.maximum(right_edge, 0) // BLOCK_N) * BLOCK_N
+    if HAS_BIAS:
+        full_lo = hi
+    return lo, hi, full_lo, full_hi

@@ -1,0 +1,148 @@
+"""`flashflow tune`: argument parsing, candidate generation and the no-GPU error, on the CPU."""
+import argparse
+import dataclasses
+
+import pytest
+import torch
+
+from flashflow import cli
+from flashflow.bench import tune
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    BLOCK_N: int
+    num_stages: int
+    use_tma: bool = False
+
+
+def _parse(*argv):
+    return cli.build_parser().parse_args(["tune", *argv])
+
+
+def test_defaults_are_the_ops_axes_three_rounds_and_bench_results():
+    args = _parse("decode")
+    assert (args.op, args.rounds, str(args.out), args.vary, args.product) == ("decode", 3, "bench/results", None, False)
+    assert tune.parse_vary(args.vary, "decode") == tune.AXES["decode"]
+
+
+def test_help_shows_defaults_and_every_op(capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse("--help")
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines at the terminal width
+    assert "(default: 3)" in out and "(default: bench/results)" in out
+    assert "{attention,decode,mlp}" in out
+
+
+def test_vary_values_are_typed_and_fields_checked():
+    axes = tune.parse_vary(["BLOCK_N=64,128", "use_tma=true,false", "policy=seqsplit:8,splitk"], "mlp")
+    assert axes == {"BLOCK_N": (64, 128), "use_tma": (True, False), "policy": ("seqsplit:8", "splitk")}
+    with pytest.raises(ValueError, match="FIELD=V1,V2"):
+        tune.parse_vary(["BLOCK_N"], "mlp")
+    with pytest.raises(ValueError, match="decode has no field 'BLOCK_I'.*BLOCK_N"):
+        tune.parse_vary(["BLOCK_I=64"], "decode")
+
+
+def test_every_default_axis_is_a_field_or_a_plan_option():
+    for op, axes in tune.AXES.items():
+        assert set(axes) <= set(tune.tunable(op)), op
+
+
+def test_candidates_one_field_at_a_time_or_every_combination():
+    axes = {"BLOCK_N": (64, 128), "num_stages": (3, 4, 5)}
+    one = tune.candidates(axes)
+    assert list(one) == ["shipped", "BLOCK_N=64", "BLOCK_N=128", "num_stages=3", "num_stages=4", "num_stages=5"]
+    assert one["shipped"] == {} and one["num_stages=4"] == {"num_stages": 4}
+    every = tune.candidates(axes, product=True)
+    assert len(every) == 1 + 2 * 3
+    assert every["BLOCK_N=128,num_stages=5"] == {"BLOCK_N": 128, "num_stages": 5}
+
+
+def test_a_candidate_replaces_fields_of_the_shipped_config():
+    base = _Config(64, 3)
+    assert tune.replace_fields(base, {"num_stages": 4}) == _Config(64, 4)
+    assert tune.replace_fields(base, {"BLOCK_N": 128, "num_splits": 8}, ("num_splits",)) == _Config(128, 3)
+    assert base == _Config(64, 3)   # frozen: the shipped config is not touched
+    with pytest.raises(tune.NotApplicable, match="BLOCK_I"):
+        tune.replace_fields(base, {"BLOCK_I": 64})
+    assert tune._same_as_shipped(base, {"num_stages": 3}, {})
+    assert tune._same_as_shipped(base, {"num_splits": 4}, {"num_splits": 4})
+    assert not tune._same_as_shipped(base, {"num_stages": 3, "num_splits": 8}, {"num_splits": 4})
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["mlp", "--vary", "nope=1"], "mlp has no field 'nope'"),
+    (["mlp", "--models", "gpt5"], "--models must be a comma list of"),
+    (["decode", "--rounds", "0"], "--rounds must be >= 1"),
+])
+def test_bad_options_are_argparse_errors_naming_the_value(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["tune", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "flashflow tune: error:" in err and message in err
+
+
+def test_bad_token_list_is_refused_by_argparse(capsys):
+    with pytest.raises(SystemExit):
+        _parse("mlp", "--tokens", "1,x")
+    assert "comma list of integers" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without a GPU")
+@pytest.mark.parametrize("op", sorted(tune.AXES))
+def test_without_a_gpu_one_line_error_and_exit_2(capsys, tmp_path, op):
+    assert cli.main(["tune", op, "--out", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "flashflow tune: " + tune.NO_GPU
+    assert captured.out == "" and not any(tmp_path.iterdir())
+
+
+def test_shape_selection_follows_the_options():
+    args = argparse.Namespace(quick=True, head_dims=(128,), paged=True, models=("llama3-8b",), tokens=(8, 64))
+    assert all(s.head_dim == 128 for s in tune._attention_shapes(args))
+    shapes = tune._decode_shapes(args)
+    assert [s[-1] for s in shapes[:2]] == [False, True] and len(shapes) % 2 == 0
+    assert tune._mlp_shapes(args) == [("llama3-8b", "swiglu", 4096, 14336, 8), ("llama3-8b", "swiglu", 4096, 14336, 64)]
+
+
+def test_a_case_checks_skips_and_times_candidates_against_the_anchor(monkeypatch):
+    """tune_case with stand-in kernels and clock: a wrong output is reported and not timed, a
+    candidate that does not exist is skipped, the fastest correct one is the best."""
+    from flashflow.bench import decode
+
+    ref = torch.ones(8)
+    speed = {"anchor": 10.0, "shipped": 8.0, "num_stages=4": 5.0}
+
+    def timed(name, out):
+        fn = lambda: out  # noqa: E731
+        fn.name = name
+        return fn
+
+    def make(ov):
+        if ov == {}:
+            return timed("shipped", ref)
+        if ov == {"num_stages": 4}:
+            return timed("num_stages=4", ref * 1.001)
+        if ov == {"num_stages": 5}:
+            return timed("num_stages=5", ref * 2)    # wrong
+        raise tune.NotApplicable("not for this shape")
+
+    monkeypatch.setattr(decode, "graph_time_ms", lambda fn, steps, warmup, rep: speed[fn.name] / 1e3)
+    case = tune.Case("s", {}, timed("anchor", ref), make, work=1e6, steps=1, shipped={})
+    cands = tune.candidates({"num_stages": (4, 5), "BLOCK_N": (64,)})
+    done = []
+
+    class Bar:
+        def update(self, n=1):
+            done.append(n)
+    row = tune.tune_case(case, cands, rounds=3, warmup=1, rep=1, bar=Bar())
+    c = row["candidates"]
+    assert row["best"] == "num_stages=4" and row["anchor_us"] == 10.0
+    assert c["num_stages=4"]["us"] == 5.0 and c["num_stages=4"]["vs_anchor"] == 2.0
+    assert c["shipped"]["rounds_us"] == [8.0, 8.0, 8.0]
+    assert "relative error" in c["num_stages=5"]["error"] and "us" not in c["num_stages=5"]
+    assert row["skipped"] == {"BLOCK_N=64": "not for this shape"}
+    assert sum(done) == 3 * (len(cands) + 1)
+    assert "| s | 10.0 | 8.0 |" in tune.table([{**row, "label": "s"}], "TB/s", "sdpa")
