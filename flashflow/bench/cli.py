@@ -1,9 +1,9 @@
 """`flashflow bench`: time flashflow against its anchors on the GPU and keep the numbers.
 
 Suites: attention (default; flashflow vs SDPA cuDNN / FLASH), decode, mlp, memory, dataflow.
-Each writes ``<suite>-<device>.json`` to --out. Without a CUDA GPU the attention suite runs a
+Each writes <suite>-<device>.json to --out. Without a CUDA GPU the attention suite runs a
 small correctness demo through Triton's interpreter instead; the other suites need the GPU.
-``--from-json`` prints a saved result's tables, ``--tables`` the tables of docs/results.md.
+--from-json prints a saved result's tables, --tables the tables of docs/results.md.
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--suite", choices=_ALL_SUITES, default=None,
                    help="what to measure (default: attention): " + "; ".join(
                        [f"attention: flashflow's forward vs {', '.join(SUITES['attention'].anchors)}"]
-                       + [f"{name}: {r.measures.removesuffix(' on a CUDA GPU')}" for name, r in sorted(RUNNERS.items())]))
+                       + [f"{name}: {r.measures}" for name, r in sorted(RUNNERS.items())]))
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
                    help="comma list (default: all of the suite's; attention: "
@@ -300,9 +300,9 @@ def _run_runner(name: str, args) -> int:
 
     spec = RUNNERS[name]
     if not torch.cuda.is_available():
-        return _error(f"--suite {name} {spec.measures}, and torch finds none (torch.cuda.is_available() "
-                      "is False). Without a GPU, `flashflow bench` runs the attention suite's correctness "
-                      "demo in Triton's interpreter, and `--from-json FILE` prints a saved result.")
+        return _error(f"--suite {name} needs a CUDA GPU (it {spec.measures}) and torch.cuda.is_available() "
+                      "is False; without one, only the attention suite runs (a correctness demo in "
+                      "Triton's interpreter)")
     if interpreting():
         return _error(f"--suite {name}: TRITON_INTERPRET is set, so the kernels would run in the CPU "
                       "interpreter. Unset it to benchmark the GPU.")

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from flashflow.device import gpu_family, interpreting
-from flashflow.tuning import AttentionConfig, config_from_entry
-from flashflow.tuning import table as tuning_table
+from flashflow.tuning import families as tuning_families
+from flashflow.tuning.attention import TABLE as ATTENTION_TABLE
+from flashflow.tuning.attention import AttentionConfig, config_from_entry, shipped_entries
 
 OPS = ("attention", "decode", "mlp")
 
@@ -53,35 +54,36 @@ class Case:
 def shipped_configs(family: str | None = None) -> list[dict]:
     """Entries of the attention config table in table order, each with its family; all families
     if None."""
-    table = tuning_table("attention_fwd")
-    known = [f for f in table if not f.startswith("_")]
-    families = known if family is None else [family]
-    unknown = [f for f in families if f not in known]
-    if unknown:
-        raise ValueError(f"--family must be one of {', '.join(known)}, got {unknown[0]!r}")
-    return [{"family": f, **entry} for f in families for entry in table[f]]
+    try:
+        return shipped_entries(family)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
 
 
-def _attention_forward(device: str, cfg: AttentionConfig, head_dim: int, causal: bool, **launch) -> None:
-    """The forward launch with the arguments flash_attn_func passes, so the kernel is the one
-    the benchmark times; ``cfg`` and ``launch`` force a config and a code path."""
+def _attention_forward(device: str, cfg: AttentionConfig, head_dim: int, causal: bool, bias: bool = False,
+                       **launch) -> None:
+    """The forward launch with the arguments flash_attn_func passes (with ``bias``: what
+    scaled_dot_product_attention passes for a (seqlen, seqlen) attn_mask), so the kernel is the
+    one the benchmark times; ``cfg`` and ``launch`` force a config and a code path."""
     import torch
 
     from flashflow.ops.attention import attention_forward
 
     q, k, v = (torch.empty(_BATCH, _SEQLEN, _HEADS, head_dim, device=device, dtype=torch.bfloat16)
                for _ in range(3))
+    if bias:
+        launch["bias"] = torch.zeros(_SEQLEN, _SEQLEN, device=device).expand(_BATCH, _HEADS, _SEQLEN, _SEQLEN)
     attention_forward(q, k, v, softmax_scale=head_dim ** -0.5, window_right=0 if causal else None,
                       heavy_first=causal, return_lse=False, config=cfg, **launch)
 
 
-def attention_variants(cfg: AttentionConfig, causal: bool):
+def attention_variants(cfg: AttentionConfig, causal: bool, bias: bool = False):
     """(name, config, extra launch arguments) of each code path a config ships.
 
     The tail split compiles its own variant of the forward kernel plus a merge kernel, and
     whether it runs depends on the SM count; both paths are forced here so both are reported.
     """
-    if not getattr(cfg, "tail_split", False):
+    if not getattr(cfg, "tail_split", False) or bias:   # the ops split only launches without a bias
         yield "main", cfg, {}
         return
     yield "main", cfg.replace(tail_split=False), {}
@@ -93,17 +95,18 @@ def attention_variants(cfg: AttentionConfig, causal: bool):
 
 def _config_columns(entry: dict, causal, variant) -> dict:
     return {"family": entry["family"], "head_dim_max": entry["head_dim_max"], "causal": causal,
-            "variant": variant, **config_from_entry(entry).as_dict()}
+            "bias": bool(entry.get("bias")), "variant": variant, **config_from_entry(entry).as_dict()}
 
 
 def attention_cases(family: str) -> list[Case]:
     cases = []
     for entry in shipped_configs(family):
         for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
-            for variant, cfg, extra in attention_variants(config_from_entry(entry), causal):
-                def launch(device, cfg=cfg, d=entry["head_dim_max"], causal=causal, extra=extra):
-                    _attention_forward(device, cfg, d, causal, **extra)
-                label = f"d<={entry['head_dim_max']}{' causal' if causal else ''} {variant}"
+            bias = bool(entry.get("bias"))
+            for variant, cfg, extra in attention_variants(config_from_entry(entry), causal, bias):
+                def launch(device, cfg=cfg, d=entry["head_dim_max"], causal=causal, bias=bias, extra=extra):
+                    _attention_forward(device, cfg, d, causal, bias, **extra)
+                label = f"d<={entry['head_dim_max']}{' causal' if causal else ''}{' bias' if bias else ''} {variant}"
                 cases.append(Case("attention", label, launch, _config_columns(entry, causal, variant)))
     return cases
 
@@ -144,7 +147,7 @@ def decode_cases() -> list[Case]:
 # ----------------------------------------------------------------------------- fused FFN
 
 
-def _mlp(device: str, m: int, activation: str, hidden: int, inter: int) -> None:
+def _mlp(device: str, m: int, activation: str, hidden: int, inter: int, policy: str) -> None:
     import torch
 
     from flashflow import fused_mlp
@@ -155,20 +158,24 @@ def _mlp(device: str, m: int, activation: str, hidden: int, inter: int) -> None:
     x = make(m, hidden, device=device, dtype=torch.bfloat16)
     w1 = make(rows, hidden, device=device, dtype=torch.bfloat16)
     w2 = make(hidden, inter, device=device, dtype=torch.bfloat16)
-    fused_mlp(x, w1, w2, activation)
+    fused_mlp(x, w1, w2, activation, policy)
 
 
 def mlp_cases() -> list[Case]:
-    """The mlp suite's FFNs at token counts that reach each of ``policy="auto"``'s kernels and
-    configs (split-K slices, one-wave split-K, the persistent kernel's two tile classes)."""
+    """The mlp suite's FFNs at token counts that reach each shipped config of the split-K kernel
+    (plain and grouped slices, 64- and 128-wide, one wave) and of the persistent kernel (its
+    small- and large-M tiles), each kernel named by its policy: ``auto`` hands some of these
+    token counts to cuBLAS, which is no kernel of flashflow's."""
     from flashflow.bench.mlp_suite import MODELS
 
-    picks = {"llama3-8b": (1, 16, 64, 256, 1024), "llama3-70b": (16,), "gpt3-4096x14336-gelu": (1, 64, 1024)}
+    picks = {"llama3-8b": ((1, "splitk"), (16, "splitk"), (64, "splitk"), (256, "seqsplit:8"), (1024, "multirow:8")),
+             "llama3-70b": ((16, "splitk"),),
+             "gpt3-4096x14336-gelu": ((1, "splitk"), (64, "seqsplit:8"), (1024, "multirow:8"))}
     cases = []
     for name, act, hidden, inter in MODELS:
-        for m in picks.get(name, ()):
-            cases.append(Case("mlp", f"{name} M={m}",
-                              lambda device, a=(m, act, hidden, inter): _mlp(device, *a)))
+        for m, policy in picks.get(name, ()):
+            cases.append(Case("mlp", f"{name} M={m} {policy}",
+                              lambda device, a=(m, act, hidden, inter, policy): _mlp(device, *a)))
     return cases
 
 
@@ -277,7 +284,7 @@ def kernel_resource_report(family: str | None = None, offline: bool = False, ops
 
 
 def _all_families() -> list[str]:
-    return [f for f in tuning_table("attention_fwd") if not f.startswith("_")]
+    return tuning_families(ATTENTION_TABLE)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -290,7 +297,7 @@ _TEXT = ("family", "case", "variant", "kernel")
 _TITLES = {"attention": "attention forward, one config table entry per line (bf16, batch {b}, seqlen {s}, "
                         "{h} heads, head_dim = d<=)".format(b=_BATCH, s=_SEQLEN, h=_HEADS),
            "decode": "decode attention through flash_attn_with_kvcache (bf16, one query token)",
-           "mlp": "fused FFN through fused_mlp (bf16, policy auto)"}
+           "mlp": "fused FFN through fused_mlp (bf16, the policy named)"}
 
 
 def _cell(value) -> str:

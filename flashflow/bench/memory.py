@@ -132,10 +132,11 @@ def markdown_table(rows: list[dict]) -> str:
 
 def caption(result: dict) -> str:
     shape = result["shape"]
-    return (f"Measured on {result['device']} (torch {result['torch']}, triton {result['triton']}): "
-            f"batch {shape['batch']}, {shape['heads']} heads, head_dim {shape['head_dim']}, "
-            f"{shape['dtype']}, non-causal; peak bytes allocated during one forward call beyond "
-            f"the resident inputs.")
+    dtype = {"float16": "fp16", "bfloat16": "bf16"}.get(shape["dtype"], shape["dtype"])
+    return (f"Measured on {result['device']} ({result['date_utc'][:10]}, torch {result['torch']}, "
+            f"triton {result['triton']}): batch {shape['batch']}, {shape['heads']} heads, head_dim "
+            f"{shape['head_dim']}, {dtype}, non-causal; peak bytes allocated during one forward call "
+            f"beyond the resident inputs.")
 
 
 def run(args) -> int:

@@ -91,20 +91,24 @@ def make_providers(x, w1, w2, activation, names=PROVIDERS) -> dict:
 
 
 def model_traffic(activation: str, hidden: int, inter: int, m: int, policy: str,
-                  capability=(9, 0), hw=None) -> dict:
-    """DRAM bytes the dataflow model predicts for one call of the persistent kernel: its own
-    tiles (:func:`flashflow.ops.mlp.persistent_config_for`) in its own ticket order
-    (:func:`flashflow.ops.mlp.issue_order`), replayed through ``hw``'s L2 (default: the
-    partitioned H100 model, :data:`flashflow.dataflow.model.H100_PARTITIONED`)."""
+                  family: str = "sm90", sms: int = 132, hw=None, dtype: str = "bfloat16") -> dict:
+    """DRAM bytes the dataflow model predicts for one call of the persistent kernel: the tiles
+    ``family`` ships for it (:func:`flashflow.tuning.mlp.persistent_config`) in its own ticket
+    order (:func:`flashflow.ops.mlp.issue_order`; ``"auto"`` as it resolves on ``sms`` SMs),
+    replayed through ``hw``'s L2 (default: the partitioned H100 model,
+    :data:`flashflow.dataflow.model.H100_PARTITIONED`)."""
     from flashflow.dataflow.chain import FfnShape, simulate_tickets
     from flashflow.dataflow.model import H100_PARTITIONED
     from flashflow.ops import mlp
+    from flashflow.tuning import mlp as tuning
 
     gated = activation == "swiglu"
-    cfg = mlp.persistent_config_for(gated, capability, m)
-    name, rows = mlp.resolve_policy(policy, m, cfg, gated)
-    if name == "splitk":
-        raise ValueError(f"the traffic model covers the persistent kernel (M > {mlp.DECODE_MAX_M}), got M={m}")
+    cfg = tuning.persistent_config(family, gated, m, dtype)
+    name, rows = mlp.parse_policy(policy)
+    if name == "auto":
+        name, rows = mlp.parse_policy(tuning.auto_plan(family, gated, m, inter, sms))
+    if name in ("splitk", "cublas"):
+        raise ValueError(f"the traffic model covers the persistent kernel, and {policy!r} runs {name} at M={m}")
     s = FfnShape(m, hidden, inter, cfg.BLOCK_M, cfg.BLOCK_N0, cfg.BLOCK_K, 2, gated, block_n1=cfg.BLOCK_N1)
     order = mlp.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
     r = simulate_tickets(s, order, hw or H100_PARTITIONED)

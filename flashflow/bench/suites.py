@@ -118,15 +118,15 @@ ATTENTION_DEFAULTS = {"dtype": "bf16", "warmup": 25, "rep": 100}
 
 RUNNERS: dict[str, Runner] = {
     "decode": Runner("flashflow.bench.decode",
-                     "times decode attention against SDPA's cuDNN and FLASH backends on a CUDA GPU",
+                     "times decode attention against SDPA's cuDNN and FLASH backends",
                      frozenset({"quick", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 25, "rep": 100}),
     "mlp": Runner("flashflow.bench.mlp_suite",
-                  "times the fused FFN's policies against cuBLAS on a CUDA GPU",
+                  "times the fused FFN's policies against cuBLAS",
                   frozenset({"quick", "providers", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 5, "rep": 20}),
     "memory": Runner("flashflow.bench.memory",
-                     "measures the peak CUDA memory of naive attention and flash_attn_func on a CUDA GPU",
+                     "measures the peak CUDA memory of naive attention and flash_attn_func",
                      frozenset({"quick", "dtype"}), {"dtype": "fp16"}),
     "dataflow": Runner("flashflow.bench.dataflow",
-                       "profiles a GEMM's DRAM bytes per tile order with Nsight Compute on a CUDA GPU",
+                       "profiles a GEMM's DRAM bytes per tile order with Nsight Compute",
                        frozenset({"quick"}), {}),
 }

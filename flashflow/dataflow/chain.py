@@ -124,6 +124,9 @@ def issue_order(s: FfnShape, policy: str) -> list[tuple[int, int, int, int]]:
     try:
         return tile_order.issue_order(policy, s.row_blocks, s.tiles_n0, s.tiles_n1)
     except (TypeError, ValueError):
+        name = str(policy).partition(":")[0]
+        if name in tile_order.GROUPED_ORDERS:
+            raise ValueError(f"{name} group must be positive (an integer R ≥ 1 row-blocks), got {policy!r}") from None
         raise ValueError(f"policy must be one of {POLICIES} (sequential, multirow and seqsplit take ':R' "
                          f"row-blocks per group), got {policy!r}") from None
 

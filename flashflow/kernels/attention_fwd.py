@@ -293,13 +293,14 @@ def attention_merge_kernel(
     batch = tile // (num_m_blocks * heads)
     offs_r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    acc, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, t * SPLITS, offs_r, offs_d, offs_r, BLOCK_M, HEAD_DIM_PAD,
+    acc, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, t, offs_r, offs_d, offs_r, BLOCK_M, HEAD_DIM_PAD,
                                        SPLITS, False, "")
+    out = normalize(acc, l_tot)
     offs_m = pid_m * BLOCK_M + offs_r
     o_ptrs = (O + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
     o_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
-    tl.store(o_ptrs, normalize(acc, l_tot).to(O.dtype.element_ty), mask=o_mask)
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=o_mask)
     if RETURN_LSE:
         lse = log_sum_exp(m_tot, l_tot)
         tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh

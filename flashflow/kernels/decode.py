@@ -285,7 +285,7 @@ def decode_attention_kernel(
                             sl_b, sl_h, sl_s, HEAD_DIM, HEAD_DIM_PAD, BLOCK_R, NUM_SPLITS, MERGE_ROWS,
                             MERGE_CHUNK, RETURN_LSE)
             else:
-                acc_tot, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, first, offs_r, offs_d, row_valid, BLOCK_R,
+                acc_tot, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, bh.to(tl.int64), offs_r, offs_d, row_valid, BLOCK_R,
                                                        HEAD_DIM_PAD, NUM_SPLITS, True, ".cg")
                 _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
                             so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)

@@ -83,14 +83,14 @@ def log_sum_exp(m_i, l_i):
 
 
 @triton.jit
-def merge_partials(WS_ACC, WS_ML, first, offs_r, offs_d, row_mask,
+def merge_partials(WS_ACC, WS_ML, tile, offs_r, offs_d, row_mask,
                    ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
                    MASKED: tl.constexpr, CACHE: tl.constexpr):
     """Combine the un-normalised partial states of ``SPLITS`` key slices of one tile (the
     flash-decoding merge): ``acc = Σ 2^(m_j − m) · acc_j``, ``l = Σ 2^(m_j − m) · l_j`` with
     ``m = max_j m_j``. Returns ``(acc, l, m)`` for :func:`normalize` / :func:`log_sum_exp`.
 
-    Workspace of partial ``j`` (``piece = first + j``): ``WS_ML[piece]`` holds ``ROWS`` maxima
+    Workspace of partial ``j`` of ``tile`` (``piece = tile · SPLITS + j``): ``WS_ML[piece]`` holds ``ROWS`` maxima
     then ``ROWS`` sums, ``WS_ACC[piece]`` a ``ROWS × HEAD_DIM_PAD`` accumulator, rows ``offs_r``
     of it are merged. ``MASKED``: only rows ``row_mask`` were written; ``CACHE``: the loads'
     cache modifier (".cg" where another program of this launch wrote the partials).
@@ -99,15 +99,15 @@ def merge_partials(WS_ACC, WS_ML, first, offs_r, offs_d, row_mask,
     m_tot = tl.full(offs_r.shape, float("-inf"), dtype=tl.float32)
     for j in tl.static_range(SPLITS):
         if MASKED:
-            m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * ROWS) + offs_r, mask=row_mask,
+            m_tot = tl.maximum(m_tot, tl.load(WS_ML + (tile * SPLITS + j) * (2 * ROWS) + offs_r, mask=row_mask,
                                               other=float("-inf"), cache_modifier=CACHE))
         else:
-            m_tot = tl.maximum(m_tot, tl.load(WS_ML + (first + j) * (2 * ROWS) + offs_r, cache_modifier=CACHE))
+            m_tot = tl.maximum(m_tot, tl.load(WS_ML + (tile * SPLITS + j) * (2 * ROWS) + offs_r, cache_modifier=CACHE))
     m_shift = shift_of(m_tot)
     l_tot = tl.zeros(offs_r.shape, dtype=tl.float32)
     acc = tl.zeros([offs_r.shape[0], HEAD_DIM_PAD], dtype=tl.float32)
     for j in tl.static_range(SPLITS):
-        piece = first + j
+        piece = tile * SPLITS + j
         if MASKED:
             w = tl.math.exp2(tl.load(WS_ML + piece * (2 * ROWS) + offs_r, mask=row_mask,
                                      other=float("-inf"), cache_modifier=CACHE) - m_shift)

@@ -190,7 +190,8 @@ def _buffer(workspace: Optional[MlpWorkspace], words: int, device) -> torch.Tens
 
 
 def _spin_limit(device) -> int:
-    return _INTERPRETER_SPIN_LIMIT if device.type != "cuda" else _SPIN_LIMIT
+    # offline compilation (CPU tensors standing for a GPU) must build what the GPU runs: unbounded
+    return _INTERPRETER_SPIN_LIMIT if interpreting() else _SPIN_LIMIT
 
 
 def _check_error(buf: torch.Tensor, spin_limit: int) -> None:
@@ -294,7 +295,7 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     m, hidden = x2.shape
     inter = w2.shape[1]
     if m > DECODE_MAX_M:
-        raise ValueError(f"policy 'splitk' is the split-K kernel, for M ≤ {DECODE_MAX_M} tokens; got M={m}")
+        raise ValueError(f"policy 'splitk' is the decode kernel (split-K), for M ≤ {DECODE_MAX_M} tokens; got M={m}")
     gated = activation == "swiglu"
     cfg = config or splitk_config(m, inter, gated, x2.device)
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
@@ -484,7 +485,7 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
     m = x.numel() // x.shape[-1]
     name, _ = parse_policy(policy)
     if name == "splitk" and m > DECODE_MAX_M:
-        raise ValueError(f"policy 'splitk' is the split-K kernel, for at most {DECODE_MAX_M} tokens; "
+        raise ValueError(f"policy 'splitk' is the decode kernel (split-K), for at most {DECODE_MAX_M} tokens; "
                          f"x has {m} (use 'auto' or a persistent policy)")
     if workspace is not None:
         _buffer(workspace, 0, x.device)   # the type and device, before anything runs
@@ -533,12 +534,17 @@ def _launch_gemm1(h, w2, out, buf, cfg, n0, programs=None):
         DOT_PRECISION=_dot_precision(h.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
-def mlp_two_kernels(x, w_gate_up, w_down, activation="swiglu", config: Optional[PersistentConfig] = None):
-    """Baseline: GEMM0 + activation, then GEMM1, as two launches (H through device memory)."""
-    _check(x, w_gate_up, w_down, activation, "mlp_two_kernels")
+def _baseline_inputs(x, w_gate_up, w_down, activation, config, op):
+    """Checked (M, hidden) rows and weights in the dtype the kernels compute in, and the config."""
+    _check(x, w_gate_up, w_down, activation, op)
     run_as = _interpreter_dtype(x.dtype)
     x2, w1, w2 = _rows(x).to(run_as), _unit_last(w_gate_up).to(run_as), _unit_last(w_down).to(run_as)
-    cfg = config or persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
+    return x2, w1, w2, config or persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
+
+
+def mlp_two_kernels(x, w_gate_up, w_down, activation="swiglu", config: Optional[PersistentConfig] = None):
+    """Baseline: GEMM0 + activation, then GEMM1, as two launches (H through device memory)."""
+    x2, w1, w2, cfg = _baseline_inputs(x, w_gate_up, w_down, activation, config, "mlp_two_kernels")
     m, hidden, inter, _, _, _ = _gemm_dims(x2, w2, cfg)
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
     if m:
@@ -555,10 +561,7 @@ def mlp_two_streams(x, w_gate_up, w_down, activation="swiglu", workspace=None,
     row-group order) runs concurrently on a side stream and waits on them per tile. The
     consumer gets at most SMs − 16 programs so the producer always has SMs to run on (no
     deadlock whatever the order in which the hardware starts the two kernels' programs)."""
-    _check(x, w_gate_up, w_down, activation, "mlp_two_streams")
-    run_as = _interpreter_dtype(x.dtype)
-    x2, w1, w2 = _rows(x).to(run_as), _unit_last(w_gate_up).to(run_as), _unit_last(w_down).to(run_as)
-    cfg = config or persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
+    x2, w1, w2, cfg = _baseline_inputs(x, w_gate_up, w_down, activation, config, "mlp_two_streams")
     m, hidden, inter, tiles_m, n0, n1 = _gemm_dims(x2, w2, cfg)
     out = torch.empty((m, hidden), dtype=x2.dtype, device=x2.device)
     if m == 0:

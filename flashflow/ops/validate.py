@@ -24,6 +24,8 @@ def check_no_grad(op: str, **tensors) -> None:
 def check_scale(name: str, value, positive: bool = True) -> float:
     """A finite float (> 0 when ``positive``)."""
     try:
+        if isinstance(value, (str, bytes, bool)):   # float() would take "0.1" and True
+            raise TypeError
         value = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a float, got {value!r}") from None

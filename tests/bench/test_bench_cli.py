@@ -268,3 +268,125 @@ def test_decode_bench_paged_copy_reads_back_the_cache():
     assert table.dtype == torch.int32 and tuple(table.shape) == (2, 4)
     assert torch.equal(kp[table.long()].reshape(2, 64, 3, 8), k)
     assert torch.equal(vp[table.long()].reshape(2, 64, 3, 8), v)
+
+
+# ---------------------------------------------------------------------------- the other suites
+
+
+@no_gpu
+@pytest.mark.parametrize("suite", ["decode", "mlp", "memory", "dataflow"])
+def test_gpu_only_suite_without_gpu_is_a_one_line_error(suite, capfd):
+    assert cli.main(["bench", "--suite", suite]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and NO_GPU not in err     # no demo of another suite
+    (line,) = err.strip().splitlines()
+    assert line.startswith("flashflow bench: error:") and f"--suite {suite}" in line and "CUDA GPU" in line
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--suite", "decode", "--providers", "flashflow"], "--providers"),
+    (["--suite", "memory", "--warmup", "3"], "--warmup"),
+    (["--suite", "dataflow", "--dtype", "fp16"], "--dtype"),
+    (["--suite", "mlp", "--no-plot"], "--no-plot"),
+    (["--write", "docs/results.md"], "--write"),
+    (["--rescore"], "--rescore"),
+    (["--tables", "--quick"], "--quick"),
+])
+def test_an_option_a_suite_does_not_take_is_refused(argv, flag, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flashflow bench: error:") and flag in err
+
+
+def test_help_shows_every_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: attention)", "(default: bench/results)", "(default: 25; mlp: 5)",
+                    "(default: 100; mlp: 20)", "(default: fp16 for memory, bf16 otherwise)"):
+        assert default in out
+    for suite in ("decode", "mlp", "memory", "dataflow"):
+        assert f"{suite}:" in out
+
+
+def test_from_json_prints_any_suite_result(capsys):
+    for name, expect in (("decode-nvidia-h100-80gb-hbm3.json", "| batch | seqlen |"),
+                         ("mlp-nvidia-h100-80gb-hbm3.json", "torch-graph µs"),
+                         ("memory-nvidia-h100-80gb-hbm3.json", "| seqlen | naive peak MiB |"),
+                         ("dataflow-nvidia-h100-80gb-hbm3.json", "Rank agreement"),
+                         ("info-nvidia-h100-80gb-hbm3.json", "attention_merge_kernel")):
+        assert cli.main(["bench", "--from-json", str(ROOT / "bench/results" / name)]) == 0, name
+        assert expect in capsys.readouterr().out, name
+
+
+def test_from_json_refuses_a_file_of_no_suite(tmp_path, capsys):
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps({"suite": "tune-mlp-prefill", "rows": []}))
+    assert cli.main(["bench", "--from-json", str(path)]) == 2
+    assert "not a flashflow bench result" in capsys.readouterr().err
+    assert cli.main(["bench", "--from-json", str(ROOT / "bench/results/memory-nvidia-h100-80gb-hbm3.json"),
+                     "--rescore"]) == 2
+    assert "dataflow result" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------- docs tables
+
+
+def test_tables_render_every_suite_in_the_results_folder(capsys):
+    from flashflow.bench import tables
+
+    text = tables.render(ROOT / "bench/results")
+    for heading in ("### Prefill / diffusion attention forward", "### Decode attention",
+                    "### Fused FFN, every policy", "### Peak memory", "### Registers, spills",
+                    "### Dataflow model vs measured"):
+        assert text.count(heading) == 1, heading
+    assert cli.main(["bench", "--tables", "--out", str(ROOT / "bench/results")]) == 0
+    assert capsys.readouterr().out == text + "\n"
+
+
+def test_docs_tables_are_the_rendered_ones():
+    """docs/results.md and docs/tutorial.md hold what `flashflow bench --tables --write` renders
+    from bench/results: a result changed without the docs fails here."""
+    from flashflow.bench import tables
+
+    for doc in ("results.md", "tutorial.md"):
+        text = (ROOT / "docs" / doc).read_text()
+        for name, make in tables.blocks(ROOT / "bench/results").items():
+            if f"<!-- {name} -->" in text.split("\n") or f"<!-- {name} -->\n" in text:
+                assert tables.replace_block(text, name, make()) == text, (doc, name)
+
+
+def test_write_replaces_only_the_blocks_and_needs_a_marker(tmp_path, capsys):
+    from flashflow.bench import tables
+
+    doc = tmp_path / "d.md"
+    doc.write_text("# t\n\nprose\n\n<!-- MEMORY_TABLE -->\nold\n\n<!-- /MEMORY_TABLE -->\n\nmore prose\n")
+    assert cli.main(["bench", "--tables", "--out", str(ROOT / "bench/results"), "--write", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# t\n\nprose\n\n<!-- MEMORY_TABLE -->\nMeasured on") and "old" not in text
+    assert text.endswith("<!-- /MEMORY_TABLE -->\n\nmore prose\n")
+    (tmp_path / "none.md").write_text("no markers\n")
+    assert cli.main(["bench", "--tables", "--write", str(tmp_path / "none.md")]) == 2
+    assert "none of the marker lines" in capsys.readouterr().err
+
+
+def test_mlp_ncu_predictions_add_the_model_to_persistent_policies(monkeypatch):
+    from flashflow.bench import mlp_suite
+
+    calls = []
+
+    def fake_traffic(act, hidden, inter, m, policy, hw=None):
+        calls.append((policy, hw.l2_partitions if hasattr(hw, "l2_partitions") else hw))
+        return {"policy": policy, "read_bytes": 100e6 if policy == "multirow" else 200e6, "write_bytes": 1e6}
+
+    monkeypatch.setattr(mlp_suite, "model_traffic", fake_traffic)
+    rows = [{"M": 1024, "provider": p, "model": "llama3-8b", "read_bytes": b, "write_bytes": 2e6, "launches": 1}
+            for p, b in (("multirow", 150e6), ("sequential", 300e6), ("torch-graph", 400e6))]
+    out = mlp_suite.ncu_predictions(rows)
+    assert "model_partitioned" not in rows[0]                 # the input is left as it is
+    assert out[0]["model_partitioned"]["read_bytes"] == 100e6 and "model_unified" in out[1]
+    assert "model_partitioned" not in out[2]                   # the anchor is not our kernel
+    assert len(calls) == 4
+    table = mlp_suite.ncu_table(out).splitlines()
+    assert table[2] == "| 1024 | multirow | 150 | 100 | 0.67 | 100 | 0.67 | 2 | 1 | 1 |"
+    assert mlp_suite.ncu_rank_check(out) == ["M=1024: measured multirow < sequential; partitioned same; unified same"]

@@ -8,11 +8,11 @@ import torch
 
 from flashflow import cli
 from flashflow.bench import info
-from flashflow.tuning import AttentionConfig
-from flashflow.tuning import table as tuning_table
+from flashflow.tuning import families, table
+from flashflow.tuning.attention import AttentionConfig
 
-TABLE = tuning_table("attention_fwd")
-FAMILIES = [f for f in TABLE if not f.startswith("_")]
+TABLE = table("attention")
+FAMILIES = families("attention")
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without a GPU")
 
 _CONFIG_KEYS = ("head_dim_max", "causal", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages")
@@ -79,7 +79,8 @@ def test_cases_reach_every_kernel_class_of_the_decode_and_mlp_ops():
     assert len(set(decode)) == len(decode)
     from flashflow.bench.mlp_suite import MODELS
 
-    tokens = {int(c.label.rsplit("M=", 1)[1]) for c in info.mlp_cases()}
+    tokens = {int(c.label.split("M=", 1)[1].split()[0]) for c in info.mlp_cases()}
+    assert {c.label.split()[-1].split(":")[0] for c in info.mlp_cases()} == {"splitk", "seqsplit", "multirow"}
     assert min(tokens) == 1 and max(tokens) > 512   # split-K and the persistent kernel's large tiles
     assert {c.label.split()[0] for c in info.mlp_cases()} == {name for name, *_ in MODELS}
 
@@ -123,13 +124,15 @@ def test_gpu_report_rows_cover_every_config_causal_and_code_path(monkeypatch, ca
         tail = getattr(info.config_from_entry(e), "tail_split", False)
         for causal in ((False, True) if e["causal"] is None else (e["causal"],)):
             expected.append((e["head_dim_max"], causal, "main"))
-            if tail and not causal:
+            if tail and not causal and not e.get("bias"):
                 expected += [(e["head_dim_max"], causal, "tail split")] * 2  # fwd + merge
     attention = [r for r in rows if r["op"] == "attention"]
     assert [(r["head_dim_max"], r["causal"], r["variant"]) for r in attention] == expected
     # a config's warps stay the table's, also on the merge kernel's row
-    entries = {(e["head_dim_max"]): e for e in TABLE["sm90"]}
-    assert all(r["num_warps"] == entries[r["head_dim_max"]]["num_warps"] for r in attention)
+    merges = [i for i, r in enumerate(attention) if r["kernel"] == "attention_merge_kernel"]
+    assert merges and all(attention[i]["num_warps"] == attention[i - 1]["num_warps"] for i in merges)
+    assert [r["bias"] for r in attention] == [r["case"].split()[-2] == "bias" if "split" not in r["case"] else False
+                                              for r in attention]
     failed = [r for r in rows if r["error"]]
     assert all(r["head_dim_max"] == 256 and r["causal"] and r["n_spills"] is None for r in failed)
     assert all(r["n_spills"] == 0 for r in rows if not r["error"])

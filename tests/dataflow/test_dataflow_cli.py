@@ -163,7 +163,7 @@ def test_partitioned_l2_rejects_belady_and_bad_options(capsys):
     (["waves", "--n-step", "0"], "argument --n-step: must be positive"),
     (["waves", "--tiles-per-sm", "-2"], "argument --tiles-per-sm: must be positive"),
     (["chain", "--policies", "sequential,zigzag"], "--policies: policy must be one of"),
-    (["chain", "--policies", "multirow:0"], "--policies: multirow group must be positive"),
+    (["chain", "--policies", "multirow:0"], "got 'multirow:0'"),
     (["chain", "--block-n", "96"], "block_n (96) must be a multiple of block_k (64)"),
     (["chain", "--hidden", "-4096"], "argument --hidden: must be positive"),
 ])

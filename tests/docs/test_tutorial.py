@@ -7,56 +7,20 @@ numbers, so a traceback points into docs/tutorial.md.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from doc_blocks import ROOT, _RUNNER, extract_blocks   # tests/docs/doc_blocks.py
+
 TUTORIAL = ROOT / "docs" / "tutorial.md"
-SCRIPT = ROOT / "scripts" / "measure_memory.py"
 
-FENCE = re.compile(r"^ {0,3}```\s*(.*?)\s*$")
 RUN, GPU = "python", "python gpu"
-
-_RUNNER = r"""
-import json, sys, traceback
-blocks = json.load(sys.stdin)
-namespace = {"__name__": "__tutorial__"}
-for path, first_line, source in blocks:
-    code = compile("\n" * (first_line - 1) + source, path, "exec")
-    try:
-        exec(code, namespace)
-    except BaseException:
-        traceback.print_exc()
-        print(f"FAILED: the python block starting at {path}:{first_line}", file=sys.stderr)
-        sys.exit(1)
-print(f"ran {len(blocks)} blocks")
-"""
-
-
-def extract_blocks(text: str) -> list[tuple[str, int, str]]:
-    """(info string, first code line (1-based), code) of every fenced block, in order."""
-    blocks, info, start, body = [], None, 0, []
-    for number, line in enumerate(text.split("\n"), start=1):
-        fence = FENCE.match(line)
-        if info is None:
-            if fence:
-                info, start, body = fence.group(1), number + 1, []
-        elif fence and fence.group(1) == "":
-            blocks.append((info, start, "\n".join(body) + "\n"))
-            info = None
-        else:
-            body.append(line)
-    assert info is None, f"unclosed ``` fence opened at docs/tutorial.md:{start - 1}"
-    return blocks
 
 
 def tutorial_blocks():
-    return extract_blocks(TUTORIAL.read_text(encoding="utf-8"))
+    return extract_blocks(TUTORIAL.read_text(encoding="utf-8"), "docs/tutorial.md")
 
 
 def test_fences_are_known():
@@ -85,23 +49,20 @@ def test_tutorial_python_blocks_run():
     assert "skipping the kernel" not in proc.stdout  # the interpreter cell really ran the kernel
 
 
-def test_measure_memory_without_gpu_exits_0():
+def test_memory_suite_without_gpu_is_a_one_line_error():
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--replace-in", str(TUTORIAL)],
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "-m", "flashflow.cli", "bench", "--suite", "memory"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "needs a CUDA GPU" in proc.stdout
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("measure_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.strip().splitlines()) == 1
+    assert "--suite memory needs a CUDA GPU" in proc.stderr
 
 
 def test_measure_memory_table_and_replace():
-    mm = _load_script()
+    from flashflow.bench import memory as mm
+    from flashflow.bench import runner, tables
+
     rows = [
         {"seqlen": 1024, "naive_peak_bytes": 32 * 2 ** 20, "flashflow_peak_bytes": 2 * 2 ** 20,
          "score_matrix_bytes": 16 * 2 ** 20},
@@ -115,12 +76,12 @@ def test_measure_memory_table_and_replace():
     assert table[3] == "| 65536 | OOM | 128.0 | — | 65536 |"
     assert table[4] == "| 512 | 8.0 | 5.0 | 1.6× | 4 |"
     table = "\n".join(table)
-    assert mm.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert runner.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
     doc = "# t\n\nbefore\n\n<!-- MEMORY_TABLE -->\n\nafter\n"
-    once = mm.replace_marker(doc, "caption\n\n" + table)
+    once = tables.replace_block(doc, "MEMORY_TABLE", "caption\n\n" + table)
     assert "<!-- MEMORY_TABLE -->\ncaption\n\n| seqlen" in once and once.endswith("\n\nafter\n")
     assert once.count("<!-- MEMORY_TABLE -->") == 1 and once.count("<!-- /MEMORY_TABLE -->") == 1
     # re-running replaces the previous table instead of stacking a second one
-    twice = mm.replace_marker(once, "other caption\n\n" + table)
+    twice = tables.replace_block(once, "MEMORY_TABLE", "other caption\n\n" + table)
     assert twice == once.replace("caption", "other caption")

@@ -426,3 +426,139 @@ def test_auto_on_an_h100_stand_in(monkeypatch):
     assert resolve_policy("auto", 65, True, 14336, gpu) == ("seqsplit", 8)
     assert mlp.splitk_config(16, 14336, True, gpu).group == 2
     assert mlp.persistent_config(True, gpu, 100, torch.bfloat16).BLOCK_M == 64
+
+
+# --------------------------------------------------------------------------------------------
+# the split-K kernels in detail
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "silu", "relu"])
+@pytest.mark.parametrize("m,hidden,inter", [(1, 48, 96), (3, 80, 160), (37, 64, 100)])
+def test_splitk_activations_odd_shapes(act, m, hidden, inter):
+    x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
+    w1, w2 = weights(act, hidden, inter)
+    out = fused_mlp(x, w1, w2, act, policy="splitk")
+    assert out.shape == (m, hidden) and out.dtype == x.dtype
+    assert rel(out, ref_of(x, w1, w2, act)) < 5e-3
+
+
+def test_splitk_leading_dims_and_fp32():
+    x = torch.randn(2, 3, 48, dtype=torch.float32, device=DEVICE)
+    w1, w2 = weights("gelu", 48, 96, torch.float32)
+    out = fused_mlp(x, w1, w2, "gelu", policy="splitk")
+    assert out.shape == (2, 3, 48)
+    assert rel(out, ref_of(x, w1, w2, "gelu")) < 1e-5
+
+
+def test_splitk_accumulator_left_zeroed_for_the_next_call():
+    x = torch.randn(5, 64, dtype=torch.float16, device=DEVICE)
+    w1, w2 = weights("swiglu", 64, 160)
+    ref = ref_of(x, w1, w2, "swiglu")
+    ws = MlpWorkspace(64, max_tokens=5, device=DEVICE)
+    cfg = SplitKConfig(BLOCK_I=32, BLOCK_K=32, BLOCK_N=32, num_stages=1)
+    for _ in range(3):  # a stale accumulator would add the previous call's result
+        assert rel(launch_splitk(x, w1, w2, "swiglu", workspace=ws, config=cfg), ref) < 5e-3
+        assert int(ws.buffer.count_nonzero()) == 0
+    for _ in range(2):
+        assert rel(fused_mlp(x, w1, w2, workspace=ws, policy="splitk"), ref) < 5e-3
+        assert int(ws.buffer.count_nonzero()) == 0
+
+
+def test_splitk_slices_per_program():
+    assert tuning.slice_width(14336, 132) == 64 and tuning.slice_width(28672, 132) == 128
+    assert tuning.slice_width(160, 4) == 32  # interpreter: 5 programs add into every output element
+
+
+@pytest.mark.parametrize("stagger", [1, 2])
+@pytest.mark.parametrize("m,hidden,inter", [(3, 80, 160), (9, 100, 96)])
+def test_splitk_staggered_loop_starts(stagger, m, hidden, inter):
+    # programs start their K and output loops at tile (program id mod tiles) and wrap around:
+    # several programs and several, partly masked, tiles per loop; the cast's PDL flag is a no-op
+    # off sm90 (the interpreter runs the plain launch)
+    x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
+    w1, w2 = weights("swiglu", hidden, inter)
+    ws = MlpWorkspace(hidden, max_tokens=m, device=DEVICE)
+    cfg = SplitKConfig(BLOCK_I=16, BLOCK_K=32, BLOCK_N=32, num_stages=1, stagger=stagger, pdl=True)
+    out = launch_splitk(x, w1, w2, "swiglu", workspace=ws, config=cfg)
+    assert rel(out, ref_of(x, w1, w2, "swiglu")) < 5e-3
+    assert int(ws.buffer.count_nonzero()) == 0
+
+
+@pytest.mark.parametrize("act", ["swiglu", "gelu"])
+@pytest.mark.parametrize("group", [2, 4])
+@pytest.mark.parametrize("m,hidden,inter", [(3, 80, 160), (9, 100, 112), (1, 48, 96)])
+def test_splitk_grouped_partials(act, group, m, hidden, inter):
+    """``group`` slices' partials summed on chip (h through memory, ticketed GEMM1 items that
+    wait on their group's counter): odd groups (the last one short), chunks of the output that
+    end mid-step, fewer programs than tickets; the counters and the accumulator end zeroed, so
+    the second call on the same workspace is right too."""
+    w1, w2 = weights(act, hidden, inter)
+    cfg = SplitKConfig(BLOCK_I=16, BLOCK_K=32, BLOCK_N=16, num_stages=1, stagger=2, group=group)
+    ws = MlpWorkspace(hidden, max_tokens=m, device=DEVICE)
+    for _ in range(2):
+        x = torch.randn(m, hidden, dtype=torch.float16, device=DEVICE)
+        out = launch_splitk(x, w1, w2, act, workspace=ws, config=cfg)
+        assert rel(out, ref_of(x, w1, w2, act)) < 5e-3
+        assert int(ws.buffer.count_nonzero()) == 0
+    short = MlpWorkspace(hidden, max_tokens=m, device=DEVICE)
+    short.buffer = short.buffer[:mlp.ACC_OFF]
+    with pytest.raises(ValueError, match="workspace holds"):
+        launch_splitk(x, w1, w2, act, workspace=short, config=cfg)
+    for bad in (1, 3, -2):
+        with pytest.raises(ValueError, match="group must be 0"):
+            SplitKConfig(BLOCK_I=16, BLOCK_K=32, BLOCK_N=16, group=bad)
+
+
+def test_splitk_config_rules_by_slice_width():
+    # the table's rule for W1 tiles of more than 128 rows (128-wide gated slices): 64-wide
+    # steps, unstaggered; 32-wide slices (an intermediate of 8192 on 132 SMs) take the default
+    assert tuning.splitk_config("sm90", True, 64, 28672, 132).BLOCK_I == 128
+    assert tuning.splitk_config("sm90", True, 64, 28672, 132).num_warps == 4
+    assert tuning.splitk_config("sm90", False, 64, 14336, 132).BLOCK_I == 64
+    assert tuning.splitk_config("sm90", True, 64, 8192, 132).BLOCK_I == 32
+    assert tuning.splitk_config("sm90", False, 1, 28672, 132).BLOCK_K == 128   # 128 rows: 128-wide steps
+    assert tuning.splitk_config("interpreter", True, 1, 160, 4) == SplitKConfig(32, 32, 32, 4, 1, 2, False, 0)
+
+
+# --------------------------------------------------------------------------------------------
+# the cuBLAS plan, grad inputs, bf16 under the interpreter
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_cublas_plan_matches_float64(act):
+    x = tokens(70, 48)
+    w1, w2 = weights(act, 48, 96)
+    out = fused_mlp(x.reshape(2, 35, 48), w1, w2, act, "cublas")
+    assert out.shape == (2, 35, 48) and out.dtype == x.dtype
+    assert rel(out.reshape(70, 48), ref_of(x, w1, w2, act)) < TOL
+    assert torch.equal(torch.ops.flashflow.fused_mlp(x, w1, w2, act, "cublas"), fused_mlp(x, w1, w2, act, "cublas"))
+    assert fused_mlp(torch.empty(0, 48, dtype=x.dtype, device=DEVICE), w1, w2, act, "cublas").shape == (0, 48)
+
+
+def test_inputs_that_require_grad_are_refused():
+    x = tokens(3, 48)
+    w1, w2 = weights("swiglu", 48, 96)
+    for name, args in (("x", (x.requires_grad_(), w1, w2)), ("w_gate_up", (x.detach(), w1.requires_grad_(), w2))):
+        with pytest.raises(ValueError, match=f"fused_mlp: {name} requires grad"):
+            fused_mlp(*args)
+        with pytest.raises(ValueError, match=f"mlp_two_kernels: {name} requires grad"):
+            mlp_two_kernels(*args)
+    with torch.no_grad():
+        assert rel(fused_mlp(x, w1, w2), ref_of(x.detach(), w1.detach(), w2, "swiglu")) < TOL
+
+
+@pytest.mark.skipif(not interpreting(), reason="the interpreter's bf16 dot")
+@pytest.mark.parametrize("policy", ["auto", "splitk", "seqsplit", "multirow:2", "cublas"])
+def test_bf16_under_the_interpreter_is_computed_in_fp32(policy):
+    x = tokens(40, 48, torch.bfloat16)
+    w1, w2 = weights("swiglu", 48, 96, torch.bfloat16)
+    out = fused_mlp(x, w1, w2, "swiglu", policy)
+    assert out.dtype == torch.bfloat16 and rel(out, ref_of(x, w1, w2, "swiglu")) < 1e-2
+    assert rel(mlp_two_kernels(x, w1, w2, "swiglu"), ref_of(x, w1, w2, "swiglu")) < 1e-2
+    # the launchers run the kernels as given: bf16 there is refused with the reason
+    with pytest.raises(TypeError, match="interpreter .* bfloat16"):
+        launch_persistent(x, w1, w2, "swiglu")
+    with pytest.raises(TypeError, match="interpreter .* bfloat16"):
+        launch_splitk(x[:4], w1, w2, "swiglu")

@@ -1,23 +1,17 @@
-"""CPU-testable parts of scripts/dataflow_gpu_validate.py (the GPU run itself is on the device)."""
-import importlib.util
+"""`flashflow bench --suite dataflow`: the parts that need no GPU (the GPU run itself is timed on one)."""
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from flashflow.bench import dataflow
 from flashflow.dataflow import orders
 from flashflow.dataflow.model import H100, Hardware, simulate
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "dataflow_gpu_validate.py"
 
 
 @pytest.fixture(scope="module")
 def v():
-    spec = importlib.util.spec_from_file_location("dataflow_gpu_validate", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return dataflow
 
 
 def test_permutation_runs_the_model_order(v):
@@ -39,11 +33,11 @@ def test_prediction_uses_the_hardware_slots(v):
     assert H100.num_sms == 132 and H100.l2_bytes == 50 * 2**20
 
 
-def test_parse_shape_and_slug(v):
+def test_parse_shape(v):
     assert v.parse_shape("8192x4096x1024") == (8192, 4096, 1024)
     with pytest.raises(ValueError, match="MxNxK"):
         v.parse_shape("8192,4096")
-    assert v.device_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert v.parse_shape(" 16x32x48 ") == (16, 32, 48)
 
 
 def test_occupancy(v):
@@ -160,3 +154,41 @@ def test_rescore_reruns_both_models(v):
         drift=1.0, tiles_per_sm=2).read_bytes
     assert row["measured_read_bytes"] == 3 << 20 and row["model_belady"]["read_bytes"] is None
     assert v.partitioned(Hardware(4, 1 << 20, 2)).slots == 8
+
+
+def test_variant_names(v):
+    assert len(v.all_variants()) == 22 and "drift/p2-home-halves" in v.all_variants()
+    assert v.variant_kwargs("lockstep/unified-half", 1 << 20) == (1 << 19, {"drift": 0.0})
+    assert v.variant_kwargs("drift0.5/p2-far-random", 8) == (8, {"drift": 0.5, "partitions": 2, "sharing": "far",
+                                                                  "placement": "random"})
+    for bad in ("sideways/unified", "drift/p3-home-halves", "drift2/unified"):
+        with pytest.raises(ValueError, match="variant"):
+            v.variant_kwargs(bad, 8)
+
+
+def test_score_variants_matches_the_model(v):
+    payload = {"model_hardware": {"num_sms": 4, "l2_bytes": 1 << 20, "tiles_per_sm": 2},
+               "kernel": {"block": [128, 128, 64]},
+               "results": [{"shape": "1024x1024x512", "order": o, "measured_read_bytes": m}
+                           for o, m in (("row_major", 9 << 20), ("hilbert", 3 << 20), ("grouped_m:2", 4 << 20))]}
+    seen = []
+    (entry,) = v.score_variants(payload, ["lockstep/unified"], workers=1, progress=lambda d, t: seen.append((d, t)))
+    assert seen[-1] == (3, 3)
+    (shape,) = entry["shapes"]
+    shp = v.gemm_shape((1024, 1024, 512))
+    model = [simulate(shp, orders.make_order(o, 8, 8), 1 << 20, 8, tiles_per_sm=2, drift=0.0).read_bytes
+             for o in shape["orders"]]
+    assert shape["ratios"] == pytest.approx([p / m for p, m in zip(model, (9 << 20, 3 << 20, 4 << 20))])
+    table = v.variants_table([entry]).splitlines()
+    assert table[0].startswith("| variant | rho 1024x1024x512 | pairs >10% |") and table[2].startswith("| lockstep/unified |")
+
+
+def test_result_file_reports_and_rescores(v):
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench/results/dataflow-nvidia-h100-80gb-hbm3.json"
+    result = json.loads(path.read_text())
+    assert result["suite"] == "dataflow"
+    text = v.report(result)
+    assert "Rank agreement with the measurement" in text and text.count("| 8192x8192x8192 |") == 7
