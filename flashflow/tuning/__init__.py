@@ -22,13 +22,5 @@ def families(name: str) -> list[str]:
     return [f for f, entries in table(name).items() if isinstance(entries, list)]
 
 
-# transitional re-exports: callers import these from flashflow.device / flashflow.tuning.attention
+# transitional re-exports (new code imports them from flashflow.device)
 from flashflow.device import gpu_family, interpreting, offline_capability, on_gpu  # noqa: E402,F401
-
-
-def __getattr__(name: str):
-    if name in ("AttentionConfig", "config_from_entry"):
-        from flashflow.tuning import attention
-
-        return getattr(attention, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

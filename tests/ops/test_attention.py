@@ -3,8 +3,6 @@
 Run with TRITON_INTERPRET=1 (the README's test command sets it). Inputs are fresh random draws,
 outputs are poisoned with NaN before the call, sizes are odd.
 """
-import math
-
 import pytest
 import torch
 
