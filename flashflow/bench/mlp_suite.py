@@ -29,12 +29,12 @@ from flashflow.bench.decode import graph_time_ms, read_ceiling_tbs
 
 MODELS = (("llama3-8b", "swiglu", 4096, 14336), ("llama3-70b", "swiglu", 8192, 28672),
           ("gpt3-4096x14336-gelu", "gelu", 4096, 14336))
-TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
+TOKENS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 QUICK_TOKENS = (1, 16, 64, 1024)
 ANCHOR = "torch-graph"
 PROVIDERS = (ANCHOR, "flashflow", "splitk", "sequential", "rowblock", "multirow", "halfrow",
-             "seqsplit", "two-kernels", "two-streams")
-POLICY_PROVIDERS = ("splitk", "sequential", "rowblock", "multirow", "halfrow", "seqsplit")
+             "seqsplit", "cublas", "two-kernels", "two-streams")
+POLICY_PROVIDERS = ("splitk", "sequential", "rowblock", "multirow", "halfrow", "seqsplit", "cublas")
 
 
 def weight_bytes(activation: str, hidden: int, inter: int, elt: int = 2) -> int:

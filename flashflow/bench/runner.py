@@ -23,7 +23,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Dense bf16 matmul rate measured on the lent H100 (80GB HBM3, 132 SMs). Attention's two
+# Dense bf16 matmul rate measured on an H100 (80GB HBM3, 132 SMs). Attention's two
 # matmuls cannot run faster than that, so the percentage says how much of the tensor cores'
 # rate the softmax, masking and memory traffic leave us. Other GPUs need their own number.
 MATMUL_CEILING_TFLOPS = 785.0

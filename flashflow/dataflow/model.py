@@ -54,7 +54,7 @@ H100 = Hardware(num_sms=132, l2_bytes=50 * 1024 * 1024)
 # both sides is held twice. SM ids are taken as numbered partition-major and CTAs as dealt one
 # per SM in id order ("halves"); tiles drift out of lockstep, so the slots' phases are spread
 # over a whole tile (drift=1). No parameter was fitted, but this variant was chosen among
-# several on 12 measured points (docs/dataflow.md, scripts/dataflow_partition_eval.py).
+# several on 12 measured points (docs/dataflow.md; `flashflow bench --from-json bench/results/dataflow-nvidia-h100-80gb-hbm3.json --variants all`).
 H100_PARTITIONED = Hardware(num_sms=132, l2_bytes=50 * 1024 * 1024, l2_partitions=2,
                             sharing="home", placement="halves", drift=1.0)
 

@@ -21,6 +21,3 @@ def families(name: str) -> list[str]:
     ``_doc`` note or a table's shared rule parameters)."""
     return [f for f, entries in table(name).items() if isinstance(entries, list)]
 
-
-# transitional re-exports (new code imports them from flashflow.device)
-from flashflow.device import gpu_family, interpreting, offline_capability, on_gpu  # noqa: E402,F401

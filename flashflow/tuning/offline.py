@@ -145,7 +145,7 @@ def offline_target(capability: int = 90, overrides: Optional[dict] = None) -> It
 @contextlib.contextmanager
 def pretend_cuda_capability(capability: tuple[int, int] = (9, 0), sm_count: int = 132) -> Iterator[None]:
     """Make flashflow's ops take CPU tensors for a GPU of ``capability``: its family's configs
-    (``flashflow.tuning.gpu_family``), TMA descriptors where it has them, and no "runs on CUDA
+    (``flashflow.device.gpu_family``), TMA descriptors where it has them, and no "runs on CUDA
     tensors" refusal; ``sm_count`` (the H100's 132 by default) where a config depends on it.
     flashflow's launchers then also choose the GPU's launch options (proxy fence, PDL,
     ``maxnreg``)."""

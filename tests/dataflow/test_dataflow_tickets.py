@@ -6,7 +6,7 @@ from flashflow.dataflow import chain
 from flashflow.dataflow.chain import FfnShape, simulate_tickets, ticket_jobs
 from flashflow.dataflow.model import Hardware
 from flashflow.kernels import tile_order
-from flashflow.tuning import interpreting
+from flashflow.device import interpreting
 
 # 2 row-blocks of 16; GEMM0: 4 tiles of 16 intermediate columns, 2 K-steps of 16 over hidden 32;
 # GEMM1: 1 tile of 32 output columns, 4 K-steps of 16 over the intermediate 64. 1-byte elements.

@@ -20,7 +20,7 @@ from flashflow.ops.mlp import (MlpWorkspace, PersistentConfig, SplitKConfig, dep
                                issue_order, launch_persistent, launch_splitk, mlp_two_kernels, mlp_two_streams,
                                parse_policy, resolve_policy)
 from flashflow.reference.mlp import ACTIVATIONS, mlp_ref
-from flashflow.tuning import interpreting
+from flashflow.device import interpreting
 from flashflow.tuning import mlp as tuning
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
