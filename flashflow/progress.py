@@ -3,10 +3,12 @@
 tqdm's bar when tqdm is installed (the ``bench`` extra), else a plain counter. Nothing is shown
 for work that ends within ``delay`` seconds, so quick commands print only their result. With
 ``total=None`` (one long call that reports nothing while it runs, e.g. a search) the line shows
-the elapsed time instead of a count, refreshed by a background thread.
+the elapsed time instead of a count, refreshed by a background thread. ``describe(text)`` says
+which step is under way (drawn after the count); ``enabled=False`` shows nothing at all.
 
     with progress(len(items), "simulating") as bar:
         for item in items:
+            bar.describe(item.label)
             ...
             bar.update()
 """
@@ -28,20 +30,32 @@ class _Counter:
     def __init__(self, total: int | None, desc: str, delay: float):
         self.total, self.desc, self.delay = total, desc, delay
         self.n = 0
+        self.detail = ""
         self.start = self.last_log = time.monotonic()
         self.tty = sys.stderr.isatty()
         self.drawn = False
+        self.width = 0       # of the line last drawn on a terminal, to blank a longer one
 
     def _text(self) -> str:
         elapsed = f"{time.monotonic() - self.start:.0f} s"
-        if self.total is None:
-            return f"{self.desc}: {elapsed}"
-        return f"{self.desc}: {self.n}/{self.total} ({elapsed})"
+        text = (f"{self.desc}: {elapsed}" if self.total is None
+                else f"{self.desc}: {self.n}/{self.total} ({elapsed})")
+        return f"{text} {self.detail}" if self.detail else text
 
     def _write(self, line_end: str) -> None:
-        sys.stderr.write(("\r" if self.tty else "") + self._text() + line_end)
+        text = self._text()
+        if self.tty:
+            text, self.width = "\r" + text.ljust(self.width), len(text)
+        sys.stderr.write(text + line_end)
         sys.stderr.flush()
         self.drawn = True
+
+    def describe(self, text: str) -> None:
+        self.detail = text
+        # on a terminal the step under way is shown at once (it may be a long one); a log
+        # gets it with the next count line
+        if self.tty and time.monotonic() - self.start >= self.delay:
+            self._write("")
 
     def update(self, n: int = 1) -> None:
         before, self.n = self.n, self.n + n
@@ -73,6 +87,9 @@ class _Tqdm:
                         dynamic_ncols=True, mininterval=0.5 if sys.stderr.isatty() else 30)
         self.last = 0.0
 
+    def describe(self, text: str) -> None:
+        self.bar.set_postfix_str(text, refresh=False)
+
     def update(self, n: int = 1) -> None:
         if n:
             self.bar.update(n)
@@ -88,20 +105,36 @@ class _Tqdm:
         self.bar.close()
 
 
+class _Silent:
+    def describe(self, text: str) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class progress:
     """A progress line for ``total`` steps (or for one long call when ``total`` is None);
-    a context manager. ``update(n)`` counts steps; the elapsed-time line redraws itself."""
+    a context manager. ``update(n)`` counts steps; ``describe(text)`` names the step under way;
+    the elapsed-time line redraws itself. ``enabled=False``: nothing is drawn."""
 
-    def __init__(self, total: int | None, desc: str, delay: float | None = None):
+    def __init__(self, total: int | None, desc: str, delay: float | None = None,
+                 enabled: bool = True):
         delay = DELAY if delay is None else delay
-        try:
-            self._bar = _Tqdm(total, desc, delay)
-        except ImportError:
-            self._bar = _Counter(total, desc, delay)
+        if not enabled:
+            self._bar = _Silent()
+        else:
+            try:
+                self._bar = _Tqdm(total, desc, delay)
+            except ImportError:
+                self._bar = _Counter(total, desc, delay)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
-        if total is None:
+        if total is None and enabled:
             self._thread = threading.Thread(target=self._tick, name="flashflow-progress",
                                             daemon=True)
             self._thread.start()
@@ -114,6 +147,10 @@ class progress:
     def update(self, n: int = 1) -> None:
         with self._lock:
             self._bar.update(n)
+
+    def describe(self, text: str) -> None:
+        with self._lock:
+            self._bar.describe(text)
 
     def close(self) -> None:
         self._stop.set()

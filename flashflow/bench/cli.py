@@ -17,6 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from flashflow.bench import runner
+from flashflow.progress import progress as Progress
 from flashflow.bench.suites import ATTENTION_DEFAULTS, ATTENTION_OPTIONS, RUNNERS, SUITES
 
 NO_GPU = ("No CUDA GPU found (torch.cuda.is_available() is False), so there is nothing to time. "
@@ -174,8 +175,7 @@ def _from_json(args) -> int:
 
             def progress(done, total):
                 if not bar:
-                    bar.append(runner.progress_bar(total))
-                    bar[0].describe("simulating the model variants")
+                    bar.append(Progress(total, "simulating the model variants"))
                 bar[0].update()
             try:
                 scores = dataflow.score_variants(result, variants, progress=progress)

@@ -21,11 +21,9 @@ the cache). Below ~9 MB of KV the clones still fit in L2; those rows stay cache-
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
@@ -235,11 +233,7 @@ def run(args) -> int:
     result = {"suite": "decode", **env, "dtype": args.dtype, "read_ceiling_tbs": ceiling,
               "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
               "graph_steps": GRAPH_STEPS, "page_size": PAGE_SIZE, "rows": rows}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    slug = runner.device_slug(env["device"])
-    path = out / f"decode-{slug}.json"
-    path.write_text(json.dumps(result, indent=1))
+    path = runner.write_result(result, args.out)
     print(f"results: {path}")
     print(markdown_table(result))
     return 0

@@ -19,7 +19,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-from flashflow.device import gpu_family, interpreting
+from flashflow.device import cdiv, gpu_family, interpreting
+from flashflow.progress import progress as Progress
 from flashflow.tuning import families as tuning_families
 from flashflow.tuning.attention import TABLE as ATTENTION_TABLE
 from flashflow.tuning.attention import AttentionConfig, config_from_entry, shipped_entries
@@ -88,7 +89,7 @@ def attention_variants(cfg: AttentionConfig, causal: bool, bias: bool = False):
         return
     yield "main", cfg.replace(tail_split=False), {}
     if not causal:  # the ops split only plain (unmasked, non-varlen) launches
-        tiles = -(-_SEQLEN // cfg.BLOCK_M) * _HEADS * _BATCH
+        tiles = cdiv(_SEQLEN, cfg.BLOCK_M) * _HEADS * _BATCH
         # with twice as many SMs as tiles, the single wave is half empty: the ops split it
         yield "tail split", cfg, {"num_sms": 2 * tiles}
 
@@ -258,9 +259,7 @@ def kernel_resource_report(family: str | None = None, offline: bool = False, ops
         else:
             work += [(None, c) for c in cases(op, None)]
 
-    from flashflow.bench.runner import progress_bar
-
-    bar = progress_bar(len(work), enabled=progress and compiled)
+    bar = Progress(len(work), "compiling kernels", enabled=progress and compiled)
     rows = []
     try:
         for f, case in work:

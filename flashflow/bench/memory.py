@@ -20,11 +20,9 @@ table into the tutorial.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 SEQLENS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_SEQLENS = (1024, 4096)
@@ -166,9 +164,6 @@ def run(args) -> int:
                    f"naive = softmax((q @ k^T) * scale) @ v in {dtype_name}."),
         "rows": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"memory-{runner.device_slug(name)}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
+    path = runner.write_result(result, args.out)
     print(f"results: {path}\n\n{caption(result)}\n\n{markdown_table(rows)}")
     return 0

@@ -4,8 +4,8 @@ FFNs (bf16 by default): Llama-3-8B (4096 → 14336, SwiGLU), Llama-3-70B (8192 �
 and a GPT-3-style 4096 → 14336 GELU FFN, at M = 1, 4, 16, 64, 256, 1024, 4096 tokens.
 
 Providers, timed in the same run on the same tensors:
-  * ``torch-graph`` — the anchor: ``F.linear``, the activation, ``F.linear`` (cuBLAS), captured
-    in a CUDA graph;
+  * ``torch-graph`` — the anchor: ``F.linear``, the activation, ``F.linear`` (cuBLAS;
+    :func:`flashflow.ops.mlp.launch_cublas`), captured in a CUDA graph;
   * ``flashflow`` — :func:`flashflow.ops.mlp.fused_mlp` with ``policy="auto"``;
   * ``splitk`` (M ≤ 64), ``sequential``, ``rowblock``, ``multirow``, ``halfrow`` — each policy
     forced;
@@ -18,14 +18,12 @@ ours faster). The read ceiling is measured in the same run (a large bf16 sum).
 """
 from __future__ import annotations
 
-import json
 import sys
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
-from flashflow.bench.decode import graph_time_ms, read_ceiling_tbs
+from flashflow.bench.decode import read_ceiling_tbs
 
 MODELS = (("llama3-8b", "swiglu", 4096, 14336), ("llama3-70b", "swiglu", 8192, 28672),
           ("gpt3-4096x14336-gelu", "gelu", 4096, 14336))
@@ -46,22 +44,6 @@ def ffn_flops(m: int, activation: str, hidden: int, inter: int) -> float:
     return 2.0 * m * weight_bytes(activation, hidden, inter, 1)
 
 
-def torch_ffn(x, w1, w2, activation):
-    """The unfused FFN as a model runs it (cuBLAS GEMMs, PyTorch's elementwise kernels)."""
-    f = torch.nn.functional
-    h = f.linear(x, w1)
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        h = f.silu(gate) * up
-    elif activation == "gelu":
-        h = f.gelu(h, approximate="tanh")
-    elif activation == "silu":
-        h = f.silu(h)
-    else:
-        h = f.relu(h)
-    return f.linear(h, w2)
-
-
 def make_inputs(activation, hidden, inter, m, dtype, device="cuda", seed=0):
     g = torch.Generator(device=device).manual_seed(seed)
     rows = 2 * inter if activation == "swiglu" else inter
@@ -78,7 +60,7 @@ def make_providers(x, w1, w2, activation, names=PROVIDERS) -> dict:
     m, hidden = x.shape
     ws = mlp.MlpWorkspace(hidden, max_tokens=max(m, 1), device=x.device)
     table = {
-        ANCHOR: lambda: torch_ffn(x, w1, w2, activation),
+        ANCHOR: lambda: mlp.launch_cublas(x, w1, w2, activation),
         "flashflow": lambda: mlp.fused_mlp(x, w1, w2, activation, "auto", workspace=ws),
         "two-kernels": lambda: mlp.mlp_two_kernels(x, w1, w2, activation),
         "two-streams": lambda: mlp.mlp_two_streams(x, w1, w2, activation, workspace=ws),
@@ -94,11 +76,12 @@ def model_traffic(activation: str, hidden: int, inter: int, m: int, policy: str,
                   family: str = "sm90", sms: int = 132, hw=None, dtype: str = "bfloat16") -> dict:
     """DRAM bytes the dataflow model predicts for one call of the persistent kernel: the tiles
     ``family`` ships for it (:func:`flashflow.tuning.mlp.persistent_config`) in its own ticket
-    order (:func:`flashflow.ops.mlp.issue_order`; ``"auto"`` as it resolves on ``sms`` SMs),
+    order (:func:`flashflow.kernels.tile_order.issue_order`; ``"auto"`` as it resolves on ``sms`` SMs),
     replayed through ``hw``'s L2 (default: the partitioned H100 model,
     :data:`flashflow.dataflow.model.H100_PARTITIONED`)."""
     from flashflow.dataflow.chain import FfnShape, simulate_tickets
     from flashflow.dataflow.model import H100_PARTITIONED
+    from flashflow.kernels import tile_order
     from flashflow.ops import mlp
     from flashflow.tuning import mlp as tuning
 
@@ -110,7 +93,7 @@ def model_traffic(activation: str, hidden: int, inter: int, m: int, policy: str,
     if name in ("splitk", "cublas"):
         raise ValueError(f"the traffic model covers the persistent kernel, and {policy!r} runs {name} at M={m}")
     s = FfnShape(m, hidden, inter, cfg.BLOCK_M, cfg.BLOCK_N0, cfg.BLOCK_K, 2, gated, block_n1=cfg.BLOCK_N1)
-    order = mlp.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
+    order = tile_order.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
     r = simulate_tickets(s, order, hw or H100_PARTITIONED)
     if r.deadlocked:
         return {"policy": f"{name}:{rows}", "error": r.error}
@@ -122,31 +105,63 @@ def steps_for(m: int) -> int:
     return 10 if m <= 256 else 2
 
 
-def bench_case(model, activation, hidden, inter, m, dtype, providers=PROVIDERS, warmup=5, rep=20) -> dict:
-    """One (FFN, M) row: every provider's µs, TB/s, TFLOP/s, ratio to the anchor, error."""
+ROUNDS = 3
+MIN_REPLAYS = 20
+
+
+def bench_case(model, activation, hidden, inter, m, dtype, providers=PROVIDERS, warmup=5, rep=20,
+               rounds=ROUNDS) -> dict:
+    """One (FFN, M) row: every provider's µs, TB/s, TFLOP/s, ratio to the anchor, error.
+
+    Each provider's calls are captured in one CUDA graph; the graphs are then timed in ``rounds``
+    interleaved rounds, each round in a rotated order, and a provider's time is the median over
+    its rounds. The H100's clock follows its temperature: one provider timed right after a hot
+    one is slower, and a fixed order would charge that to whoever comes last. A measurement runs
+    for at least ``rep`` ms and ``MIN_REPLAYS`` replays (a 4096-token step takes milliseconds)."""
+    import triton
+
+    from flashflow.bench.decode import capture_graph
+
     x, w1, w2 = make_inputs(activation, hidden, inter, m, dtype)
     provs = make_providers(x, w1, w2, activation, providers)
     wbytes = weight_bytes(activation, hidden, inter, x.element_size())
     flops = ffn_flops(m, activation, hidden, inter)
-    ref = torch_ffn(x.float(), w1.float(), w2.float(), activation)
+    from flashflow.ops.mlp import launch_cublas
+
+    ref = launch_cublas(x.float(), w1.float(), w2.float(), activation)
     row = {"model": model, "activation": activation, "hidden": hidden, "intermediate": inter, "M": m,
            "weight_mbytes": wbytes / 1e6, "gflop": flops / 1e9, "results": {}}
+    steps = steps_for(m)
+    graphs = {}
     for name, fn in provs.items():
-        res = {}
+        res = row["results"][name] = {}
         try:
             out = fn().float()
             torch.cuda.synchronize()
             res["rel_err"] = ((out - ref).norm() / ref.norm()).item()
-            ms = graph_time_ms(fn, steps_for(m), warmup, rep)
-            res.update(us=ms * 1e3, tbs=wbytes / (ms * 1e-3) / 1e12, tflops=flops / (ms * 1e-3) / 1e12)
+            graphs[name], _ = capture_graph(fn, steps)
         except Exception as e:  # noqa: BLE001 — keep the other providers' numbers
             res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-        row["results"][name] = res
+    times = {name: [] for name in graphs}
+    names = list(graphs)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)] if names else ():
+            g = graphs[name]
+            g.replay()
+            torch.cuda.synchronize()
+            t0 = triton.testing.do_bench(g.replay, warmup=0, rep=1, return_mode="median")
+            ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=max(rep, MIN_REPLAYS * t0),
+                                         return_mode="median")
+            times[name].append(ms / steps)
+    for name, ts in times.items():
+        ms = sorted(ts)[len(ts) // 2]
+        row["results"][name].update(us=ms * 1e3, tbs=wbytes / (ms * 1e-3) / 1e12,
+                                    tflops=flops / (ms * 1e-3) / 1e12, rounds_us=[t * 1e3 for t in ts])
     anchor = row["results"].get(ANCHOR, {}).get("us")
     for res in row["results"].values():
         if anchor and res.get("us"):
             res["vs_torch"] = anchor / res["us"]
-    del provs, x, w1, w2, ref
+    del graphs, provs, x, w1, w2, ref
     torch.cuda.empty_cache()
     return row
 
@@ -159,7 +174,8 @@ def run_bench(quick=False, dtype=torch.bfloat16, warmup=5, rep=20, models=MODELS
     started = datetime.now(timezone.utc)
     result = {"suite": "mlp", **runner.environment(started), "dtype": str(dtype).replace("torch.", ""),
               "quick": quick, "providers": list(providers), "anchor": ANCHOR,
-              "timing": {"warmup_ms": warmup, "rep_ms": rep, "return_mode": "median",
+              "timing": {"warmup_ms": warmup, "rep_ms": rep, "return_mode": "median", "rounds": ROUNDS,
+                         "min_replays": MIN_REPLAYS,
                          "graph_steps": {str(m): steps_for(m) for m in tokens}},
               "read_ceiling_tbs": read_ceiling_tbs(), "rows": []}
     for model, act, hidden, inter in models:
@@ -169,16 +185,6 @@ def run_bench(quick=False, dtype=torch.bfloat16, warmup=5, rep=20, models=MODELS
             if log:
                 log(row)
     return result
-
-
-def write_result(result: dict, out_dir) -> Path:
-    from flashflow.bench import runner
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"mlp-{runner.device_slug(result['device'])}.json"
-    path.write_text(json.dumps(runner._finite(result), indent=1) + "\n")
-    return path
 
 
 def _cell(res: dict, key: str, spec: str) -> str:
@@ -233,6 +239,8 @@ def compact_table(result: dict) -> str:
 def run(args) -> int:
     """Entry point of ``flashflow bench --suite mlp`` (args: dtype, quick, warmup, rep, providers, out;
     the CLI has checked them and that a GPU is there)."""
+    from flashflow.bench import runner
+
     dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
     total = len(MODELS) * len(QUICK_TOKENS if args.quick else TOKENS)
     done = []
@@ -246,7 +254,7 @@ def run(args) -> int:
     print("measuring the read ceiling (a 2 GiB reduction)", file=sys.stderr, flush=True)
     result = run_bench(quick=args.quick, dtype=dtype, warmup=args.warmup, rep=args.rep,
                        providers=tuple(args.providers or PROVIDERS), log=log)
-    path = write_result(result, args.out)
+    path = runner.write_result(result, args.out)
     print(f"results: {path}\n")
     for metric in ("us", "tbs", "tflops"):
         print(markdown_table(result, metric) + "\n")

@@ -17,9 +17,10 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
+
+from flashflow.progress import progress as Progress
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ def run_suite(suite, shapes, providers: list[str], dtype, warmup_ms: int = 25,
 
     anchors = [p for p in providers if p != suite.ours]
     rows = []
-    bar = progress_bar(len(shapes) * len(providers), enabled=progress)
+    bar = Progress(len(shapes) * len(providers), f"bench {suite.name}", enabled=progress)
     try:
         for shape in shapes:
             inputs = suite.make_inputs(shape, dtype, "cuda")
@@ -120,78 +121,6 @@ def run_suite(suite, shapes, providers: list[str], dtype, warmup_ms: int = 25,
     finally:
         bar.close()
     return rows
-
-
-# --------------------------------------------------------------------------------------------
-# progress
-# --------------------------------------------------------------------------------------------
-
-
-class _StderrBar:
-    """The few tqdm calls we use, for machines without tqdm. On a terminal one line redraws
-    itself; in a log (stderr not a terminal) a plain line is written every tenth of the way."""
-
-    def __init__(self, total: int):
-        self.total, self.n, self.text = max(total, 1), 0, ""
-        self.tty = sys.stderr.isatty()
-
-    def describe(self, text: str) -> None:
-        self.text = text
-        if self.tty:
-            self._draw()
-
-    def update(self) -> None:
-        self.n += 1
-        if self.tty:
-            self._draw()
-        elif self.n * 10 // self.total != (self.n - 1) * 10 // self.total:
-            sys.stderr.write(f"{self.n}/{self.total} done ({self.text})\n")
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-
-    def _draw(self) -> None:
-        width = 30
-        filled = width * self.n // self.total
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.n}/{self.total} "
-                         f"{self.text[:50]:<50}")
-        sys.stderr.flush()
-
-
-class _TqdmBar:
-    def __init__(self, total: int):
-        from tqdm import tqdm
-
-        # in a log (not a terminal) every redraw is kept: redraw rarely there
-        self.bar = tqdm(total=total, file=sys.stderr, dynamic_ncols=True,
-                        mininterval=0.5 if sys.stderr.isatty() else 30)
-
-    def describe(self, text: str) -> None:
-        self.bar.set_description_str(text, refresh=False)
-
-    def update(self) -> None:
-        self.bar.update(1)
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-class _NoBar:
-    def describe(self, text): pass
-    def update(self): pass
-    def close(self): pass
-
-
-def progress_bar(total: int, enabled: bool = True):
-    if not enabled:
-        return _NoBar()
-    try:
-        return _TqdmBar(total)
-    except ImportError:
-        return _StderrBar(total)
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,19 +182,23 @@ def _finite(obj):
     return obj
 
 
-def write_json(result: dict, out_dir) -> tuple[Path, Path]:
-    """Writes ``<suite>-<device>-<UTC stamp>.json`` and the stable ``<suite>-<device>.json``.
-
-    The stamped file keeps the history; the stable one is what docs and diffs point at.
-    """
+def write_result(result: dict, out_dir) -> Path:
+    """Writes ``<suite>-<device>.json`` (``result``'s ``suite`` and ``device``) in ``out_dir``,
+    created if need be: the one current file of a (suite, device), what docs and diffs point at."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{result['suite']}-{device_slug(result['device'])}.json"
+    path.write_text(json.dumps(_finite(result), indent=1, allow_nan=False, default=str) + "\n")
+    return path
+
+
+def write_json(result: dict, out_dir) -> tuple[Path, Path]:
+    """Writes the stable ``<suite>-<device>.json`` (:func:`write_result`) and a copy stamped
+    ``<suite>-<device>-<UTC stamp>.json``, which keeps the history."""
+    stable = write_result(result, out_dir)
     date = datetime.fromisoformat(result["date"])
-    stem = f"{result['suite']}-{device_slug(result['device'])}"
-    stamped = out_dir / f"{stem}-{date.strftime('%Y%m%d-%H%M%S')}.json"
-    stable = out_dir / f"{stem}.json"
-    stamped.write_text(json.dumps(_finite(result), indent=1, allow_nan=False) + "\n")
-    shutil.copyfile(stamped, stable)
+    stamped = stable.with_name(f"{stable.stem}-{date.strftime('%Y%m%d-%H%M%S')}.json")
+    shutil.copyfile(stable, stamped)
     return stamped, stable
 
 

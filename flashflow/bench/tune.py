@@ -9,7 +9,9 @@ every provider is timed as CUDA-graph replays after a warm-up, in ``--rounds`` i
 rounds (clocks drift with heat: each ratio is taken inside its round, then the median).
 
 Besides config fields, a few plan options vary like fields: ``num_splits``, ``merge``, ``pdl``
-(decode) and ``policy`` (mlp: which kernel and tile order). The JSON goes to
+(decode) and ``policy`` (mlp: which kernel and tile order). ``--mask`` times attention with an
+additive mask, from the shipped bias configs; ``--paged`` decode on a paged cache, from the
+page-sized tiles where those ship. The JSON goes to
 ``--out/tune-OP-<device>.json``; the table printed last lists the best candidate per shape.
 """
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -149,30 +150,34 @@ class Case:
     shipped: dict      # the shipped config's fields and plan options
 
 
-def _sdpa_anchor(qt, kt, vt, causal, gqa=False):
-    """SDPA on cuDNN (FlashAttention's backend where cuDNN refuses the shape); output in
+def _sdpa_anchor(qt, kt, vt, causal, gqa=False, mask=None):
+    """SDPA on cuDNN (where cuDNN refuses the shape, FlashAttention's backend, or the
+    memory-efficient one for a ``mask``, which FlashAttention's does not take); output in
     FlashAttention's (b, s, h, d) layout."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+    second = SDPBackend.FLASH_ATTENTION if mask is None else SDPBackend.EFFICIENT_ATTENTION
+    for backend in (SDPBackend.CUDNN_ATTENTION, second):
         def run(backend=backend):
             with sdpa_kernel(backend):
                 return torch.nn.functional.scaled_dot_product_attention(
-                    qt, kt, vt, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+                    qt, kt, vt, attn_mask=mask, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
         try:
             run()
         except RuntimeError:
             continue
         run.backend = "sdpa-" + backend.name.split("_")[0].lower()
         return run
-    raise RuntimeError("neither cuDNN nor FlashAttention SDPA runs this shape")
+    raise RuntimeError(f"neither cuDNN nor {second.name} SDPA runs this shape")
 
 
 def _attention_shapes(args):
     from flashflow.bench.suites import attention_shapes
 
-    return [s for s in attention_shapes(args.quick) if not args.head_dims or s.head_dim in args.head_dims]
+    # a mask replaces the causal one (SDPA takes one or the other): the non-causal shapes
+    return [s for s in attention_shapes(args.quick) if (not args.head_dims or s.head_dim in args.head_dims)
+            and not (args.mask and s.causal)]
 
 
 def _attention_case(s, args) -> Case:
@@ -185,19 +190,31 @@ def _attention_case(s, args) -> Case:
 
     q, k, v = (torch.randn(s.batch, n, s.heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
                for n in (s.seqlen_q, s.seqlen_k, s.seqlen_k))
-    anchor = _sdpa_anchor(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), s.causal)
-    base = attention_config(max(16, next_pow2(s.head_dim)), s.causal, gpu_family(q.device))
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    mask = None
+    if args.mask:
+        # an additive score bias shared by every batch and head, the last eighth of the keys
+        # masked out as padding would be
+        mask = torch.randn(s.seqlen_q, s.seqlen_k, device="cuda", dtype=torch.bfloat16)
+        mask[:, s.seqlen_k - s.seqlen_k // 8:] = float("-inf")
+    anchor = _sdpa_anchor(qt, kt, vt, s.causal, mask=mask)
+    base = attention_config(max(16, next_pow2(s.head_dim)), s.causal, gpu_family(q.device), bias=mask is not None)
 
     def make(ov):
         if not ov:
+            if mask is not None:
+                return lambda: flashflow.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask).transpose(1, 2)
             return lambda: flashflow.flash_attn_func(q, k, v, causal=s.causal)
         if _same_as_shipped(base, ov, {}):
             raise NotApplicable("the shipped config")
         cfg = replace_fields(base, ov)
-        return lambda: attention_forward(q, k, v, softmax_scale=s.head_dim ** -0.5,
+        bias = None if mask is None else mask.expand(s.batch, s.heads, s.seqlen_q, s.seqlen_k)
+        return lambda: attention_forward(q, k, v, bias=bias, softmax_scale=s.head_dim ** -0.5,
                                          window_right=0 if s.causal else None, return_lse=False,
                                          heavy_first=s.causal, config=cfg)[0]
-    return Case(s.label, s.as_dict(), anchor, make, s.flops, 4, dataclasses.asdict(base))
+    info = {**s.as_dict(), "mask": mask is not None}
+    return Case(s.label + (" mask" if mask is not None else ""), info, anchor, make, s.flops, 4,
+                dataclasses.asdict(base))
 
 
 def _decode_shapes(args):
@@ -236,14 +253,16 @@ def _decode_case(shape, args) -> Case:
         kc, vc, table = paged_copy(kc, vc, PAGE_SIZE, generator=g)
     caches = clones(kc, vc)
     shipped = DecodePlan(b, h, hk, d, s, device="cuda")
+    # a paged cache may ship page-sized tiles: candidates start from what this launch runs
+    base = shipped.config_for(PAGE_SIZE if paged else None)
     plan_opts = {"num_splits": shipped.num_splits, "merge": shipped.merge, "pdl": shipped.pdl}
 
     def make(ov):
         plan = shipped
         if ov:
-            if _same_as_shipped(shipped.config, ov, plan_opts):
+            if _same_as_shipped(base, ov, plan_opts):
                 raise NotApplicable("the shipped config")
-            cfg = replace_fields(shipped.config, ov, PLAN_OPTIONS["decode"])
+            cfg = replace_fields(base, ov, PLAN_OPTIONS["decode"])
             opts = {**plan_opts, **{k: v for k, v in ov.items() if k in plan_opts}}
             try:
                 plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, **opts)
@@ -252,7 +271,7 @@ def _decode_case(shape, args) -> Case:
         return cycling(lambda i: lambda: plan.run(q, *caches[i], cache_seqlens=lens, block_table=table), copies)
     label = f"b{b} s{s} h{h}/{hk} d{d}{' paged' if paged else ''}"
     info = {"batch": b, "seqlen": s, "heads": h, "kv_heads": hk, "head_dim": d, "paged": paged, "copies": copies}
-    return Case(label, info, anchor, make, nbytes, 16, {**dataclasses.asdict(shipped.config), **plan_opts})
+    return Case(label, info, anchor, make, nbytes, 16, {**dataclasses.asdict(base), **plan_opts})
 
 
 def _mlp_shapes(args):
@@ -291,7 +310,7 @@ def _mlp_case(shape, args) -> Case:
         return lambda: mlp.launch_persistent(x, w1, w2, act, name, rows, ws, config=cfg)
     info = {"model": model, "activation": act, "hidden": hidden, "intermediate": inter, "M": m}
     kernel = "splitk" if shipped_policy == "splitk" else "persistent"
-    return Case(f"{model} M={m}", info, lambda: mlp_suite.torch_ffn(x, w1, w2, act), make,
+    return Case(f"{model} M={m}", info, lambda: mlp.launch_cublas(x, w1, w2, act), make,
                 mlp_suite.weight_bytes(act, hidden, inter), mlp_suite.steps_for(m),
                 {**dataclasses.asdict(_mlp_shipped(kernel, x, w2, act)), "policy": shipped_policy})
 
@@ -431,6 +450,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="the bench suite's quick shapes")
     p.add_argument("--head-dims", type=_int_list, default=(), metavar="D,D",
                    help="attention: only these head dims (none: all the suite's)")
+    p.add_argument("--mask", action="store_true",
+                   help="attention: an additive float mask (SDPA's attn_mask) on the non-causal shapes; "
+                        "sweeps the bias configs")
     p.add_argument("--paged", action="store_true", help="decode: also 64-token pages behind a shuffled table")
     p.add_argument("--models", default="", help="mlp: comma list of the mlp suite's FFNs (none: all)")
     p.add_argument("--tokens", type=_int_list, default=(), metavar="M,M",
@@ -489,9 +511,7 @@ def main(args: argparse.Namespace) -> int:
               "tolerance": TOLERANCE, "candidates": cands, "rows": rows,
               "timing": {"rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
                          "return_mode": "median", "cuda_graph": True}}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"tune-{args.op}-{runner.device_slug(env['device'])}.json"
-    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    path = runner.write_result(result, args.out)
     print(table(rows, UNITS[args.op], ANCHORS[args.op]))
     print(f"\nresults: {path}")
     return 0

@@ -35,11 +35,15 @@ from typing import Hashable
 NEVER = float("inf")
 
 
+def _capacity(capacity: int) -> int:
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
+    return capacity
+
+
 class LRUCache:
     def __init__(self, capacity: int):
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = _capacity(capacity)
         self.used = 0
         self._blocks: OrderedDict[Hashable, int] = OrderedDict()
 
@@ -78,9 +82,7 @@ class LRUCache:
 
 class BeladyCache:
     def __init__(self, capacity: int):
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = _capacity(capacity)
         self.used = 0
         self._blocks: dict[Hashable, tuple[int, float]] = {}   # key -> (size, next use)
         self._heap: list[tuple[float, int, Hashable]] = []      # (-next use, tiebreak, key)
@@ -135,8 +137,7 @@ class PartitionedL2:
     SHARING = ("home", "far", "copies")
 
     def __init__(self, capacity: int, partitions: int = 2, sharing: str = "home"):
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0 bytes, got {capacity!r}")
+        _capacity(capacity)
         if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
             raise ValueError(f"partitions must be a positive int, got {partitions!r}")
         if sharing not in self.SHARING:

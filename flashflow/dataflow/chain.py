@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flashflow.dataflow.machine import DeadlockError, Job, Schedule, Traffic, replay, schedule
-from flashflow.dataflow.shape import _positive_int
+from flashflow.dataflow.shape import GemmShape, _positive_int
+from flashflow.device import cdiv
 from flashflow.kernels import tile_order
 
 POLICIES = tile_order.ORDERS + ("interleaved",)
@@ -58,12 +59,25 @@ class FfnShape:
                              f"({self.block_k}): GEMM1 reads GEMM0's tiles in K-steps")
 
     @property
+    def gemm0(self) -> GemmShape:
+        """x · W_gate_upᵀ: M × intermediate over K = hidden (W's element count per column
+        doubles when ``gated``: :func:`_gemm0_job` charges that)."""
+        return GemmShape(self.M, self.intermediate, self.hidden, self.block_m, self.block_n,
+                         self.block_k, self.elem_bytes)
+
+    @property
+    def gemm1(self) -> GemmShape:
+        """h · W_downᵀ: M × hidden over K = intermediate, in ``bn1``-wide output tiles."""
+        return GemmShape(self.M, self.hidden, self.intermediate, self.block_m, self.bn1,
+                         self.block_k, self.elem_bytes)
+
+    @property
     def row_blocks(self) -> int:
-        return -(-self.M // self.block_m)
+        return self.gemm0.tiles_m
 
     @property
     def tiles_n0(self) -> int:
-        return -(-self.intermediate // self.block_n)
+        return self.gemm0.tiles_n
 
     @property
     def bn1(self) -> int:
@@ -71,37 +85,32 @@ class FfnShape:
 
     @property
     def tiles_n1(self) -> int:
-        return -(-self.hidden // self.bn1)
+        return self.gemm1.tiles_n
 
     @property
     def k_steps0(self) -> int:
-        return -(-self.hidden // self.block_k)
+        return self.gemm0.k_steps
 
     @property
     def k_steps1(self) -> int:
-        return -(-self.intermediate // self.block_k)
-
-    def _rows(self, r):
-        return min(self.block_m, self.M - r * self.block_m)
-
-    def _span(self, total, block, i):
-        return min(block, total - i * block)
+        return self.gemm1.k_steps
 
 
 def _gemm0_job(s: FfnShape, r: int, j: int) -> Job:
     e = s.elem_bytes
-    rows = s._rows(r)
-    cols = s._span(s.intermediate, s.block_n, j)
+    gemm0, gemm1 = s.gemm0, s.gemm1
+    rows = gemm0.rows(r)
+    cols = gemm0.cols(j)
     weight_mult = 2 if s.gated else 1
     steps = []
-    for k in range(s.k_steps0):
-        depth = s._span(s.hidden, s.block_k, k)
+    for k in range(gemm0.k_steps):
+        depth = gemm0.depth(k)
         steps.append(((("X", r, k), rows * depth * e),
                       (("W0", j, k), depth * cols * weight_mult * e)))
     per_tile = s.block_n // s.block_k
     writes = []
-    for sub in range(j * per_tile, min((j + 1) * per_tile, s.k_steps1)):
-        writes.append((("H", r, sub), rows * s._span(s.intermediate, s.block_k, sub) * e))
+    for sub in range(j * per_tile, min((j + 1) * per_tile, gemm1.k_steps)):
+        writes.append((("H", r, sub), rows * gemm1.depth(sub) * e))
     return Job(name=("gemm0", r, j), steps=tuple(steps), writes=tuple(writes))
 
 
@@ -112,7 +121,7 @@ def issue_order(s: FfnShape, policy: str) -> list[tuple[int, int, int, int]]:
     ``"interleaved"`` order."""
     if policy == "interleaved":
         out = []
-        half = (s.tiles_n0 + 1) // 2
+        half = cdiv(s.tiles_n0, 2)
         for r in range(s.row_blocks):
             first = [(0, r, j, 0) for j in range(half)]
             rest = [(0, r, j, 0) for j in range(half, s.tiles_n0)]
@@ -155,28 +164,29 @@ def ticket_jobs(s: FfnShape, order, partial_bytes: int = 4, deps: str = "rowbloc
     order = [tuple(t) for t in order]
     per_tile = s.block_n // s.block_k
     split = any(kind == 1 and part == 1 for kind, _, _, part in order)
-    half = -(-s.tiles_n0 // 2)
+    tiles_n0 = s.tiles_n0
+    half = cdiv(tiles_n0, 2)
     k_split = min(half * s.block_n, s.intermediate)
     index = {t: i for i, t in enumerate(order)}
     g0 = {(r, j): i for i, (kind, r, j, _) in enumerate(order) if kind == 0}
-    missing = [t for t in order if t[0] == 1 and any((t[1], c) not in g0 for c in range(s.tiles_n0))]
+    missing = [t for t in order if t[0] == 1 and any((t[1], c) not in g0 for c in range(tiles_n0))]
     if missing:
         raise ValueError(f"order has GEMM1 tiles without their GEMM0 row, e.g. {missing[0]}")
     e = s.elem_bytes
+    gemm1 = s.gemm1
     jobs = []
     for kind, r, j, part in order:
         if kind == 0:
             jobs.append(_gemm0_job(s, r, j))
             continue
-        rows, cols = s._rows(r), s._span(s.hidden, s.bn1, j)
+        rows, cols = gemm1.rows(r), gemm1.cols(j)
         lo, hi = ((0, k_split) if part == 0 else (k_split, s.intermediate)) if split \
             else (0, s.intermediate)
-        cols0 = range(s.tiles_n0) if not split else (range(half) if part == 0
-                                                     else range(half, s.tiles_n0))
-        subs = range(lo // s.block_k, -(-hi // s.block_k))
+        cols0 = range(tiles_n0) if not split else (range(half) if part == 0 else range(half, tiles_n0))
+        subs = range(lo // s.block_k, cdiv(hi, s.block_k))
         steps = []
         for sub in subs:
-            depth = s._span(s.intermediate, s.block_k, sub)
+            depth = gemm1.depth(sub)
             steps.append([(("H", r, sub), rows * depth * e), (("W1", j, sub), depth * cols * e)])
         if deps == "tile":
             waits = [(g0[(r, sub // per_tile)],) for sub in subs]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Callable, Iterable
 
+from flashflow.device import cdiv
+
 Tile = tuple[int, int]
 
 
@@ -53,7 +55,7 @@ def cutlass_swizzle(tiles_m: int, tiles_n: int, width: int = 4) -> list[Tile]:
     if width <= 0:
         raise ValueError(f"width must be positive, got {width!r}")
     out = []
-    for y in range(-(-tiles_n // width)):
+    for y in range(cdiv(tiles_n, width)):
         for x in range(tiles_m * width):
             n = y * width + x % width
             if n < tiles_n:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from flashflow.device import cdiv
+
 
 class PlottingUnavailable(RuntimeError):
     pass
@@ -50,7 +52,7 @@ def order_heatmap(path: str, tiles_m: int, tiles_n: int, panels: dict[str, list]
     plt = _pyplot()
     count = len(panels)
     cols = min(count, 3)
-    rows = -(-count // cols)
+    rows = cdiv(count, cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 4 * rows * tiles_m / max(tiles_n, 1)
                                                    + 0.6), squeeze=False)
     for ax in axes.flat[count:]:

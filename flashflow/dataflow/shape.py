@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from flashflow.device import cdiv
+
 
 def _positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -41,15 +43,15 @@ class GemmShape:
 
     @property
     def tiles_m(self) -> int:
-        return -(-self.M // self.block_m)
+        return cdiv(self.M, self.block_m)
 
     @property
     def tiles_n(self) -> int:
-        return -(-self.N // self.block_n)
+        return cdiv(self.N, self.block_n)
 
     @property
     def k_steps(self) -> int:
-        return -(-self.K // self.block_k)
+        return cdiv(self.K, self.block_k)
 
     @property
     def num_tiles(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from flashflow.device import cdiv
+
 
 @dataclass(frozen=True)
 class WaveStats:
@@ -18,7 +20,7 @@ class WaveStats:
 
     @property
     def waves(self) -> int:
-        return -(-self.tiles // self.slots)
+        return cdiv(self.tiles, self.slots)
 
     @property
     def last_wave_tiles(self) -> int:
@@ -56,9 +58,9 @@ def stair_steps(M: int, n_values: Iterable[int], block_m: int, block_n: int,
                 num_sms: int, tiles_per_sm: int = 1) -> list[StairPoint]:
     """Latency of an M×N GEMM as N grows: waves × one tile's time."""
     out = []
-    tiles_m = -(-M // block_m)
+    tiles_m = cdiv(M, block_m)
     for n in n_values:
-        st = wave_stats(tiles_m * -(-n // block_n), num_sms, tiles_per_sm)
+        st = wave_stats(tiles_m * cdiv(n, block_n), num_sms, tiles_per_sm)
         out.append(StairPoint(n, st.tiles, st.waves, st.last_wave_utilization, float(st.waves),
                               st.tiles / st.slots))
     return out

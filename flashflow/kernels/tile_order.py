@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashflow.device import cdiv
+
 SEQUENTIAL, MULTIROW, HALFROW, SEQSPLIT = 0, 1, 2, 3
 _SEQUENTIAL = tl.constexpr(SEQUENTIAL)
 _MULTIROW = tl.constexpr(MULTIROW)
@@ -181,7 +183,7 @@ def launch_order(name: str, group_rows: int, tiles_m: int, n0: int, n1: int) -> 
         name = "rowblock" if name == "halfrow" else "sequential"
     group_rows = 1 if name in ("rowblock", "halfrow") else max(1, int(group_rows))
     split = name in SPLIT_ORDERS
-    return LaunchOrder(ORDER_CODE[name], group_rows, -(-n0 // 2), tiles_m * (n0 + (2 if split else 1) * n1), split)
+    return LaunchOrder(ORDER_CODE[name], group_rows, cdiv(n0, 2), tiles_m * (n0 + (2 if split else 1) * n1), split)
 
 
 def issue_order(policy: str, tiles_m: int, n0: int, n1: int, group_rows: int | None = None
@@ -203,7 +205,7 @@ def dependency_violations(order, n0: int, split: bool) -> list[str]:
     """Every dependency of a tile must have a smaller ticket (the deadlock-freedom rule).
     ``split``: GEMM1 runs as two K-halves (halfrow, seqsplit); part p needs GEMM0 columns of
     half p, and part 1 also needs part 0 of the same tile."""
-    half = -(-n0 // 2)
+    half = cdiv(n0, 2)
     seen, bad = set(), []
     for t, (kind, r, j, part) in enumerate(order):
         if kind == 1:

@@ -46,22 +46,19 @@ from flashflow.device import capability, capturing, cdiv, gpu_family, interpreti
 from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_THREADS, SYNC_ERR, mlp_gemm0_kernel,
                                    mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
-from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, dependency_violations,
-                                          issue_order, launch_order, parse_order)
-from flashflow.ops.validate import check_no_grad
+from flashflow.kernels.tile_order import DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, launch_order, parse_order
+from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
 
 __all__ = ["fused_mlp", "MlpWorkspace", "ACTIVATIONS", "POLICIES", "PersistentConfig", "SplitKConfig",
            "parse_policy", "resolve_policy", "splitk_config", "persistent_config", "launch_splitk",
-           "launch_persistent", "launch_cublas", "mlp_two_kernels", "mlp_two_streams", "issue_order",
-           "dependency_violations"]
+           "launch_persistent", "launch_cublas", "mlp_two_kernels", "mlp_two_streams"]
 
 DECODE_MAX_M = 64        # the split-K kernel takes at most this many tokens
 PLANS = ("auto", "splitk", "cublas")
 POLICIES = PLANS + ORDERS
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-ACC_OFF = -(-CNT_OFF // 64) * 64   # split-K accumulator, 256-byte aligned, after the fixed words
+ACC_OFF = cdiv(CNT_OFF, 64) * 64   # split-K accumulator, 256-byte aligned, after the fixed words
 GROUP_WORDS = 1024   # room after the accumulator for the grouped split-K kernel's group counters
 
 # Bounded spins (debug): FLASHFLOW_MLP_SPIN_LIMIT=N makes a wait give up after N polls, set the
@@ -214,7 +211,7 @@ def _check(x, w_gate_up, w_down, activation, op: str = "fused_mlp") -> None:
                           ("w_down", w_down, "(hidden, intermediate)")):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor of shape {form}, got {type(t).__name__}")
-        if t.dtype not in SUPPORTED_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
     if not (x.dtype == w_gate_up.dtype == w_down.dtype):
         raise TypeError(f"x, w_gate_up, w_down must share one dtype, got {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")

@@ -8,6 +8,9 @@ import torch
 
 from flashflow.device import interpreting, on_gpu
 
+# the dtypes every op takes
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 def check_no_grad(op: str, **tensors) -> None:
     """flashflow's ops have no backward yet: an input that requires grad would come back detached
@@ -38,7 +41,6 @@ def check_scale(name: str, value, positive: bool = True) -> float:
 # attention inputs (prefill and decode)
 # --------------------------------------------------------------------------------------------
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 

@@ -8,6 +8,7 @@ from flashflow.dataflow import search as _search
 from flashflow.dataflow.bounds import bounds
 from flashflow.dataflow.model import panel_occupancy, simulate
 from flashflow.dataflow.shape import GemmShape
+from flashflow.device import cdiv
 
 # The page draws every tile and re-simulates on every click: keep requests interactive.
 MAX_TILES = 1024
@@ -118,7 +119,7 @@ def search_order(req: dict) -> dict:
     # Keep the request interactive: evaluate with at most 8 (coarser) K-steps and cap
     # iterations x tiles x K-steps; the CLI searches longer.
     k_eval = min(shape.k_steps, 8)
-    block_k = -(-shape.K // k_eval) if k_eval < shape.k_steps else None
+    block_k = cdiv(shape.K, k_eval) if k_eval < shape.k_steps else None
     iterations = max(1, min(iterations, MAX_ANNEAL_WORK // (shape.num_tiles * k_eval)))
     r = _search.anneal(shape, cache, sms, policy, iterations=iterations,
                        seed=_int(req, "seed", 0), block_k=block_k)

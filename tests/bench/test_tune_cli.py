@@ -100,8 +100,12 @@ def test_without_a_gpu_one_line_error_and_exit_2(capsys, tmp_path, op):
 
 
 def test_shape_selection_follows_the_options():
-    args = argparse.Namespace(quick=True, head_dims=(128,), paged=True, models=("llama3-8b",), tokens=(8, 64))
+    args = argparse.Namespace(quick=True, head_dims=(128,), paged=True, models=("llama3-8b",), tokens=(8, 64),
+                              mask=False)
     assert all(s.head_dim == 128 for s in tune._attention_shapes(args))
+    assert any(s.causal for s in tune._attention_shapes(args))
+    masked = tune._attention_shapes(argparse.Namespace(**{**vars(args), "mask": True}))
+    assert masked and not any(s.causal for s in masked)   # SDPA takes a mask or is_causal, not both
     shapes = tune._decode_shapes(args)
     assert [s[-1] for s in shapes[:2]] == [False, True] and len(shapes) % 2 == 0
     assert tune._mlp_shapes(args) == [("llama3-8b", "swiglu", 4096, 14336, 8), ("llama3-8b", "swiglu", 4096, 14336, 64)]

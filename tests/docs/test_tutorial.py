@@ -59,7 +59,7 @@ def test_memory_suite_without_gpu_is_a_one_line_error():
     assert "--suite memory needs a CUDA GPU" in proc.stderr
 
 
-def test_measure_memory_table_and_replace():
+def test_memory_table_and_replace():
     from flashflow.bench import memory as mm
     from flashflow.bench import runner, tables
 

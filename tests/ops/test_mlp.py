@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from flashflow.kernels.mlp import CNT_OFF
-from flashflow.kernels.tile_order import HALFROW, MULTIROW, SEQSPLIT, SEQUENTIAL, mlp_ticket_map_kernel
+from flashflow.kernels.tile_order import (HALFROW, MULTIROW, SEQSPLIT, SEQUENTIAL, dependency_violations, issue_order,
+                                          mlp_ticket_map_kernel)
 from flashflow.ops import mlp
-from flashflow.ops.mlp import (MlpWorkspace, PersistentConfig, SplitKConfig, dependency_violations, fused_mlp,
-                               issue_order, launch_persistent, launch_splitk, mlp_two_kernels, mlp_two_streams,
-                               parse_policy, resolve_policy)
+from flashflow.ops.mlp import (MlpWorkspace, PersistentConfig, SplitKConfig, fused_mlp, launch_persistent, launch_splitk,
+                               mlp_two_kernels, mlp_two_streams, parse_policy, resolve_policy)
 from flashflow.reference.mlp import ACTIVATIONS, mlp_ref
 from flashflow.device import interpreting
 from flashflow.tuning import mlp as tuning
