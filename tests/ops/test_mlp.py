@@ -296,8 +296,10 @@ _SM90_AUTO = [
     (True, 14336, {1: "splitk", 4: "splitk", 16: "splitk", 32: "splitk", 33: "cublas", 64: "cublas",
                    65: "seqsplit:8", 128: "seqsplit:8", 256: "seqsplit:8", 257: "cublas", 512: "cublas",
                    513: "multirow:8", 1024: "multirow:8", 4096: "multirow:8"}),
-    (True, 28672, {m: "cublas" for m in (1, 16, 32, 64, 256, 1024, 4096)}),
-    (False, 14336, {1: "splitk", 4: "splitk", 5: "cublas", 64: "cublas", 256: "cublas", 4096: "cublas"}),
+    (True, 28672, {1: "cublas", 16: "cublas", 32: "cublas", 33: "seqsplit:8", 64: "seqsplit:8", 65: "cublas",
+                   512: "cublas", 513: "multirow:8", 1024: "multirow:8", 2048: "multirow:8", 2049: "cublas",
+                   4096: "cublas"}),
+    (False, 14336, {1: "splitk", 4: "splitk", 8: "splitk", 9: "cublas", 64: "cublas", 256: "cublas", 4096: "cublas"}),
     (True, 8192, {m: "cublas" for m in (1, 64, 1024)}),    # 32-wide slices: nothing measured
 ]
 
@@ -415,13 +417,15 @@ def test_bad_inputs():
 def test_auto_on_an_h100_stand_in(monkeypatch):
     """The op asks flashflow.device for the family and the SM count: with the H100's, auto
     resolves from its table (Llama-3-8B at M = 64 measured cuBLAS 145.6 µs against split-K's
-    156.5, so cuBLAS; 70B-class slices: cuBLAS; M = 65: the persistent kernel)."""
+    156.5, so cuBLAS; 70B-class slices: cuBLAS up to M = 32, seqsplit:8 at 33-64; M = 65: the
+    persistent kernel)."""
     monkeypatch.setattr(mlp, "gpu_family", lambda device: "sm90")
     monkeypatch.setattr(mlp, "num_sms", lambda device: 132)
     gpu = torch.device("cuda")
     assert resolve_policy("auto", 16, True, 14336, gpu) == ("splitk", 1)
     assert resolve_policy("auto", 64, True, 14336, gpu) == ("cublas", 1)
-    assert resolve_policy("auto", 33, True, 28672, gpu) == ("cublas", 1)
+    assert resolve_policy("auto", 32, True, 28672, gpu) == ("cublas", 1)
+    assert resolve_policy("auto", 48, True, 28672, gpu) == ("seqsplit", 8)
     assert resolve_policy("auto", 48, False, 14336, gpu) == ("cublas", 1)
     assert resolve_policy("auto", 65, True, 14336, gpu) == ("seqsplit", 8)
     assert mlp.splitk_config(16, 14336, True, gpu).group == 2
