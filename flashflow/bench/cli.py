@@ -1,6 +1,7 @@
 """`flashflow bench`: time flashflow against its anchors on the GPU and keep the numbers.
 
-Suites: attention (default; flashflow vs SDPA cuDNN / FLASH), decode, mlp, memory, dataflow.
+Suites: attention (default; flashflow vs SDPA cuDNN / FLASH), decode, mlp, memory, dataflow,
+qwen-image.
 Each writes <suite>-<device>.json to --out. Without a CUDA GPU the attention suite runs a
 small correctness demo through Triton's interpreter instead; the other suites need the GPU.
 --from-json prints a saved result's tables, --tables the tables of docs/results.md.
@@ -28,7 +29,9 @@ _ALL_SUITES = sorted(SUITES) + sorted(RUNNERS)
 # shared options: argparse dest -> how the user spelled it
 _FLAGS = {"quick": "--quick", "providers": "--providers", "dtype": "--dtype", "warmup": "--warmup",
           "rep": "--rep", "no_plot": "--no-plot", "markdown": "--markdown", "rescore": "--rescore",
-          "variants": "--variants", "write": "--write", "suite": "--suite"}
+          "variants": "--variants", "write": "--write", "suite": "--suite", "blocks": "--blocks"}
+# every suite option: what a suite does not take is refused
+_SUITE_OPTIONS = ATTENTION_OPTIONS | {"blocks"}
 
 
 def add_parser(subparsers) -> None:
@@ -42,16 +45,18 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
                    help="comma list (default: all of the suite's; attention: "
-                        f"{','.join(SUITES['attention'].providers)}; mlp takes one too)")
+                        f"{','.join(SUITES['attention'].providers)}; mlp and qwen-image take one too)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="input dtype (default: fp16 for memory, bf16 otherwise)")
     p.add_argument("--warmup", type=int, default=None, metavar="MS",
                    help="do_bench warm-up time per measurement, ms (default: 25; mlp: 5)")
     p.add_argument("--rep", type=int, default=None, metavar="MS",
                    help="do_bench measuring time per measurement, ms (default: 100; mlp: 20)")
+    p.add_argument("--blocks", type=int, default=None, metavar="N",
+                   help="qwen-image: transformer blocks to build, of the model's 60 (default: 6)")
     p.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="folder the results are written to, and --tables reads (default: bench/results)")
-    p.add_argument("--no-plot", action="store_true", help="attention: skip the PNG plot")
+    p.add_argument("--no-plot", action="store_true", help="attention, qwen-image: skip the PNG plot")
     p.add_argument("--from-json", type=Path, default=None, metavar="FILE",
                    help="print the tables of a saved result (any suite's) instead of measuring")
     p.add_argument("--markdown", action="store_true",
@@ -132,6 +137,10 @@ def print_result(result: dict, markdown: bool = False) -> None:
         from flashflow.bench import dataflow
 
         print(dataflow.report(result))
+    elif suite == "qwen-image":
+        from flashflow.bench import qwen_image
+
+        print(qwen_image.report(result))
     elif suite == "info":
         from flashflow.bench import info
 
@@ -146,7 +155,8 @@ def print_result(result: dict, markdown: bool = False) -> None:
 def _from_json(args) -> int:
     import json
 
-    extra = _passed(args, ("suite", "quick", "providers", "dtype", "warmup", "rep", "no_plot", "write"))
+    extra = _passed(args, ("suite", "quick", "providers", "dtype", "warmup", "rep", "no_plot", "write",
+                           "blocks"))
     if extra:
         return _error(f"{extra[0]} does not apply to --from-json (the file says what it measured)")
     try:
@@ -195,7 +205,7 @@ def _tables(args) -> int:
     from flashflow.bench import tables
 
     extra = _passed(args, ("suite", "quick", "providers", "dtype", "warmup", "rep", "no_plot", "markdown",
-                           "rescore", "variants"))
+                           "rescore", "variants", "blocks"))
     if extra:
         return _error(f"{extra[0]} does not apply to --tables (it renders the results in --out)")
     if not args.out.is_dir():
@@ -230,7 +240,7 @@ def main(args: argparse.Namespace) -> int:
     suite_name = args.suite or "attention"
     options, defaults = ((ATTENTION_OPTIONS, ATTENTION_DEFAULTS) if suite_name in SUITES else
                          (RUNNERS[suite_name].options, RUNNERS[suite_name].defaults))
-    extra = _passed(args, sorted(ATTENTION_OPTIONS - options))
+    extra = _passed(args, sorted(_SUITE_OPTIONS - options))
     if extra:
         return _error(f"{extra[0]} does not apply to --suite {suite_name}")
     for key, value in defaults.items():
@@ -299,6 +309,11 @@ def _run_runner(name: str, args) -> int:
     from flashflow.device import interpreting
 
     spec = RUNNERS[name]
+    module = importlib.import_module(spec.module)
+    check_args = getattr(module, "check_args", None)
+    problem = check_args(args) if check_args else None
+    if problem:
+        return _error(problem)
     if not torch.cuda.is_available():
         return _error(f"--suite {name} needs a CUDA GPU (it {spec.measures}) and torch.cuda.is_available() "
                       "is False; without one, only the attention suite runs (a correctness demo in "
@@ -306,7 +321,6 @@ def _run_runner(name: str, args) -> int:
     if interpreting():
         return _error(f"--suite {name}: TRITON_INTERPRET is set, so the kernels would run in the CPU "
                       "interpreter. Unset it to benchmark the GPU.")
-    module = importlib.import_module(spec.module)
     if name == "mlp":
         try:
             args.providers = parse_providers(args.providers, module.PROVIDERS, name)

@@ -129,4 +129,9 @@ RUNNERS: dict[str, Runner] = {
     "dataflow": Runner("flashflow.bench.dataflow",
                        "profiles a GEMM's DRAM bytes per tile order with Nsight Compute",
                        frozenset({"quick"}), {}),
+    "qwen-image": Runner("flashflow.bench.qwen_image",
+                         "times a Qwen-Image transformer step, diffusers vs flashflow.integrations.diffusers, "
+                         "eager and compiled; warm-up 200 ms, 1000 ms timed",
+                         frozenset({"quick", "providers", "warmup", "rep", "no_plot", "blocks"}),
+                         {"warmup": 200, "rep": 1000, "blocks": 6}),
 }

@@ -58,7 +58,7 @@ def check_runs_here(name: str, t: torch.Tensor) -> None:
     """CUDA tensors, or CPU tensors under Triton's interpreter (or standing for a GPU offline)."""
     if not on_gpu(t.device) and not interpreting():
         raise ValueError(
-            f"flashflow attention runs on CUDA tensors; got {name} on {t.device}. "
+            f"flashflow runs on CUDA tensors; got {name} on {t.device}. "
             "Move the tensors to the GPU (or set TRITON_INTERPRET=1 to run Triton's CPU interpreter)."
         )
 

@@ -1,0 +1,302 @@
+"""flashflow inside diffusers' Qwen-Image transformer: one call, in place, weights untouched.
+
+``enable(transformer)`` swaps, in every ``QwenImageTransformerBlock``:
+
+- the attention processor for :class:`FlashflowQwenAttnProcessor`: the six projections as
+  before, then one ``rmsnorm_rope`` pass per q/k and stream that writes straight into the joint
+  ``[text, image]`` buffer (no ``torch.cat`` of q and k), then flashflow's exact attention
+  (``flash_attn_func``; with a text padding mask, ``scaled_dot_product_attention`` with a
+  ``(B, 1, 1, S)`` key-padding mask, never a dense one);
+- the block's ``forward`` for one that does the same math with fused passes:
+  ``layernorm_modulate`` (norm1 + AdaLN modulate), ``gate_residual_layernorm_modulate`` (gate ·
+  attention + residual, norm2, modulate), ``gate_residual`` after the MLP, and on CUDA the MLP's
+  first Linear with cuBLASLt's bias + GELU(tanh) epilogue.
+
+``disable(transformer)`` puts the original processor objects and the class's ``forward`` back,
+so the model computes exactly what it computed before ``enable``.
+
+Inference only: flashflow's ops have no backward, so a model in training mode is refused and an
+input that requires grad raises (docs/diffusion.md).
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+from torch import nn
+
+try:
+    from diffusers.models.activations import GELU as _DiffusersGELU
+    from diffusers.models.normalization import RMSNorm as _DiffusersRMSNorm
+    from diffusers.models.transformers.transformer_qwenimage import (
+        QwenDoubleStreamAttnProcessor2_0,
+        QwenImageTransformer2DModel,
+        QwenImageTransformerBlock,
+    )
+except ImportError as e:   # pragma: no cover - depends on the environment
+    raise ImportError("flashflow.integrations.diffusers needs diffusers (pip install diffusers)") from e
+
+from flashflow.ops.attention import flash_attn_func, scaled_dot_product_attention
+from flashflow.ops.norm import gate_residual, gate_residual_layernorm_modulate, layernorm_modulate, rmsnorm_rope
+
+__all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUPPORTED_MODELS",
+           "ATTENTION_MODES"]
+
+SUPPORTED_MODELS = (QwenImageTransformer2DModel,)
+# "bf16": exact attention in the model's own dtype (bf16, fp16 or fp32 models alike).
+ATTENTION_MODES = ("bf16",)
+_RESERVED_ATTENTION = {"fp8": "attention='fp8' is reserved for FP8 attention, which flashflow does not have yet; "
+                              "use attention='bf16'"}
+
+# The original (processor, instance-level forward or None) of a block, kept on the block itself.
+_ORIGINAL = "_flashflow_original"
+
+# cuBLASLt's bias + GELU epilogue is the tanh approximation; CPU builds of this private op use the
+# erf GELU instead, hence CUDA only.
+_HAS_ADDMM_ACTIVATION = hasattr(torch, "_addmm_activation")
+
+
+# --------------------------------------------------------------------------------------------
+# the attention processor
+# --------------------------------------------------------------------------------------------
+
+
+def _norm_rope_into(norm: nn.Module, x: torch.Tensor, freqs, out: torch.Tensor) -> None:
+    """RMSNorm (+ RoPE when ``freqs`` is given) of ``x`` (B, S, H, D), written into ``out``."""
+    if freqs is None:
+        # rmsnorm_rope always rotates; without RoPE (never the case inside the model's own
+        # forward) the norm is diffusers' module.
+        out.copy_(norm(x))
+    else:
+        rmsnorm_rope(x, norm.weight, freqs, eps=norm.eps, out=out)
+
+
+class FlashflowQwenAttnProcessor:
+    """Joint [text, image] attention of a Qwen-Image block through flashflow's kernels; a
+    drop-in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` (same call, same outputs up to
+    rounding)."""
+
+    def __init__(self, attention: str = "bf16"):
+        self.attention = _check_attention(attention)
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,                       # image stream
+        encoder_hidden_states: torch.Tensor | None = None,  # text stream
+        encoder_hidden_states_mask: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if encoder_hidden_states is None:
+            raise ValueError("FlashflowQwenAttnProcessor requires encoder_hidden_states (the text stream)")
+        if attention_mask is not None:
+            raise ValueError("FlashflowQwenAttnProcessor does not take an attention_mask; pass the text padding "
+                             "mask as encoder_hidden_states_mask (batch, text_seqlen), as diffusers' processor does")
+        batch, seq_img = hidden_states.shape[:2]
+        seq_txt = encoder_hidden_states.shape[1]
+        head_dim = attn.inner_dim // attn.heads
+
+        img_q = attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))
+        img_k = attn.to_k(hidden_states).unflatten(-1, (-1, head_dim))
+        img_v = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
+        txt_q = attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+        txt_k = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+        txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+
+        img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        # The [text, image] concatenation is folded into the norm + RoPE pass: each stream is
+        # written at its offset of the joint buffer.
+        joint_shape = (batch, seq_txt + seq_img, img_q.shape[2], head_dim)
+        query = img_q.new_empty(joint_shape)
+        key = img_k.new_empty(joint_shape)
+        _norm_rope_into(attn.norm_added_q, txt_q, txt_freqs, query[:, :seq_txt])
+        _norm_rope_into(attn.norm_q, img_q, img_freqs, query[:, seq_txt:])
+        _norm_rope_into(attn.norm_added_k, txt_k, txt_freqs, key[:, :seq_txt])
+        _norm_rope_into(attn.norm_k, img_k, img_freqs, key[:, seq_txt:])
+        value = torch.cat([txt_v, img_v], dim=1)
+
+        if encoder_hidden_states_mask is None:
+            out = flash_attn_func(query, key, value)
+        else:
+            # A key-padding mask (B, 1, 1, S): image keys always attend; the text part is the
+            # caller's mask (nonzero = a real token, as the model's forward normalises it).
+            keep = torch.cat([encoder_hidden_states_mask.to(torch.bool),
+                              torch.ones(batch, seq_img, dtype=torch.bool, device=hidden_states.device)], dim=1)
+            out = scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                               attn_mask=keep[:, None, None, :]).transpose(1, 2)
+        out = out.flatten(2, 3)
+
+        img_out = attn.to_out[0](out[:, seq_txt:].contiguous())
+        for module in attn.to_out[1:]:   # dropout
+            img_out = module(img_out)
+        txt_out = attn.to_add_out(out[:, :seq_txt].contiguous())
+        return img_out, txt_out
+
+
+# --------------------------------------------------------------------------------------------
+# the block forward
+# --------------------------------------------------------------------------------------------
+
+
+def _feed_forward(ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``FeedForward`` (Linear, GELU tanh, dropout, Linear); on CUDA the first Linear
+    and the GELU are one cuBLASLt GEMM with a bias + GELU(tanh) epilogue, saving a full write
+    and read of the 4·dim-wide hidden activation."""
+    act = ff.net[0]
+    proj = getattr(act, "proj", None)
+    if (x.is_cuda and _HAS_ADDMM_ACTIVATION and type(act) is _DiffusersGELU and act.approximate == "tanh"
+            and type(proj) is nn.Linear and proj.bias is not None):
+        h = torch._addmm_activation(proj.bias, x.reshape(-1, x.shape[-1]), proj.weight.t(), use_gelu=True)
+        h = h.view(*x.shape[:-1], h.shape[-1])
+        for module in ff.net[1:]:
+            h = module(h)
+        return h
+    return ff(x)
+
+
+def _block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_mask: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict | None = None,
+    modulate_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """QwenImageTransformerBlock.forward with flashflow's fused passes (same math, same order)."""
+    img_mod_params = self.img_mod(temb)   # (B, 6·dim), or (2B, 6·dim) with zero_cond_t
+    if self.zero_cond_t:
+        temb = torch.chunk(temb, 2, dim=0)[0]
+    txt_mod_params = self.txt_mod(temb)
+    img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
+    img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
+    img_shift2, img_scale2, img_gate2 = img_mod2.chunk(3, dim=-1)
+    txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
+    txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
+
+    img_modulated = layernorm_modulate(hidden_states, img_shift1, img_scale1, eps=self.img_norm1.eps,
+                                       index=modulate_index)
+    txt_modulated = layernorm_modulate(encoder_hidden_states, txt_shift1, txt_scale1, eps=self.txt_norm1.eps)
+
+    # Through the Attention module, as diffusers does: its hooks and its handling of
+    # joint_attention_kwargs stay as they are.
+    img_attn_output, txt_attn_output = self.attn(
+        hidden_states=img_modulated,
+        encoder_hidden_states=txt_modulated,
+        encoder_hidden_states_mask=encoder_hidden_states_mask,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+
+    hidden_states, img_modulated2 = gate_residual_layernorm_modulate(
+        hidden_states, img_attn_output, img_gate1, img_shift2, img_scale2, eps=self.img_norm2.eps,
+        index=modulate_index)
+    encoder_hidden_states, txt_modulated2 = gate_residual_layernorm_modulate(
+        encoder_hidden_states, txt_attn_output, txt_gate1, txt_shift2, txt_scale2, eps=self.txt_norm2.eps)
+
+    hidden_states = gate_residual(hidden_states, _feed_forward(self.img_mlp, img_modulated2), img_gate2,
+                                  index=modulate_index)
+    encoder_hidden_states = gate_residual(encoder_hidden_states, _feed_forward(self.txt_mlp, txt_modulated2),
+                                          txt_gate2)
+
+    # The original block's guard against fp16 overflow (inf -> the largest finite fp16).
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+# --------------------------------------------------------------------------------------------
+# enable / disable
+# --------------------------------------------------------------------------------------------
+
+
+def _check_attention(attention) -> str:
+    if not isinstance(attention, str):
+        raise TypeError(f"attention must be a str, one of {ATTENTION_MODES}, got {attention!r}")
+    if attention in _RESERVED_ATTENTION:
+        raise NotImplementedError(_RESERVED_ATTENTION[attention])
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
+    return attention
+
+
+def _check_transformer(transformer) -> list:
+    if not isinstance(transformer, SUPPORTED_MODELS):
+        names = ", ".join(f"diffusers.{cls.__name__}" for cls in SUPPORTED_MODELS)
+        raise TypeError(f"transformer must be one of: {names} (e.g. pipe.transformer of a QwenImagePipeline or "
+                        f"QwenImageEditPipeline), got {type(transformer).__module__}.{type(transformer).__name__}")
+    return [block for block in transformer.transformer_blocks if isinstance(block, QwenImageTransformerBlock)]
+
+
+def _forward_is_ours(block) -> bool:
+    return getattr(block.__dict__.get("forward"), "__func__", None) is _block_forward
+
+
+def _processor_is_ours(block) -> bool:
+    return isinstance(block.attn.processor, FlashflowQwenAttnProcessor)
+
+
+def is_enabled(transformer) -> bool:
+    """True when every Qwen-Image block of ``transformer`` runs flashflow's forward and processor."""
+    blocks = _check_transformer(transformer)
+    return bool(blocks) and all(_forward_is_ours(b) and _processor_is_ours(b) for b in blocks)
+
+
+def enable(transformer, attention: str = "bf16"):
+    """Run ``transformer`` (diffusers' ``QwenImageTransformer2DModel``) through flashflow, in place.
+
+    Args:
+        transformer: the model, in eval mode (``pipe.transformer``), on a CUDA device (or on the
+            CPU under Triton's interpreter). Its weights are not touched or copied.
+        attention: ``"bf16"``: exact attention in the model's dtype (bf16, fp16 or fp32 models).
+            ``"fp8"`` is reserved for FP8 attention and raises ``NotImplementedError``.
+    Returns:
+        ``transformer`` itself. Enabling an enabled model changes nothing; ``disable`` undoes it.
+
+    Every block is checked before any is changed, so a refused model is left as it was.
+    """
+    attention = _check_attention(attention)
+    blocks = _check_transformer(transformer)
+    if transformer.training or any(block.training for block in blocks):
+        raise ValueError("enable() takes a model in eval mode: flashflow's ops are inference-only (no backward); "
+                         "call transformer.eval() first")
+    for i, block in enumerate(blocks):
+        if not _forward_is_ours(block) and "forward" in block.__dict__:
+            raise ValueError(f"transformer_blocks[{i}].forward is already replaced on the instance (a hook or "
+                             "offloading wrapper?); call enable() before installing it")
+        if not _processor_is_ours(block) and type(block.attn.processor) is not QwenDoubleStreamAttnProcessor2_0:
+            raise ValueError(f"transformer_blocks[{i}].attn.processor is {type(block.attn.processor).__name__}; "
+                             "enable() replaces only diffusers' QwenDoubleStreamAttnProcessor2_0")
+        for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+            norm = getattr(block.attn, name, None)
+            if not (isinstance(norm, _DiffusersRMSNorm) and norm.bias is None):
+                raise ValueError(f"transformer_blocks[{i}].attn.{name} is {type(norm).__name__}; enable() supports "
+                                 "the Qwen-Image blocks' qk_norm='rms_norm' (diffusers RMSNorm without bias)")
+    for block in blocks:
+        if _processor_is_ours(block):
+            block.attn.processor.attention = attention
+        else:
+            setattr(block, _ORIGINAL, block.attn.processor)
+            block.attn.set_processor(FlashflowQwenAttnProcessor(attention))
+        if not _forward_is_ours(block):
+            block.forward = types.MethodType(_block_forward, block)
+    return transformer
+
+
+def disable(transformer):
+    """Undo :func:`enable`: every block gets back its original processor object and the class's
+    ``forward``, so outputs are bit-identical to those before ``enable``. A model that was never
+    enabled is returned unchanged (no-op); a processor set by the user after ``enable`` is left
+    in place. Returns ``transformer``."""
+    for block in _check_transformer(transformer):
+        original = block.__dict__.pop(_ORIGINAL, None)
+        if original is not None and _processor_is_ours(block):
+            block.attn.set_processor(original)
+        if _forward_is_ours(block):
+            del block.forward
+    return transformer

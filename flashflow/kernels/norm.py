@@ -1,0 +1,178 @@
+"""Row-wise normalisation kernels of a diffusion transformer block (Qwen-Image, Flux-style
+double-stream DiT): LayerNorm + AdaLN modulation, gated residual add (optionally fused with the
+next LayerNorm + modulation), and the q/k RMSNorm fused with the rotary embedding.
+
+Every kernel is memory-bound: a row is read once into registers (``BLOCK_D`` = the next power
+of two of its width), reduced and transformed in fp32, and written once. Token (b, l) takes its
+modulation row (shift / scale / gate) from row ``b``, or, with an ``index`` tensor, from row
+``b`` where ``index[b, l] == 0`` and row ``B + b`` elsewhere (diffusers' ``_modulate(..., index)``
+of zero_cond_t models). Row bases are computed in int64, so tensors of more than 2^31 elements
+address correctly.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX: tl.constexpr):
+    """The row of shift / scale / gate that token (b, l) uses."""
+    if HAS_INDEX:
+        second = tl.load(index_ptr + b * stride_ib + l * stride_il) != 0
+        return tl.where(second, b + B, b)
+    else:
+        return b
+
+
+@triton.jit
+def layernorm_row(x, mask, D, eps):
+    """LayerNorm without affine of one fp32 row (masked lanes hold 0): the mean first, then the
+    variance of ``x - mean`` (torch's two statistics, not E[x²] - mean², which cancels)."""
+    mean = tl.sum(x, axis=0) / D
+    xc = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / D
+    return xc * tl.math.rsqrt(var + eps)
+
+
+@triton.jit
+def layernorm_modulate_kernel(
+    x_ptr, shift_ptr, scale_ptr, index_ptr, y_ptr,
+    B, L, D,
+    stride_xb, stride_xl, stride_shift, stride_scale, stride_ib, stride_il, stride_yb, stride_yl,
+    eps,
+    HAS_INDEX: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``y = LayerNorm(x)·(1 + scale) + shift`` over rows of D; one program per token (B·L
+    programs), the row held in registers.
+
+    Bytes: x read once, y written once (2·B·L·D elements); shift/scale rows come from L2.
+    FLOPs: about 8 per element.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b = row // L
+    l = row % L
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    x = tl.load(x_ptr + b * stride_xb + l * stride_xl + d, mask=mask, other=0.0).to(tl.float32)
+    m = modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX)
+    shift = tl.load(shift_ptr + m * stride_shift + d, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + m * stride_scale + d, mask=mask, other=0.0).to(tl.float32)
+    y = layernorm_row(x, mask, D, eps) * (1.0 + scale) + shift
+    tl.store(y_ptr + b * stride_yb + l * stride_yl + d, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gate_residual_kernel(
+    res_ptr, y_ptr, gate_ptr, index_ptr, out_ptr,
+    B, L, D,
+    stride_rb, stride_rl, stride_yb, stride_yl, stride_gate, stride_ib, stride_il, stride_ob, stride_ol,
+    HAS_INDEX: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``out = residual + gate·y``; grid (B·L tokens, D / BLOCK_D column blocks): nothing is
+    reduced, so rows of any width split into blocks.
+
+    Bytes: residual and y read once, out written once (3·B·L·D elements). FLOPs: 2 per element.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b = row // L
+    l = row % L
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < D
+    r = tl.load(res_ptr + b * stride_rb + l * stride_rl + d, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + b * stride_yb + l * stride_yl + d, mask=mask, other=0.0).to(tl.float32)
+    m = modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX)
+    gate = tl.load(gate_ptr + m * stride_gate + d, mask=mask, other=0.0).to(tl.float32)
+    out = r + gate * y
+    tl.store(out_ptr + b * stride_ob + l * stride_ol + d, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def gate_residual_layernorm_modulate_kernel(
+    res_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, index_ptr, new_res_ptr, mod_ptr,
+    B, L, D,
+    stride_rb, stride_rl, stride_yb, stride_yl, stride_gate, stride_shift, stride_scale,
+    stride_ib, stride_il, stride_nb, stride_nl, stride_mb, stride_ml,
+    eps,
+    HAS_INDEX: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """``new_res = residual + gate·y`` and ``mod = LayerNorm(new_res)·(1 + scale) + shift`` in
+    one pass; one program per token, the row in registers.
+
+    The LayerNorm reads the new residual as stored (rounded to its dtype), as the unfused block
+    normalises the tensor it just wrote, so the two outputs agree with each other exactly.
+
+    Bytes: residual and y read once, new_res and mod written once (4·B·L·D elements, against
+    6·B·L·D for the two unfused passes). FLOPs: about 10 per element.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b = row // L
+    l = row % L
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    r = tl.load(res_ptr + b * stride_rb + l * stride_rl + d, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + b * stride_yb + l * stride_yl + d, mask=mask, other=0.0).to(tl.float32)
+    m = modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX)
+    gate = tl.load(gate_ptr + m * stride_gate + d, mask=mask, other=0.0).to(tl.float32)
+    new_res = (r + gate * y).to(new_res_ptr.dtype.element_ty)
+    tl.store(new_res_ptr + b * stride_nb + l * stride_nl + d, new_res, mask=mask)
+    h = tl.where(mask, new_res.to(tl.float32), 0.0)
+    shift = tl.load(shift_ptr + m * stride_shift + d, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + m * stride_scale + d, mask=mask, other=0.0).to(tl.float32)
+    mod = layernorm_row(h, mask, D, eps) * (1.0 + scale) + shift
+    tl.store(mod_ptr + b * stride_mb + l * stride_ml + d, mod.to(mod_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rmsnorm_rope_kernel(
+    x_ptr, w_ptr, f_ptr, out_ptr,
+    S, H, D,
+    stride_xb, stride_xs, stride_xh, stride_fs, stride_fi, stride_ob, stride_os, stride_oh,
+    eps,
+    HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """Per head row of D: RMSNorm (fp32 statistics, optional weight), then the rotary embedding
+    with pairs ``(x[2i], x[2i+1])`` taken as one complex number times ``freqs[s, i]``.
+
+    Grid (B·S tokens, H / BLOCK_H head blocks): a program holds BLOCK_H heads of one token as a
+    (BLOCK_H, D/2, 2) tile, split into the pairs' real and imaginary halves, and loads the
+    token's D/2 frequencies once for all its heads. ``f_ptr`` is the float32 view of the complex
+    frequencies, (S, D/2, 2).
+
+    Rounding follows diffusers' RMSNorm: with a fp16/bf16 weight the normalised row is rounded
+    to the weight's dtype before and after the multiply; without a weight, to x's dtype. The
+    rotation is in fp32, rounded once to out's dtype.
+
+    Bytes: x read once, out written once (2·B·S·H·D elements) plus S·D floats of frequencies.
+    FLOPs: about 10 per element.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    b = tok // S
+    s = tok % S
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    j = tl.arange(0, 2)
+    col = (2 * i)[:, None] + j[None, :]                                   # (BLOCK_HALF, 2)
+    col_mask = col < D
+    mask = (h < H)[:, None, None] & col_mask[None, :, :]                  # (BLOCK_H, BLOCK_HALF, 2)
+    x_off = b * stride_xb + s * stride_xs + h[:, None, None] * stride_xh + col[None, :, :]
+    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
+    re, im = tl.split(x)                                                  # (BLOCK_H, BLOCK_HALF)
+    ms = tl.sum(re * re + im * im, axis=1) / D
+    rstd = tl.math.rsqrt(ms + eps)[:, None]
+    re = re * rstd
+    im = im * rstd
+    if HAS_WEIGHT:
+        w_dtype = w_ptr.dtype.element_ty
+        w_re, w_im = tl.split(tl.load(w_ptr + col, mask=col_mask, other=0.0).to(tl.float32))
+        re = (re.to(w_dtype).to(tl.float32) * w_re[None, :]).to(w_dtype).to(tl.float32)
+        im = (im.to(w_dtype).to(tl.float32) * w_im[None, :]).to(w_dtype).to(tl.float32)
+    else:
+        x_dtype = x_ptr.dtype.element_ty
+        re = re.to(x_dtype).to(tl.float32)
+        im = im.to(x_dtype).to(tl.float32)
+    f_off = s * stride_fs + i[:, None] * stride_fi + j[None, :]
+    cos, sin = tl.split(tl.load(f_ptr + f_off, mask=col_mask, other=0.0))
+    out_re = re * cos[None, :] - im * sin[None, :]
+    out_im = re * sin[None, :] + im * cos[None, :]
+    out = tl.join(out_re, out_im).to(out_ptr.dtype.element_ty)
+    o_off = b * stride_ob + s * stride_os + h[:, None, None] * stride_oh + col[None, :, :]
+    tl.store(out_ptr + o_off, out, mask=mask)

@@ -1,0 +1,397 @@
+"""The diffusion block's memory-bound elementwise work, fused: validation, launch, custom ops.
+
+A double-stream DiT block (Qwen-Image, as diffusers implements it) spends a large share of a
+step outside its GEMMs and attention, in passes that each read and write the whole activation:
+LayerNorm then AdaLN modulation, the gated residual add, the q/k RMSNorm, the rotary
+embedding, the concatenation of the text and image streams. Each op here is one pass over its
+rows (kernels: :mod:`flashflow.kernels.norm`), computing in fp32 and returning x's dtype:
+
+* :func:`layernorm_modulate` ``LayerNorm(x)·(1 + scale) + shift``;
+* :func:`gate_residual` ``residual + gate·y``;
+* :func:`gate_residual_layernorm_modulate` both of those, reading residual and y once;
+* :func:`rmsnorm_rope` q/k RMSNorm and RoPE, optionally written straight into a slice of the
+  joint [text, image] buffer (``out=``), which folds the concatenation into the same pass.
+
+shift / scale / gate are rows of the modulation (diffusers' ``mod_params.chunk(3, dim=-1)``
+views are taken as they are: any row stride, unit stride along D). With ``index`` (an integer
+(B, L) tensor) they have 2B rows and token (b, l) takes row b where ``index[b, l] == 0``, row
+B + b elsewhere, as diffusers' ``_modulate(..., index)``; the index values are not read on the
+host, so any nonzero value means the second half.
+
+No op reads a device value on the host: every one is CUDA-graph safe. Under ``torch.compile``
+each is one opaque ``flashflow::`` custom op; ``rmsnorm_rope(..., out=)`` is registered as
+mutating ``out`` (``flashflow::rmsnorm_rope_out``), which torch.compile functionalizes, so the
+slice write into a bigger buffer survives compilation. Inputs that require grad are refused.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashflow.device import cdiv, next_pow2
+from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
+                                    layernorm_modulate_kernel, rmsnorm_rope_kernel)
+from flashflow.ops.validate import check_no_grad, check_runs_here, check_scale, check_tensor
+
+__all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope", "MAX_DIM"]
+
+# Rows are held in registers in one pass: up to 16384 fp32 values over 8 warps is 64 a thread.
+MAX_DIM = 16384
+# gate_residual reduces nothing: rows split into column blocks of at most this width
+RESIDUAL_BLOCK = 4096
+# rmsnorm_rope packs heads of one token into a tile of at most this many elements
+ROPE_TILE = 4096
+
+
+def _num_warps(block: int) -> int:
+    """Warps for a row of ``block`` lanes: 8 fp32 values a thread up to 8 warps (3072-wide
+    rows, 4096 lanes: 8 warps, 16 values a thread)."""
+    return max(1, min(8, block // 256))
+
+
+def _heads_per_program(heads: int, most: int) -> int:
+    """The largest power of two ≤ ``most`` heads per program that leaves at most 1/8 of the
+    tiles' lanes masked (24 heads: 8, not 32)."""
+    block = max(1, min(next_pow2(heads), most))
+    while block > 1 and 8 * (cdiv(heads, block) * block - heads) > cdiv(heads, block) * block:
+        block //= 2
+    return block
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+
+
+def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}; "
+                         f"pass {name}.contiguous()")
+
+
+def _check_same_device(name: str, t: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {t.device}")
+
+
+def _check_eps(eps) -> float:
+    eps = check_scale("eps", eps, positive=False)
+    if eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    return eps
+
+
+def _check_dim(name: str, d: int) -> None:
+    if not 1 <= d <= MAX_DIM:
+        raise ValueError(f"the last dim of {name} must be between 1 and {MAX_DIM}, got {d}")
+
+
+def _check_rows(name: str, x: torch.Tensor) -> tuple[int, int, int]:
+    """x a (batch, seqlen, dim) float tensor flashflow can run on; returns (B, L, D)."""
+    check_tensor(name, x, 3, "(batch, seqlen, dim)")
+    check_runs_here(name, x)
+    _check_unit_last_stride(name, x)
+    return tuple(x.shape)
+
+
+def _check_index(index, b: int, l: int, x: torch.Tensor) -> None:
+    if index is None:
+        return
+    if not isinstance(index, torch.Tensor):
+        raise TypeError(f"index must be None or an integer torch.Tensor of shape (batch, seqlen), "
+                        f"got {type(index).__name__}")
+    if index.dtype.is_floating_point or index.dtype.is_complex:
+        raise TypeError(f"index must be an integer or bool tensor (0: first half of the modulation rows, "
+                        f"else the second), got {index.dtype}")
+    if tuple(index.shape) != (b, l):
+        raise ValueError(f"index must have shape (batch, seqlen) = {(b, l)}, got {tuple(index.shape)}")
+    _check_same_device("index", index, x, "x")
+
+
+def _check_modulation(name: str, t, b: int, d: int, x: torch.Tensor, x_name: str, index) -> None:
+    """One modulation row per batch entry, (B, D); (2B, D) with ``index``."""
+    rows, form = (2 * b, "(2·batch, dim)") if index is not None else (b, "(batch, dim)")
+    check_tensor(name, t, 2, form)
+    if tuple(t.shape) != (rows, d):
+        hint = " (index is given: the rows of both halves)" if index is not None else ""
+        raise ValueError(f"{name} must have shape {form} = {(rows, d)}{hint}, got {tuple(t.shape)}")
+    _check_same_device(name, t, x, x_name)
+    _check_unit_last_stride(name, t)
+
+
+def _check_like(name: str, t, x: torch.Tensor, x_name: str) -> None:
+    """A float tensor of x's shape on x's device, unit last stride."""
+    check_tensor(name, t, x.dim(), f"{tuple(x.shape)} like {x_name}")
+    if t.shape != x.shape:
+        raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(t.shape)}")
+    _check_same_device(name, t, x, x_name)
+    _check_unit_last_stride(name, t)
+
+
+def _index_args(index: Optional[torch.Tensor], x: torch.Tensor) -> tuple:
+    """(pointer, stride_b, stride_l); x stands in for the pointer when there is no index."""
+    if index is None:
+        return x, 0, 0
+    if index.dtype == torch.bool:
+        index = index.view(torch.uint8)
+    return index, index.stride(0), index.stride(1)
+
+
+# --------------------------------------------------------------------------------------------
+# launchers (validated inputs)
+# --------------------------------------------------------------------------------------------
+
+
+def _layernorm_modulate_impl(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                             index: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    b, l, d = x.shape
+    y = torch.empty((b, l, d), dtype=x.dtype, device=x.device)
+    if b * l == 0:
+        return y
+    index_ptr, stride_ib, stride_il = _index_args(index, x)
+    block = next_pow2(d)
+    layernorm_modulate_kernel[(b * l,)](
+        x, shift, scale, index_ptr, y, b, l, d,
+        x.stride(0), x.stride(1), shift.stride(0), scale.stride(0), stride_ib, stride_il, y.stride(0), y.stride(1),
+        eps, HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block),
+    )
+    return y
+
+
+def _gate_residual_impl(residual: torch.Tensor, y: torch.Tensor, gate: torch.Tensor,
+                        index: Optional[torch.Tensor]) -> torch.Tensor:
+    b, l, d = residual.shape
+    out = torch.empty((b, l, d), dtype=residual.dtype, device=residual.device)
+    if b * l == 0:
+        return out
+    index_ptr, stride_ib, stride_il = _index_args(index, residual)
+    block = min(next_pow2(d), RESIDUAL_BLOCK)
+    gate_residual_kernel[(b * l, cdiv(d, block))](
+        residual, y, gate, index_ptr, out, b, l, d,
+        residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), stride_ib, stride_il,
+        out.stride(0), out.stride(1),
+        HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block),
+    )
+    return out
+
+
+def _gate_residual_layernorm_modulate_impl(
+    residual: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    index: Optional[torch.Tensor], eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    b, l, d = residual.shape
+    new_res = torch.empty((b, l, d), dtype=residual.dtype, device=residual.device)
+    mod = torch.empty((b, l, d), dtype=residual.dtype, device=residual.device)
+    if b * l == 0:
+        return new_res, mod
+    index_ptr, stride_ib, stride_il = _index_args(index, residual)
+    block = next_pow2(d)
+    gate_residual_layernorm_modulate_kernel[(b * l,)](
+        residual, y, gate, shift, scale, index_ptr, new_res, mod, b, l, d,
+        residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), shift.stride(0),
+        scale.stride(0), stride_ib, stride_il, new_res.stride(0), new_res.stride(1), mod.stride(0), mod.stride(1),
+        eps, HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block),
+    )
+    return new_res, mod
+
+
+def _rmsnorm_rope_launch(x: torch.Tensor, weight: Optional[torch.Tensor], freqs: torch.Tensor, eps: float,
+                         out: torch.Tensor) -> None:
+    b, s, h, d = x.shape
+    if b * s * h == 0:
+        return
+    f = torch.view_as_real(freqs)     # (S, D/2, 2) float32, unit last stride
+    half = next_pow2(d // 2)
+    block_h = _heads_per_program(h, ROPE_TILE // (2 * half))
+    rmsnorm_rope_kernel[(b * s, cdiv(h, block_h))](
+        x, weight if weight is not None else x, f, out, s, h, d,
+        x.stride(0), x.stride(1), x.stride(2), f.stride(0), f.stride(1), out.stride(0), out.stride(1), out.stride(2),
+        eps, HAS_WEIGHT=weight is not None, BLOCK_H=block_h, BLOCK_HALF=half,
+        num_warps=_num_warps(block_h * 2 * half),
+    )
+
+
+def _rmsnorm_rope_impl(x: torch.Tensor, weight: Optional[torch.Tensor], freqs: torch.Tensor,
+                       eps: float) -> torch.Tensor:
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _rmsnorm_rope_launch(x, weight, freqs, eps, out)
+    return out
+
+
+def _rmsnorm_rope_out_impl(x: torch.Tensor, weight: Optional[torch.Tensor], freqs: torch.Tensor, eps: float,
+                           out: torch.Tensor) -> None:
+    _rmsnorm_rope_launch(x, weight, freqs, eps, out)
+
+
+# --------------------------------------------------------------------------------------------
+# custom ops: new tensors are returned (mutates_args=()), except rmsnorm_rope_out, which writes
+# into the caller's ``out`` view and is declared as mutating it
+# --------------------------------------------------------------------------------------------
+
+_layernorm_modulate_op = torch.library.custom_op(
+    "flashflow::layernorm_modulate", mutates_args=())(_layernorm_modulate_impl)
+_gate_residual_op = torch.library.custom_op("flashflow::gate_residual", mutates_args=())(_gate_residual_impl)
+_gate_residual_layernorm_modulate_op = torch.library.custom_op(
+    "flashflow::gate_residual_layernorm_modulate", mutates_args=())(_gate_residual_layernorm_modulate_impl)
+_rmsnorm_rope_op = torch.library.custom_op("flashflow::rmsnorm_rope", mutates_args=())(_rmsnorm_rope_impl)
+_rmsnorm_rope_out_op = torch.library.custom_op(
+    "flashflow::rmsnorm_rope_out", mutates_args=("out",))(_rmsnorm_rope_out_impl)
+
+
+@_layernorm_modulate_op.register_fake
+def _(x, shift, scale, index, eps):
+    return x.new_empty(x.shape)
+
+
+@_gate_residual_op.register_fake
+def _(residual, y, gate, index):
+    return residual.new_empty(residual.shape)
+
+
+@_gate_residual_layernorm_modulate_op.register_fake
+def _(residual, y, gate, shift, scale, index, eps):
+    return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+@_rmsnorm_rope_op.register_fake
+def _(x, weight, freqs, eps):
+    return x.new_empty(x.shape)
+
+
+@_rmsnorm_rope_out_op.register_fake
+def _(x, weight, freqs, eps, out):
+    return None
+
+
+def _dispatch(op, impl, *args):
+    """The registered op while torch.compile traces (one opaque graph node); a direct call
+    otherwise, as the dispatcher's Python layers cost more host time than these launches take
+    on the GPU. CUDA-graph capture works either way."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def layernorm_modulate(x, shift, scale, eps=1e-6, index=None):
+    """LayerNorm (no affine) and AdaLN modulation in one pass.
+
+    Args:
+        x: ``(batch, seqlen, dim)``, fp16/bf16/fp32, unit stride along dim (other strides free).
+        shift, scale: ``(batch, dim)`` modulation rows (any float dtype, unit stride along dim);
+            ``(2·batch, dim)`` when ``index`` is given.
+        eps: the LayerNorm's epsilon (diffusers' Qwen-Image blocks: 1e-6).
+        index: None, or an integer/bool ``(batch, seqlen)`` tensor: token (b, l) takes
+            modulation row b where ``index[b, l] == 0``, else row batch + b.
+    Returns:
+        ``LayerNorm(x)·(1 + scale) + shift``, a new contiguous tensor in x's dtype; statistics
+        and arithmetic in fp32, rounded once.
+    """
+    b, l, d = _check_rows("x", x)
+    _check_dim("x", d)
+    _check_index(index, b, l, x)
+    _check_modulation("shift", shift, b, d, x, "x", index)
+    _check_modulation("scale", scale, b, d, x, "x", index)
+    eps = _check_eps(eps)
+    check_no_grad("layernorm_modulate", x=x, shift=shift, scale=scale)
+    return _dispatch(_layernorm_modulate_op, _layernorm_modulate_impl, x, shift, scale, index, eps)
+
+
+def gate_residual(residual, y, gate, index=None):
+    """The gated residual add ``residual + gate·y``.
+
+    Args:
+        residual: ``(batch, seqlen, dim)``, fp16/bf16/fp32, unit stride along dim.
+        y: the branch's output, residual's shape (any float dtype, unit stride along dim).
+        gate: ``(batch, dim)`` (``(2·batch, dim)`` with ``index``), any float dtype.
+        index: as in :func:`layernorm_modulate`.
+    Returns:
+        A new contiguous tensor in residual's dtype, computed in fp32 and rounded once.
+    """
+    b, l, d = _check_rows("residual", residual)
+    _check_like("y", y, residual, "residual")
+    _check_index(index, b, l, residual)
+    _check_modulation("gate", gate, b, d, residual, "residual", index)
+    check_no_grad("gate_residual", residual=residual, y=y, gate=gate)
+    return _dispatch(_gate_residual_op, _gate_residual_impl, residual, y, gate, index)
+
+
+def gate_residual_layernorm_modulate(residual, y, gate, shift, scale, eps=1e-6, index=None):
+    """:func:`gate_residual` then :func:`layernorm_modulate` of its result, in one pass that
+    reads residual and y once.
+
+    Args: as :func:`gate_residual` and :func:`layernorm_modulate` (gate, shift and scale share
+        ``index``).
+    Returns:
+        ``(new_residual, modulated)``, new contiguous tensors in residual's dtype:
+        ``new_residual = residual + gate·y`` and ``modulated = LayerNorm(new_residual)·(1 +
+        scale) + shift``, the LayerNorm taken of new_residual as rounded to its dtype (as the
+        unfused block normalises the tensor it stored).
+    """
+    b, l, d = _check_rows("residual", residual)
+    _check_dim("residual", d)
+    _check_like("y", y, residual, "residual")
+    _check_index(index, b, l, residual)
+    for name, t in (("gate", gate), ("shift", shift), ("scale", scale)):
+        _check_modulation(name, t, b, d, residual, "residual", index)
+    eps = _check_eps(eps)
+    check_no_grad("gate_residual_layernorm_modulate", residual=residual, y=y, gate=gate, shift=shift, scale=scale)
+    return _dispatch(_gate_residual_layernorm_modulate_op, _gate_residual_layernorm_modulate_impl,
+                     residual, y, gate, shift, scale, index, eps)
+
+
+def rmsnorm_rope(x, weight, freqs, eps=1e-6, out=None):
+    """q/k RMSNorm followed by the rotary embedding, one pass (diffusers' ``RMSNorm`` then
+    ``apply_rotary_emb_qwen(..., use_real=False)``).
+
+    Args:
+        x: ``(batch, seqlen, heads, head_dim)``, fp16/bf16/fp32, unit stride along head_dim
+            (e.g. ``linear_out.unflatten(-1, (heads, head_dim))``); head_dim even.
+        weight: the RMSNorm's ``(head_dim,)`` weight (any float dtype, contiguous), or None.
+            As in diffusers, the normalised values are rounded to a fp16/bf16 weight's dtype
+            before and after the multiply (to x's dtype when there is no weight).
+        freqs: complex64 ``(seqlen, head_dim // 2)`` (any strides): pairs ``(x[2i], x[2i+1])``
+            are complex numbers multiplied by ``freqs[s, i]``, in fp32.
+        eps: the RMSNorm's epsilon.
+        out: None (a new contiguous tensor), or a ``(batch, seqlen, heads, head_dim)`` tensor of
+            x's dtype, unit stride along head_dim, to write into: e.g. ``joint[:, off:off +
+            seqlen]``, a slice of the joint [text, image] buffer, which folds the
+            concatenation into this pass. It may be x itself; it must not otherwise overlap x.
+    Returns:
+        The result in x's dtype: ``out`` when given.
+    """
+    check_tensor("x", x, 4, "(batch, seqlen, heads, head_dim)")
+    check_runs_here("x", x)
+    _check_unit_last_stride("x", x)
+    b, s, h, d = x.shape
+    if d % 2 or not 2 <= d <= MAX_DIM:
+        raise ValueError(f"head_dim (x's last dim) must be even and between 2 and {MAX_DIM}, got {d}")
+    if weight is not None:
+        check_tensor("weight", weight, 1, "(head_dim,)")
+        if weight.shape[0] != d:
+            raise ValueError(f"weight must have shape (head_dim,) = ({d},), got {tuple(weight.shape)}")
+        _check_same_device("weight", weight, x, "x")
+        _check_unit_last_stride("weight", weight)
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(f"freqs must be a complex64 torch.Tensor of shape (seqlen, head_dim // 2), "
+                        f"got {type(freqs).__name__}")
+    if freqs.dtype != torch.complex64:
+        raise TypeError(f"freqs must be complex64 (the rotation runs in fp32), got {freqs.dtype}")
+    if tuple(freqs.shape) != (s, d // 2):
+        raise ValueError(f"freqs must have shape (seqlen, head_dim // 2) = {(s, d // 2)}, got {tuple(freqs.shape)}")
+    _check_same_device("freqs", freqs, x, "x")
+    if out is not None:
+        _check_like("out", out, x, "x")
+        if out.dtype != x.dtype:
+            raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
+    eps = _check_eps(eps)
+    check_no_grad("rmsnorm_rope", x=x, weight=weight, freqs=freqs, out=out)
+    if out is None:
+        return _dispatch(_rmsnorm_rope_op, _rmsnorm_rope_impl, x, weight, freqs, eps)
+    _dispatch(_rmsnorm_rope_out_op, _rmsnorm_rope_out_impl, x, weight, freqs, eps, out)
+    return out

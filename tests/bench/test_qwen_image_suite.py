@@ -1,0 +1,379 @@
+"""`flashflow bench --suite qwen-image` without a GPU: its options, its error on a CPU machine,
+the kernel classes, and the measuring loop and tables on a narrow model with a fake clock."""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flashflow import cli
+from flashflow.bench import qwen_image as qi
+from flashflow.bench.cli import NO_GPU
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without a GPU")
+
+# a narrow Qwen-Image for the CPU: same structure, 2 heads of 32 (RoPE axes summing to 32)
+NARROW = {"attention_head_dim": 32, "num_attention_heads": 2, "joint_attention_dim": 48,
+          "axes_dims_rope": (8, 12, 12)}
+
+
+# ---------------------------------------------------------------------------- model and shapes
+
+
+def test_config_is_the_diffusers_class_defaults():
+    from diffusers import QwenImageTransformer2DModel
+
+    params = inspect.signature(QwenImageTransformer2DModel.__init__).parameters
+    for key, value in qi.CONFIG.items():
+        default = params[key].default
+        assert (tuple(default) if isinstance(default, (list, tuple)) else default) == value, key
+    assert params["num_layers"].default == qi.MODEL_BLOCKS
+    assert sum(qi.CONFIG["axes_dims_rope"]) == qi.CONFIG["attention_head_dim"]
+
+
+def test_shapes_are_qwen_image_and_edit_with_and_without_a_text_mask():
+    shapes = qi.step_shapes()
+    got = {(s.name, s.image_tokens, s.text_tokens, s.text_valid) for s in shapes}
+    assert got == {("qwen-image-1024px", 4096, 256, None), ("qwen-image-1024px", 4096, 256, 200),
+                   ("qwen-image-edit-1024px", 8192, 256, None), ("qwen-image-edit-1024px", 8192, 256, 200)}
+    assert len(shapes) == 4
+    quick = qi.step_shapes(quick=True)
+    assert set(quick) < set(shapes) and {s.text_valid for s in quick} == {None} and len(quick) == 2
+    edit = next(s for s in shapes if s.images == 2)
+    assert edit.image_side ** 2 == 4096 and "8192 image tokens" in edit.label
+
+
+def test_inputs_are_what_the_pipeline_passes_and_run_a_narrow_model():
+    model = qi.build_model(1, "cpu", torch.float32, **NARROW)
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert len(model.transformer_blocks) == 1
+    config = {**qi.CONFIG, **NARROW}
+    shape = qi.StepShape("edit", images=2, image_side=4, text_tokens=8, text_valid=5)
+    kw = qi.make_inputs(shape, config, "cpu", torch.float32)
+    assert kw["hidden_states"].shape == (1, 32, 64) and kw["encoder_hidden_states"].shape == (1, 8, 48)
+    assert kw["encoder_hidden_states_mask"].tolist() == [[1] * 5 + [0] * 3]
+    assert kw["img_shapes"] == [[(1, 4, 4), (1, 4, 4)]] and kw["return_dict"] is False
+    with torch.no_grad():
+        out = model(**kw)[0]
+        unmasked = model(**{**kw, "encoder_hidden_states_mask": None})[0]
+    assert out.shape == (1, 32, 2 * 2 * 16) and torch.isfinite(out).all() and out.std() > 0
+    assert not torch.allclose(out, unmasked)  # the mask reaches the attention
+    again = qi.make_inputs(shape, config, "cpu", torch.float32)
+    assert torch.equal(again["hidden_states"], kw["hidden_states"])  # seeded
+
+
+def test_output_error_is_relative_l2_and_cosine():
+    ref = torch.tensor([3.0, 4.0])
+    assert qi.output_error(ref, ref) == (0.0, pytest.approx(1.0))
+    rel, cos = qi.output_error(torch.tensor([3.0, 4.5]), ref)
+    assert rel == pytest.approx(0.1) and cos == pytest.approx((9 + 18) / (5 * math.hypot(3, 4.5)))
+    assert qi.output_error(-ref, ref)[1] == pytest.approx(-1.0)
+
+
+# ---------------------------------------------------------------------------- kernel classes
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT", "gemm"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "gemm"),
+    ("void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_64x4_tn_align8>", "gemm"),
+    ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", "gemm"),
+    ("mlp_gemm0_kernel", "gemm"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+    ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0", "attention"),
+    ("attention_fwd_kernel", "attention"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "other"),
+    ("triton_per_fused_native_layer_norm_0", "other"),
+    ("layernorm_modulate_kernel", "other"),
+    ("Memcpy DtoD (Device -> Device)", "other"),
+])
+def test_kernels_are_classified_by_name(name, cls):
+    assert qi.classify_kernel(name) == cls
+
+
+def test_kernel_split_sums_per_class_and_step():
+    kernels = [("nvjet_a", 3000.0), ("flash_fwd", 1000.0), ("elementwise", 500.0),
+               ("nvjet_a", 3000.0), ("flash_fwd", 1000.0), ("elementwise", 500.0)]
+    split = qi.kernel_split(kernels, steps=2, top=2)
+    assert split["ms"] == {"gemm": 3.0, "attention": 1.0, "other": 0.5}
+    assert split["total_ms"] == 4.5
+    assert split["share"]["gemm"] == pytest.approx(3 / 4.5)
+    assert [k["name"] for k in split["top"]] == ["nvjet_a", "flash_fwd"]
+    assert split["top"][0] == {"name": "nvjet_a", "class": "gemm", "ms": 3.0}
+    assert qi.kernel_split([], steps=1)["share"] == {"gemm": None, "attention": None, "other": None}
+
+
+# ---------------------------------------------------------------------------- the command line
+
+
+@no_gpu
+def test_without_gpu_is_a_one_line_error(capfd):
+    assert cli.main(["bench", "--suite", "qwen-image"]) == 2
+    out, err = capfd.readouterr()
+    assert out == "" and NO_GPU not in err
+    (line,) = err.strip().splitlines()
+    assert line.startswith("flashflow bench: error:") and "--suite qwen-image" in line and "CUDA GPU" in line
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--blocks", "0"], "--blocks must be a whole number from 1 to 60"),
+    (["--blocks", "61"], "got 61"),
+    (["--providers", "flashflow,sdpa"], "--providers must be a comma list of diffusers, "
+                                        "diffusers+compile, flashflow, flashflow+compile"),
+    (["--providers", ","], "--providers"),
+    (["--warmup", "0"], "--warmup must be a positive number"),
+    (["--dtype", "fp16"], "--dtype does not apply to --suite qwen-image"),
+])
+def test_bad_options_are_refused_before_the_gpu_is_looked_for(argv, needle, capsys):
+    code = cli.main(["bench", "--suite", "qwen-image", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("flashflow bench: error:") and needle in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["--suite", "mlp", "--blocks", "6"], ["--blocks", "6"],
+                                  ["--suite", "decode", "--blocks", "3"]])
+def test_blocks_is_refused_by_the_other_suites(argv, capsys):
+    assert cli.main(["bench", *argv]) == 2
+    assert "--blocks does not apply to --suite" in capsys.readouterr().err
+
+
+def test_blocks_does_not_apply_to_saved_results(tmp_path, capsys):
+    assert cli.main(["bench", "--tables", "--blocks", "6"]) == 2
+    assert "--blocks does not apply to --tables" in capsys.readouterr().err
+    assert cli.main(["bench", "--from-json", str(tmp_path / "x.json"), "--blocks", "6"]) == 2
+    assert "--blocks does not apply to --from-json" in capsys.readouterr().err
+
+
+def test_check_args_fills_providers_and_defaults_come_from_the_registry():
+    from flashflow.bench.suites import RUNNERS
+
+    spec = RUNNERS["qwen-image"]
+    assert spec.module == "flashflow.bench.qwen_image" and spec.defaults["blocks"] == qi.DEFAULT_BLOCKS
+    args = SimpleNamespace(blocks=6, warmup=200, rep=1000, providers=None)
+    assert qi.check_args(args) is None and args.providers == list(qi.PROVIDERS)
+    args = SimpleNamespace(blocks=60, warmup=1, rep=1, providers="flashflow, diffusers,flashflow")
+    assert qi.check_args(args) is None and args.providers == ["flashflow", "diffusers"]
+    assert "got True" in qi.check_args(SimpleNamespace(blocks=True, warmup=1, rep=1, providers=None))
+
+
+def test_help_names_the_suite_and_its_option(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "qwen-image: times a Qwen-Image transformer step" in out
+    assert "--blocks N qwen-image: transformer blocks to build, of the model's 60 (default: 6)" in out
+
+
+# ---------------------------------------------------------------------------- measuring, faked GPU
+
+
+class FakeBackend:
+    """The CUDA backend's calls on the CPU: ``clock()`` says the step's ms, the memory is made up."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.calls = []
+
+    def sync(self):
+        pass
+
+    def time_ms(self, fn):
+        self.calls.append("time")
+        return self.clock(fn)
+
+    def peak(self, fn):
+        fn()
+        return 1000, 100
+
+    def kernels(self, fn, steps):
+        self.calls.append("profile")
+        return [("nvjet_x", 2000.0 * steps), ("flash_fwd", 1000.0 * steps), ("add", 250.0 * steps)]
+
+    def free(self):
+        self.calls.append("free")
+
+    def is_oom(self, e):
+        return False
+
+
+def _narrow_run(providers, integration=None, compile_fn=None):
+    """``measure`` on a one-block narrow model; the fake clock says 10 ms eager, 8 compiled,
+    5 with flashflow enabled, 4 both."""
+    model = qi.build_model(1, "cpu", torch.float32, **NARROW)
+    config = {**qi.CONFIG, **NARROW}
+    shapes = [qi.StepShape("qwen-image-1024px", 1, 4, 8, None), qi.StepShape("qwen-image-1024px", 1, 4, 8, 5)]
+    inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", torch.float32) for s in shapes}
+    state = {"enabled": False, "compiled": 0, "reset": 0, "log": [], "via_compiled": False}
+    times = {(False, False): 10.0, (False, True): 8.0, (True, False): 5.0, (True, True): 4.0}
+
+    def enable(m):
+        assert m is model and not state["enabled"]
+        state["enabled"] = True
+        state["log"].append("enable")
+
+    def disable(m):
+        assert m is model and state["enabled"]
+        state["enabled"] = False
+        state["log"].append("disable")
+
+    def fake_compile(m):
+        state["compiled"] += 1
+
+        def compiled(**kw):
+            state["via_compiled"] = True
+            return m(**kw)
+        return compiled
+
+    def clock(fn):
+        state["via_compiled"] = False
+        fn()
+        return times[state["enabled"], state["via_compiled"]]
+
+    backend = FakeBackend(clock)
+    rows = qi.measure(model, shapes, providers, inputs, backend,
+                      integration=integration or (lambda: (enable, disable)),
+                      compile_fn=compile_fn or fake_compile,
+                      reset_compiled=lambda: state.__setitem__("reset", state["reset"] + 1))
+    return rows, state, backend
+
+
+def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
+    rows, state, backend = _narrow_run(list(qi.PROVIDERS))
+    assert len(rows) == 2 and all(list(r["results"]) == list(qi.PROVIDERS) for r in rows)
+    assert state["log"] == ["enable", "disable", "enable", "disable"] and not state["enabled"]
+    assert state["compiled"] == 2 and state["reset"] == 2   # once per compiled provider
+    assert backend.calls.count("free") == 4 and backend.calls.count("profile") == 4
+    for row in rows:
+        res = row["results"]
+        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0]
+        assert all(r["error"] is None and r["peak_bytes"] == 1000 and r["step_bytes"] == 100
+                   and r["first_call_s"] >= 0 for r in res.values())
+        # the fake "flashflow" is diffusers itself: same output, to the last bit
+        assert all(r["rel_l2"] == 0.0 and r["cosine"] == pytest.approx(1.0) for r in res.values())
+        assert {p for p, r in res.items() if r["split"]} == set(qi.PROFILED)
+        assert res["flashflow"]["split"]["ms"] == {"gemm": 2.0, "attention": 1.0, "other": 0.25}
+        assert row["speedup"]["flashflow"] == {"diffusers": 2.0, "diffusers+compile": 1.6}
+        assert row["speedup"]["flashflow+compile"] == {"diffusers": 2.5, "diffusers+compile": 2.0}
+        assert row["speedup"]["diffusers"]["diffusers"] == 1.0
+
+
+def test_a_provider_that_cannot_be_set_up_is_an_error_entry_not_the_end():
+    def broken():
+        raise ModuleNotFoundError("No module named 'flashflow.integrations'\nmore")
+
+    rows, state, _ = _narrow_run(["flashflow", "diffusers"], integration=broken)
+    for row in rows:
+        assert row["results"]["flashflow"] == {"error": "ModuleNotFoundError: No module named 'flashflow.integrations'"}
+        assert row["results"]["diffusers"]["ms"] == 10.0
+        assert row["speedup"]["flashflow"] == {"diffusers": None, "diffusers+compile": None}
+    text = qi.markdown_table(_fake_result(rows))
+    assert "| flashflow | ModuleNotFoundError" in text
+
+
+def test_a_failing_step_is_recorded_and_the_provider_still_torn_down():
+    def compile_that_breaks(m):
+        def call(**kw):
+            raise RuntimeError("inductor: boom")
+        return call
+
+    rows, state, _ = _narrow_run(["diffusers+compile", "flashflow+compile"], compile_fn=compile_that_breaks)
+    for row in rows:
+        for p in ("diffusers+compile", "flashflow+compile"):
+            assert row["results"][p]["error"] == "RuntimeError: inductor: boom" and row["results"][p]["ms"] is None
+    assert state["log"] == ["enable", "disable"] and state["reset"] == 2
+
+
+def test_measure_with_the_real_integration_matches_diffusers_and_disables():
+    """The suite's loop around flashflow.integrations.diffusers itself (the kernels in Triton's
+    interpreter): the flashflow provider's output matches eager diffusers', and the model is
+    given back as diffusers built it."""
+    from flashflow.device import interpreting
+
+    if not interpreting():
+        pytest.skip("runs flashflow's kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    from flashflow.integrations.diffusers import is_enabled
+
+    model = qi.build_model(1, "cpu", torch.float32, **NARROW)
+    config = {**qi.CONFIG, **NARROW}
+    shapes = [qi.StepShape("qwen-image-1024px", 1, 4, 8, None), qi.StepShape("qwen-image-edit-1024px", 2, 4, 8, 5)]
+    inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", torch.float32) for s in shapes}
+    backend = FakeBackend(lambda fn: (fn(), 1.0)[1])
+    rows = qi.measure(model, shapes, ["diffusers", "flashflow"], inputs, backend, compile_fn=lambda m: m)
+    for row in rows:
+        res = row["results"]["flashflow"]
+        assert res["error"] is None and res["rel_l2"] < 1e-4 and res["cosine"] > 1 - 1e-6, row["label"]
+        assert res["split"]["ms"]["gemm"] > 0
+    assert not is_enabled(model)
+    processors = {type(b.attn.processor).__name__ for b in model.transformer_blocks}
+    assert processors == {"QwenDoubleStreamAttnProcessor2_0"}
+
+
+# ---------------------------------------------------------------------------- result, tables, plot
+
+
+def _fake_result(rows):
+    return {"suite": "qwen-image", "device": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "diffusers": "0.42.1",
+            "dtype": "bf16", "blocks": 6, "date": "2026-01-01T00:00:00+00:00",
+            "timing": {"warmup_ms": 200, "rep_ms": 1000, "return_mode": "median"}, "rows": rows}
+
+
+def _fake_rows():
+    def res(ms, rel, split=None, peak=5 * qi.GIB):
+        return {"ms": ms, "first_call_s": 1.5, "peak_bytes": peak, "step_bytes": 10, "rel_l2": rel,
+                "cosine": 1 - rel, "split": split, "error": None}
+
+    split = {"ms": {"gemm": 20.0, "attention": 5.0, "other": 10.0}, "total_ms": 35.0,
+             "share": {}, "top": []}
+    rows = []
+    for s in qi.step_shapes():
+        results = {"diffusers": res(40.0, 0.0, split), "diffusers+compile": res(32.0, 2e-3),
+                   "flashflow": res(25.0, 3e-3, split),
+                   "flashflow+compile": {"ms": None, "error": "RuntimeError: x|y"}}
+        rows.append({"shape": s.as_dict(), "label": s.label, "results": results,
+                     "speedup": qi.speedups(results)})
+    return rows
+
+
+def test_table_has_one_line_per_shape_and_provider():
+    result = _fake_result(_fake_rows())
+    text = qi.report(result)
+    assert text.startswith("Qwen-Image transformer, 6 of 60 blocks at full width, bf16")
+    lines = [l for l in text.splitlines() if l.startswith("| ")]
+    assert len(lines) == 1 + 4 * 4
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    ff = next(l for l in lines if "qwen-image-edit-1024px (8192+256) | 200/256 | flashflow |" in l)
+    cells = dict(zip(head, [c.strip() for c in ff.strip("|").split("|")]))
+    assert cells["ms/step"] == "25.00" and cells["÷ diffusers"] == "1.60" and cells["÷ diffusers+compile"] == "1.28"
+    assert cells["rel L2"] == "3.0e-03" and cells["peak GiB"] == "5.00"
+    assert (cells["GEMM ms"], cells["attention ms"], cells["other ms"]) == ("20.00", "5.00", "10.00")
+    comp = next(l for l in lines if "| none | diffusers+compile |" in l)
+    assert dict(zip(head, [c.strip() for c in comp.strip("|").split("|")]))["GEMM ms"] == "-"
+    broken = next(l for l in lines if "flashflow+compile" in l)
+    assert "RuntimeError: x/y" in broken and broken.count("|") == lines[0].count("|")
+
+
+def test_from_json_prints_a_saved_result(tmp_path, capsys):
+    from flashflow.bench import runner
+
+    path = runner.write_result(_fake_result(_fake_rows()), tmp_path)
+    assert path.name == "qwen-image-nvidia-h100-80gb-hbm3.json"
+    assert json.loads(path.read_text())["suite"] == "qwen-image"
+    assert cli.main(["bench", "--from-json", str(path)]) == 0
+    assert capsys.readouterr().out == qi.report(_fake_result(_fake_rows())) + "\n"
+
+
+def test_plot_draws_a_png_or_says_matplotlib_is_missing(tmp_path):
+    result = _fake_result(_fake_rows())
+    png = qi.plot(result, tmp_path / "q.png")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert png is None
+    else:
+        assert png == tmp_path / "q.png" and png.read_bytes()[:4] == b"\x89PNG"

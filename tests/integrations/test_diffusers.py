@@ -1,0 +1,235 @@
+"""flashflow.integrations.diffusers on a tiny Qwen-Image transformer (random weights, CPU,
+Triton's interpreter): enable matches the model's own forward (one and two images, with and
+without text padding, zero_cond_t), disable gives back the exact original, and the refusals."""
+import pytest
+import torch
+from torch import nn
+
+diffusers = pytest.importorskip("diffusers")
+
+import flashflow.integrations.diffusers as ffd  # noqa: E402
+from flashflow.integrations.diffusers import FlashflowQwenAttnProcessor, disable, enable, is_enabled  # noqa: E402
+
+TOL = {torch.float32: 1e-3, torch.float16: 2e-2}
+TXT = 7
+IMAGE = (1, 4, 6)   # (frames, height, width) in latent patches
+
+
+def tiny_model(dtype=torch.float32, zero_cond_t=False, seed=0):
+    torch.manual_seed(seed)
+    model = diffusers.QwenImageTransformer2DModel(
+        num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48,
+        in_channels=16, out_channels=4, axes_dims_rope=(8, 12, 12), zero_cond_t=zero_cond_t)
+    with torch.no_grad():   # the RMSNorm weights start at 1: make them count
+        for name, p in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                p.uniform_(0.5, 1.5)
+    return model.to(dtype).eval()
+
+
+def inputs(images, padded, dtype=torch.float32, batch=2, seed=1):
+    """As the Qwen-Image (Edit) pipelines call the transformer: the latents of the generated
+    image first, then those of the reference image(s); the prompt's padding mask, or None when
+    every prompt token is real (the pipelines pass None then)."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [IMAGE] * images
+    seq_img = sum(f * h * w for f, h, w in shapes)
+    mask = None
+    if padded:
+        mask = torch.ones(batch, TXT, dtype=torch.bool)
+        mask[-1, TXT - 3:] = False   # the last prompt is 3 tokens shorter
+    return dict(hidden_states=torch.randn(batch, seq_img, 16, generator=g).to(dtype),
+                encoder_hidden_states=torch.randn(batch, TXT, 48, generator=g).to(dtype),
+                encoder_hidden_states_mask=mask,
+                timestep=torch.full((batch,), 0.4).to(dtype),
+                img_shapes=[shapes] * batch, return_dict=False)
+
+
+def run(model, kwargs):
+    with torch.inference_mode():
+        return model(**kwargs)[0]
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padded"])
+@pytest.mark.parametrize("images", [1, 2], ids=["one-image", "two-images"])
+def test_enable_matches_the_original(images, padded, dtype):
+    model = tiny_model(dtype)
+    kwargs = inputs(images, padded, dtype)
+    want = run(model, kwargs)
+    enable(model)
+    got = run(model, kwargs)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.isfinite(got).all()
+    assert rel(got, want) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_zero_cond_t_modulate_index(dtype):
+    """Edit-2511-style models modulate the reference image's tokens with the t=0 parameters."""
+    model = tiny_model(dtype, zero_cond_t=True)
+    kwargs = inputs(2, True, dtype)
+    want = run(model, kwargs)
+    enable(model)
+    assert rel(run(model, kwargs), want) < TOL[dtype]
+
+
+def test_the_padding_mask_is_applied():
+    """The padded case above can fail: masking the last prompt's tail changes that sample only."""
+    model = enable(tiny_model())
+    masked, unmasked = inputs(1, True), inputs(1, False)
+    a, b = run(model, masked), run(model, unmasked)
+    assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
+    assert rel(a[1], b[1]) > 1e-3
+
+
+def test_attention_gets_a_key_padding_mask_never_a_dense_one(monkeypatch):
+    seen = []
+    real_sdpa, real_fa = ffd.scaled_dot_product_attention, ffd.flash_attn_func
+
+    def sdpa(q, k, v, attn_mask=None, **kw):
+        seen.append(("sdpa", tuple(q.shape), tuple(attn_mask.shape), attn_mask.dtype))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    def fa(q, k, v, **kw):
+        seen.append(("flash", tuple(q.shape)))
+        return real_fa(q, k, v, **kw)
+
+    monkeypatch.setattr(ffd, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(ffd, "flash_attn_func", fa)
+    model = enable(tiny_model())
+    seq = TXT + 2 * IMAGE[0] * IMAGE[1] * IMAGE[2]
+    run(model, inputs(2, True))
+    assert seen == [("sdpa", (2, 2, seq, 32), (2, 1, 1, seq), torch.bool)] * 2
+    seen.clear()
+    run(model, inputs(2, False))
+    assert seen == [("flash", (2, seq, 2, 32))] * 2
+
+
+def test_enabled_model_under_torch_compile():
+    """torch.compile traces the swapped forward and processor (flashflow's ops are custom ops);
+    the eager backend keeps the interpreter run short."""
+    model = tiny_model()
+    kwargs = inputs(2, True)
+    want = run(model, kwargs)
+    compiled = torch.compile(enable(model), backend="eager", dynamic=False)
+    with torch.no_grad():
+        got = compiled(**kwargs)[0]
+    assert rel(got, want) < TOL[torch.float32]
+
+
+def test_without_rotary_embedding():
+    """A block called with image_rotary_emb=None: q/k get RMSNorm only, as in diffusers."""
+    model = tiny_model()
+    block = model.transformer_blocks[0]
+    g = torch.Generator().manual_seed(3)
+    args = dict(hidden_states=torch.randn(2, 24, 64, generator=g),
+                encoder_hidden_states=torch.randn(2, TXT, 64, generator=g),
+                encoder_hidden_states_mask=None, temb=torch.randn(2, 64, generator=g), image_rotary_emb=None)
+    with torch.inference_mode():
+        want = block(**args)
+        enable(model)
+        got = block(**args)
+    for g_, w_ in zip(got, want):
+        assert rel(g_, w_) < 1e-3
+
+
+def test_disable_restores_the_exact_original():
+    model = tiny_model()
+    kwargs = inputs(2, True)
+    processors = [b.attn.processor for b in model.transformer_blocks]
+    want = run(model, kwargs)
+    enable(model)
+    assert is_enabled(model)
+    assert all(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
+    assert not torch.equal(run(model, kwargs), want)   # the flashflow path really ran
+    assert disable(model) is model
+    assert not is_enabled(model)
+    assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, processors))
+    assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_enable_twice_and_disable_twice_are_harmless():
+    model = tiny_model()
+    kwargs = inputs(1, False)
+    want = run(model, kwargs)
+    assert enable(model) is model
+    once = run(model, kwargs)
+    processors = [b.attn.processor for b in model.transformer_blocks]
+    enable(model)
+    assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, processors))
+    assert torch.equal(run(model, kwargs), once)
+    disable(model)
+    disable(model)
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_disable_on_a_model_never_enabled_is_a_no_op():
+    model = tiny_model()
+    kwargs = inputs(1, False)
+    want = run(model, kwargs)
+    processors = [b.attn.processor for b in model.transformer_blocks]
+    disable(model)
+    assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, processors))
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_refusals():
+    model = tiny_model()
+    with pytest.raises(TypeError, match="QwenImageTransformer2DModel"):
+        enable(nn.Linear(4, 4).eval())
+    with pytest.raises(TypeError, match="QwenImageTransformer2DModel"):
+        disable(nn.Linear(4, 4))
+    with pytest.raises(NotImplementedError, match="fp8"):
+        enable(model, attention="fp8")
+    with pytest.raises(ValueError, match=r"one of \('bf16',\).*'int8'"):
+        enable(model, attention="int8")
+    with pytest.raises(TypeError, match="attention must be a str"):
+        enable(model, attention=None)
+    model.train()
+    with pytest.raises(ValueError, match="eval"):
+        enable(model)
+    model.eval()
+    model.transformer_blocks[1].attn.set_processor(diffusers.models.attention_processor.AttnProcessor2_0())
+    with pytest.raises(ValueError, match=r"transformer_blocks\[1\].attn.processor is AttnProcessor2_0"):
+        enable(model)
+    # every refusal above left the model untouched
+    assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
+    assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+
+
+def test_grad_mode_is_refused_not_detached():
+    """No backward: running an enabled model with autograd recording raises instead of
+    returning a result whose gradient would be wrong."""
+    model = enable(tiny_model())
+    with pytest.raises(ValueError, match="requires grad"):
+        model(**inputs(1, False))
+
+
+def test_feed_forward_on_the_cpu_is_the_module_itself():
+    ff = tiny_model().transformer_blocks[0].img_mlp
+    x = torch.randn(2, 5, 64)
+    with torch.inference_mode():
+        assert torch.equal(ffd._feed_forward(ff, x), ff(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+def test_fused_gelu_epilogue_is_gelu_tanh(dtype, monkeypatch):
+    """cuBLASLt's bias + GELU epilogue against Linear then F.gelu(approximate="tanh")."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    calls, fused = [], torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
+    ff = tiny_model().transformer_blocks[0].img_mlp.to("cuda", dtype)
+    x = torch.randn(3, 77, 64, device="cuda", dtype=dtype)
+    proj = ff.net[0].proj
+    with torch.inference_mode():
+        want = ff.net[2](torch.nn.functional.gelu(proj(x).float(), approximate="tanh").to(dtype))
+        got = ffd._feed_forward(ff, x)
+    assert calls == [{"use_gelu": True}]   # the epilogue path ran, not the module's
+    assert rel(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
