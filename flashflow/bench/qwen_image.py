@@ -244,6 +244,20 @@ class CudaBackend:
 
         return triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
 
+    def host_ms(self, fn, calls: int = 3) -> float:
+        """CPU time to issue one call (Python, validation, launches), the GPU not waited for:
+        a step whose host time reaches its GPU time is launch-bound, and only a CUDA graph or
+        fewer launches make it faster."""
+        import torch
+
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - t0) / calls
+        torch.cuda.synchronize()
+        return host * 1e3
+
     def peak(self, fn) -> tuple[int, int]:
         """(peak bytes allocated during one call, the part of it beyond what was resident before)."""
         import torch
@@ -363,7 +377,7 @@ def _measure_one(forward, kwargs: dict, ref, backend, profile: bool) -> dict:
     def step():
         return forward(**kwargs)[0]
 
-    res = {"ms": None, "first_call_s": None, "peak_bytes": None, "step_bytes": None,
+    res = {"ms": None, "host_ms": None, "first_call_s": None, "peak_bytes": None, "step_bytes": None,
            "rel_l2": None, "cosine": None, "split": None, "error": None}
     try:
         t0 = time.perf_counter()
@@ -373,6 +387,7 @@ def _measure_one(forward, kwargs: dict, ref, backend, profile: bool) -> dict:
         res["rel_l2"], res["cosine"] = output_error(out, ref)
         del out
         res["ms"] = backend.time_ms(step)
+        res["host_ms"] = backend.host_ms(step)
         res["peak_bytes"], res["step_bytes"] = backend.peak(step)
         if profile:
             res["split"] = kernel_split(backend.kernels(step, PROFILE_STEPS), PROFILE_STEPS)
@@ -415,7 +430,7 @@ def caption(result: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    head = ["shape", "text mask", "provider", "ms/step", f"÷ {DEFAULT}", f"÷ {COMPILED_DEFAULT}",
+    head = ["shape", "text mask", "provider", "ms/step", "host ms", f"÷ {DEFAULT}", f"÷ {COMPILED_DEFAULT}",
             "rel L2", "cosine", "peak GiB", "GEMM ms", "attention ms", "other ms", "first call s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--"] * 3 + ["--:"] * (len(head) - 3)) + "|"]
     for row in result["rows"]:
@@ -431,7 +446,7 @@ def markdown_table(result: dict) -> str:
             split = (res.get("split") or {}).get("ms") or {}
             peak = res.get("peak_bytes")
             lines.append("| " + " | ".join([
-                shape, mask, p, _f(res.get("ms"), ".2f"), _f(sp.get(DEFAULT), ".2f"),
+                shape, mask, p, _f(res.get("ms"), ".2f"), _f(res.get("host_ms"), ".2f"), _f(sp.get(DEFAULT), ".2f"),
                 _f(sp.get(COMPILED_DEFAULT), ".2f"), _f(res.get("rel_l2"), ".1e"),
                 _f(res.get("cosine"), ".6f"), _f(None if peak is None else peak / GIB, ".2f"),
                 _f(split.get("gemm"), ".2f"), _f(split.get("attention"), ".2f"),

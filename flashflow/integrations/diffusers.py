@@ -5,8 +5,8 @@
 - the attention processor for :class:`FlashflowQwenAttnProcessor`: the six projections as
   before, then one ``rmsnorm_rope`` pass per q/k and stream that writes straight into the joint
   ``[text, image]`` buffer (no ``torch.cat`` of q and k), then flashflow's exact attention
-  (``flash_attn_func``; with a text padding mask, ``scaled_dot_product_attention`` with a
-  ``(B, 1, 1, S)`` key-padding mask, never a dense one);
+  (``flash_attn_func``; with a text padding mask, its ``key_padding_mask`` over the text keys
+  alone: the image keys run the kernel's unmasked loop, and no dense mask is ever built);
 - the block's ``forward`` for one that does the same math with fused passes:
   ``layernorm_modulate`` (norm1 + AdaLN modulate), ``gate_residual_layernorm_modulate`` (gate ·
   attention + residual, norm2, modulate), ``gate_residual`` after the MLP, and on CUDA the MLP's
@@ -36,7 +36,7 @@ try:
 except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError("flashflow.integrations.diffusers needs diffusers (pip install diffusers)") from e
 
-from flashflow.ops.attention import flash_attn_func, scaled_dot_product_attention
+from flashflow.ops.attention import flash_attn_func
 from flashflow.ops.norm import gate_residual, gate_residual_layernorm_modulate, layernorm_modulate, rmsnorm_rope
 
 __all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUPPORTED_MODELS",
@@ -119,12 +119,13 @@ class FlashflowQwenAttnProcessor:
         if encoder_hidden_states_mask is None:
             out = flash_attn_func(query, key, value)
         else:
-            # A key-padding mask (B, 1, 1, S): image keys always attend; the text part is the
-            # caller's mask (nonzero = a real token, as the model's forward normalises it).
-            keep = torch.cat([encoder_hidden_states_mask.to(torch.bool),
-                              torch.ones(batch, seq_img, dtype=torch.bool, device=hidden_states.device)], dim=1)
-            out = scaled_dot_product_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                               attn_mask=keep[:, None, None, :]).transpose(1, 2)
+            if tuple(encoder_hidden_states_mask.shape) != (batch, seq_txt):
+                raise ValueError(f"encoder_hidden_states_mask must be (batch, text_seqlen) = ({batch}, {seq_txt}), "
+                                 f"got shape {tuple(encoder_hidden_states_mask.shape)}")
+            # The text keys come first in the joint sequence, so the text mask (nonzero = a real
+            # token, as the model's forward normalises it) is a key-padding mask over its first
+            # seq_txt keys; the image keys always attend and take the unmasked loop.
+            out = flash_attn_func(query, key, value, key_padding_mask=encoder_hidden_states_mask.to(torch.bool))
         out = out.flatten(2, 3)
 
         img_out = attn.to_out[0](out[:, seq_txt:].contiguous())

@@ -10,7 +10,10 @@ live only as a ``BLOCK_M × BLOCK_N`` register tile; nothing of size S×S touche
 The key range of a query block is split into at most three loops so that the hot loop does no
 masking at all: blocks left of the window (masked), blocks fully inside every row's allowed range
 (unmasked), and the diagonal / window edge / ragged end (masked). Non-causal attention over a
-multiple of ``BLOCK_N`` keys runs only the unmasked loop.
+multiple of ``BLOCK_N`` keys runs only the unmasked loop. An additive bias covers the first
+``bias_keys`` keys (all of them for a full bias): their blocks join the first masked loop, the
+only one that loads the bias, and the keys after them take the unmasked loop, so a key-padding
+mask over a short prefix (the text of a joint ``[text, image]`` sequence) costs only its own blocks.
 
 Loads (``LOAD_MODE``, a constexpr; one kernel body):
   * 0 pointers: masked ``tl.load``/``tl.store`` with arbitrary strides (Ampere/Ada, interpreter).
@@ -48,17 +51,18 @@ from flashflow.kernels.softmax import (LOG2E_C, log_sum_exp, merge_partials, nor
 
 
 @triton.jit
-def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, diag_offset,
+def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset,
                    window_left, window_right, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                    HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """log2(e)·(softcap(q·kᵀ·scale) + bias), -inf outside the sequence, the window and the diagonal."""
+    """log2(e)·(softcap(q·kᵀ·scale) + bias), -inf outside the sequence, the window and the diagonal.
+    The bias covers the keys before ``bias_end``; later ones add nothing."""
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         s = softcap_scores(s, qk_scale_log2, softcap)
     else:
         s = s * qk_scale_log2
     if HAS_BIAS:
-        b = tl.load(bias_ptrs, mask=offs_n[None, :] < seqlen_k, other=0.0).to(tl.float32)
+        b = tl.load(bias_ptrs, mask=offs_n[None, :] < bias_end, other=0.0).to(tl.float32)
         s += b * LOG2E_C
     allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n, offs_m[:, None] + diag_offset, window_left,
                           window_right, HAS_LEFT, HAS_RIGHT)
@@ -93,7 +97,7 @@ def _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, s
 
 @triton.jit
 def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, stride_vn, offs_m,
-             offs_d, bias_ptrs, stride_bias_n, qk_scale_log2, softcap, seqlen_k, diag_offset,
+             offs_d, bias_ptrs, stride_bias_n, qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset,
              window_left, window_right,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
              MASKED: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -110,7 +114,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
         if MASKED or HAS_SOFTCAP:
             if MASKED:
                 s = _masked_scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n,
-                                   qk_scale_log2, softcap, seqlen_k, diag_offset, window_left,
+                                   qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left,
                                    window_right, DOT_PRECISION, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT,
                                    HAS_RIGHT)
             else:
@@ -135,7 +139,7 @@ def attention_fwd_kernel(
     stride_bb, stride_bh, stride_bm, stride_bn,
     q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, o_row_b, o_row_h, o_col_h,
     seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_full,
-    qk_scale_log2, softcap, window_left, window_right,
+    qk_scale_log2, softcap, window_left, window_right, bias_keys,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -206,7 +210,9 @@ def attention_fwd_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
 
+    bias_end = seqlen_k
     if HAS_BIAS:
+        bias_end = tl.minimum(seqlen_k, bias_keys)
         bias_ptrs = (BIAS + batch.to(tl.int64) * stride_bb + head.to(tl.int64) * stride_bh
                      + tl.minimum(offs_m, seqlen_q - 1)[:, None].to(tl.int64) * stride_bm
                      + tl.arange(0, BLOCK_N)[None, :] * stride_bn)
@@ -217,7 +223,7 @@ def attention_fwd_kernel(
     diag_offset = seqlen_k - seqlen_q
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
     lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right,
-                                          BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS)
+                                          bias_keys, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS)
     if TAIL_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), TAIL_SPLITS) * BLOCK_N
         lo = tl.where(is_piece, tl.maximum(lo, split * chunk), lo)
@@ -231,20 +237,21 @@ def attention_fwd_kernel(
 
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, lo, mid_lo, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
-                             qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
+                             qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
-                             qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
+                             qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE,
                              DOT_FP32)
+    # The last loop starts at or after full_lo, past every biased key block (or is empty): no bias.
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
-                             qk_scale_log2, softcap, seqlen_k, diag_offset, window_left, window_right,
+                             qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
+                             HAS_SOFTCAP, False, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
 
     if TAIL_SPLITS > 1:
         if is_piece:

@@ -42,13 +42,14 @@ def window_start(first_diag, window_left, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right,
+def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right, bias_keys,
                BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                HAS_BIAS: tl.constexpr):
     """Key range ``[lo, hi)`` of the query rows ``m_start..m_last`` of one tile, and the part
     ``[full_lo, full_hi)`` of it where every row may see every key of a block (the unmasked hot
     loop; it may be empty or lie outside ``[lo, hi)``: the caller clamps). ``diag_offset``:
-    ``seqlen_k − seqlen_q``. An additive bias can mask anywhere: then no block is unmasked."""
+    ``seqlen_k − seqlen_q``. An additive bias covers the first ``bias_keys`` keys and can mask
+    anywhere there: no block holding one of them is unmasked (``bias_keys = seqlen_k``: none is)."""
     lo = 0
     hi = seqlen_k
     full_lo = 0
@@ -62,5 +63,5 @@ def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right
         right_edge = tl.minimum(m_start + diag_offset + window_right + 1, seqlen_k)
         full_hi = (tl.maximum(right_edge, 0) // BLOCK_N) * BLOCK_N
     if HAS_BIAS:
-        full_lo = hi
+        full_lo = tl.maximum(full_lo, tl.cdiv(bias_keys, BLOCK_N) * BLOCK_N)
     return lo, hi, full_lo, full_hi

@@ -128,7 +128,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw):
 
 def _portable_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-    bias: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None, bias_keys: Optional[int] = None,
     cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     softmax_scale: float, window_left: Optional[int] = None, window_right: Optional[int] = None,
@@ -142,7 +142,9 @@ def _portable_forward(
     Varlen (``cu_seqlens_q`` given): q ``(tq, h, d)``, k/v ``(tk, hk, d)``; lse ``(h, tq)``.
     ``window_left/right = None`` means unbounded on that side; the diagonal is bottom-right
     aligned. ``bias`` is an additive float score bias broadcastable to ``(b, h, sq, sk)`` as
-    a 4-D strided view (stride 0 on broadcast axes); -inf entries mask. ``num_sms`` overrides
+    a 4-D strided view (stride 0 on broadcast axes); -inf entries mask. It covers the first
+    ``bias_keys`` keys (``None``: all of them); later keys are unbiased and never read from
+    ``bias``, and their blocks run unmasked. ``num_sms`` overrides
     the SM count used for the tail split (:func:`flashflow.device.num_sms` by default).
     """
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
@@ -176,14 +178,18 @@ def _portable_forward(
         so_b, so_s, so_h = out.stride(0), out.stride(1), out.stride(2)
     if q.numel() == 0 or batch == 0 or seqlen_q == 0:
         return out, lse
+    if bias is None:
+        bias_keys = 0
+    elif bias_keys is None:
+        bias_keys = seqlen_k
 
     cfg = config or pick_config(q, causal=window_right is not None, bias=bias is not None)
     head_dim_pad = _head_dim_pad(head_dim)
     if config is None and autotune.enabled() and q.is_cuda and not capturing(q.device):
         key = (torch.cuda.get_device_name(q.device), q.dtype, head_dim_pad, window_left, window_right,
                bias is not None, varlen, autotune.seqlen_bucket(seqlen_q), autotune.seqlen_bucket(seqlen_k))
-        kw = dict(bias=bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-                  max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, window_left=window_left,
+        kw = dict(bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, window_left=window_left,
                   window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first)
 
         def time_ms(c):
@@ -246,7 +252,7 @@ def _portable_forward(
         b_strides[0], b_strides[1], b_strides[2], b_strides[3],
         *rows,
         seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_full,
-        qk_scale_log2, softcap, window_left or 0, window_right or 0,
+        qk_scale_log2, softcap, window_left or 0, window_right or 0, bias_keys,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
         IS_VARLEN=varlen, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
@@ -295,7 +301,7 @@ def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_s
 
 
 def _attention_fwd_impl(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], bias_keys: int,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
     has_left: bool, window_left: int, has_right: bool, window_right: int,
@@ -304,7 +310,7 @@ def _attention_fwd_impl(
     if cu_seqlens_q is not None:
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return attention_forward(
-        q, k, v, bias=bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q, k, v, bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         window_left=window_left if has_left else None, window_right=window_right if has_right else None,
         softcap=softcap, return_lse=return_lse, heavy_first=heavy_first,
@@ -315,7 +321,7 @@ _attention_fwd_op = torch.library.custom_op("flashflow::attention_fwd", mutates_
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
       has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not return_lse:
@@ -347,8 +353,25 @@ def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
 # --------------------------------------------------------------------------------------------
 
 
+def _key_padding_bias(mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device):
+    """The additive bias of a ``(batch, P)`` key-padding mask: ``(batch, heads, seqlen_q, P)``
+    view of ``batch·P`` floats (stride 0 over heads and queries), 0 where True, -inf where False."""
+    form = f"a bool tensor (batch, P) = ({batch}, P) with P <= seqlen_k = {seqlen_k}"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be {form}, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be {form}, got dtype {mask.dtype}")
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] > seqlen_k:
+        raise ValueError(f"key_padding_mask must be {form}, got shape {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
+    covered = mask.shape[1]
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, float("-inf"))
+    return bias[:, None, None, :].expand(batch, heads, seqlen_q, covered)
+
+
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False):
+                    return_lse=False, *, key_padding_mask=None):
     """Exact attention, FlashAttention layout.
 
     Args:
@@ -360,6 +383,11 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         window_size: ``(left, right)`` sliding window, -1 = unbounded.
         softcap: if > 0, scores become ``softcap·tanh(scores/softcap)`` before the softmax.
         return_lse: also return the log-sum-exp, float32 ``(batch, heads, seqlen_q)``.
+        key_padding_mask: bool ``(batch, P)`` with ``P <= seqlen_k``, True = attend. It covers
+            keys ``[0, P)`` only: keys ``>= P`` are always attended. For a joint ``[text, image]``
+            sequence pass the text mask alone (``P`` = text length): only the key blocks of the
+            first ``P`` keys pay for the mask, the rest run the unmasked loop. Combines with
+            ``causal`` / ``window_size``.
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)``. Rows with no allowed key give 0
         (and lse = -inf).
@@ -373,7 +401,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must share seqlen_k, got {k.shape[1]} and {v.shape[1]}")
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, lse = _attention_fwd(q, k, v, None, None, None, 0, 0, scale,
+    bias, bias_keys = None, 0
+    if key_padding_mask is not None:
+        bias = _key_padding_bias(key_padding_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+        bias_keys = bias.shape[-1]
+        if bias_keys == 0:   # the mask covers no key
+            bias = None
+    out, lse = _attention_fwd(q, k, v, bias, bias_keys, None, None, 0, 0, scale,
                               *_window_args(causal, window_size), check_softcap(softcap),
                               bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
@@ -408,7 +442,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError(f"max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, lse = _attention_fwd(q, k, v, None, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+    out, lse = _attention_fwd(q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                               int(max_seqlen_q), int(max_seqlen_k), scale,
                               *_window_args(causal, window_size), check_softcap(softcap),
                               bool(return_lse), bool(causal))
@@ -474,7 +508,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     # i.e. j <= i + (seqlen_k - seqlen_q) + right, so shift the right edge back.
     has_right = bool(is_causal)
     right = seqlen_q - seqlen_k if is_causal else 0
-    out, _ = _attention_fwd(q, k, v, bias, None, None, 0, 0, softmax_scale,
+    bias_keys = seqlen_k if bias is not None else 0   # attn_mask may bias any key
+    out, _ = _attention_fwd(q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale,
                                False, 0, has_right, right, 0.0, False, bool(is_causal))
     out = out.transpose(1, 2)
     return out[0] if squeeze else out

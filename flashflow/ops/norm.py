@@ -19,9 +19,10 @@ B + b elsewhere, as diffusers' ``_modulate(..., index)``; the index values are n
 host, so any nonzero value means the second half.
 
 No op reads a device value on the host: every one is CUDA-graph safe. Under ``torch.compile``
-each is one opaque ``flashflow::`` custom op; ``rmsnorm_rope(..., out=)`` is registered as
-mutating ``out`` (``flashflow::rmsnorm_rope_out``), which torch.compile functionalizes, so the
-slice write into a bigger buffer survives compilation. Inputs that require grad are refused.
+each is one opaque ``flashflow::`` custom op. ``rmsnorm_rope(..., out=)`` traces as the
+functional op and a copy into ``out``: Inductor could not lower the mutating op
+(``flashflow::rmsnorm_rope_out``, kept for direct use) on a view of a bigger buffer. Inputs that
+require grad are refused.
 """
 from __future__ import annotations
 
@@ -393,5 +394,10 @@ def rmsnorm_rope(x, weight, freqs, eps=1e-6, out=None):
     check_no_grad("rmsnorm_rope", x=x, weight=weight, freqs=freqs, out=out)
     if out is None:
         return _dispatch(_rmsnorm_rope_op, _rmsnorm_rope_impl, x, weight, freqs, eps)
-    _dispatch(_rmsnorm_rope_out_op, _rmsnorm_rope_out_impl, x, weight, freqs, eps, out)
+    if torch.compiler.is_compiling():
+        # Inductor cannot lower a custom op that mutates a view of a larger buffer
+        # ("auto_functionalized_v2 was not removed"): trace the functional op and a copy into
+        # ``out``, which Inductor fuses with its other writes of the buffer.
+        return out.copy_(_rmsnorm_rope_op(x, weight, freqs, eps))
+    _rmsnorm_rope_out_impl(x, weight, freqs, eps, out)
     return out

@@ -187,6 +187,10 @@ class FakeBackend:
         self.calls.append("time")
         return self.clock(fn)
 
+    def host_ms(self, fn):
+        self.calls.append("host")
+        return 0.5
+
     def peak(self, fn):
         fn()
         return 1000, 100

@@ -88,26 +88,24 @@ def test_the_padding_mask_is_applied():
 
 
 def test_attention_gets_a_key_padding_mask_never_a_dense_one(monkeypatch):
+    # the text mask alone, (batch, text_seqlen): it covers the text keys, which come first in
+    # the joint sequence; the image keys are never masked and no (.., S) or S×S mask is built
     seen = []
-    real_sdpa, real_fa = ffd.scaled_dot_product_attention, ffd.flash_attn_func
-
-    def sdpa(q, k, v, attn_mask=None, **kw):
-        seen.append(("sdpa", tuple(q.shape), tuple(attn_mask.shape), attn_mask.dtype))
-        return real_sdpa(q, k, v, attn_mask=attn_mask, **kw)
+    real_fa = ffd.flash_attn_func
 
     def fa(q, k, v, **kw):
-        seen.append(("flash", tuple(q.shape)))
+        mask = kw.get("key_padding_mask")
+        seen.append(("flash", tuple(q.shape), None if mask is None else (tuple(mask.shape), mask.dtype)))
         return real_fa(q, k, v, **kw)
 
-    monkeypatch.setattr(ffd, "scaled_dot_product_attention", sdpa)
     monkeypatch.setattr(ffd, "flash_attn_func", fa)
     model = enable(tiny_model())
     seq = TXT + 2 * IMAGE[0] * IMAGE[1] * IMAGE[2]
     run(model, inputs(2, True))
-    assert seen == [("sdpa", (2, 2, seq, 32), (2, 1, 1, seq), torch.bool)] * 2
+    assert seen == [("flash", (2, seq, 2, 32), ((2, TXT), torch.bool))] * 2
     seen.clear()
     run(model, inputs(2, False))
-    assert seen == [("flash", (2, seq, 2, 32))] * 2
+    assert seen == [("flash", (2, seq, 2, 32), None)] * 2
 
 
 def test_enabled_model_under_torch_compile():
@@ -136,6 +134,17 @@ def test_without_rotary_embedding():
         got = block(**args)
     for g_, w_ in zip(got, want):
         assert rel(g_, w_) < 1e-3
+
+
+def test_text_mask_of_the_wrong_shape_is_refused():
+    attn = enable(tiny_model()).transformer_blocks[0].attn
+    g = torch.Generator().manual_seed(4)
+    img, txt = torch.randn(2, 24, 64, generator=g), torch.randn(2, TXT, 64, generator=g)
+    for bad in (torch.ones(2, TXT + 1, dtype=torch.bool), torch.ones(1, TXT, dtype=torch.bool)):
+        with pytest.raises(ValueError, match=rf"encoder_hidden_states_mask must be \(batch, text_seqlen\) = "
+                                             rf"\(2, {TXT}\), got shape \({bad.shape[0]}, {bad.shape[1]}\)"):
+            with torch.inference_mode():
+                attn.processor(attn, img, txt, encoder_hidden_states_mask=bad)
 
 
 def test_disable_restores_the_exact_original():

@@ -439,3 +439,24 @@ def test_rmsnorm_rope_equals_diffusers(dtype, weighted):
     last_place = {torch.float32: 2 ** -20, torch.float16: 2 ** -10,
                   torch.bfloat16: (4 if interpreting() else 1) * 2 ** -7}[dtype]
     assert err(got, want.double()) <= last_place
+
+
+def test_rmsnorm_rope_out_under_torch_compile():
+    """``out=`` into two slices of a joint buffer survives torch.compile (the functional op and a
+    copy are traced: Inductor rejected the mutating op on a view)."""
+    torch.manual_seed(0)
+    s_t, s_i, h, d = 5, 9, 2, 16
+    xt = torch.randn(1, s_t, h, d, device=DEVICE)
+    xi = torch.randn(1, s_i, h, d, device=DEVICE)
+    ft = torch.polar(torch.ones(s_t, d // 2), torch.rand(s_t, d // 2) * 6)
+    fi = torch.polar(torch.ones(s_i, d // 2), torch.rand(s_i, d // 2) * 6)
+
+    def joint(xt, xi):
+        out = torch.empty(1, s_t + s_i, h, d, device=DEVICE)
+        rmsnorm_rope(xt, None, ft, out=out[:, :s_t])
+        rmsnorm_rope(xi, None, fi, out=out[:, s_t:])
+        return out
+
+    want = joint(xt, xi)
+    got = torch.compile(joint, fullgraph=True)(xt, xi)   # Inductor
+    assert torch.equal(got, want)
