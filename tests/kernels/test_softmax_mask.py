@@ -121,7 +121,7 @@ def _mask_tile(ALLOWED, RANGES, seqlen_q, seqlen_k, window_left, window_right, B
              mask=offs_m[:, None] < seqlen_q)
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
     lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right,
-                                          BLOCK_N, HAS_LEFT, HAS_RIGHT, False)
+                                          seqlen_k, BLOCK_N, HAS_LEFT, HAS_RIGHT, False)
     tl.store(RANGES + pid * 4 + tl.arange(0, 4),
              tl.where(tl.arange(0, 4) == 0, lo, tl.where(tl.arange(0, 4) == 1, hi,
                       tl.where(tl.arange(0, 4) == 2, full_lo, full_hi))))
