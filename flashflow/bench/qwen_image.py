@@ -39,10 +39,12 @@ from pathlib import Path
 
 DEFAULT = "diffusers"
 COMPILED_DEFAULT = "diffusers+compile"
-PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile")
+PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile", "diffusers+graph", "flashflow+graph")
 # provider -> (flashflow enabled, torch.compile'd)
-_MODES = {DEFAULT: (False, False), COMPILED_DEFAULT: (False, True),
-          "flashflow": (True, False), "flashflow+compile": (True, True)}
+# provider -> (flashflow enabled, torch.compile'd, one step captured in a CUDA graph per shape)
+_MODES = {DEFAULT: (False, False, False), COMPILED_DEFAULT: (False, True, False),
+          "flashflow": (True, False, False), "flashflow+compile": (True, True, False),
+          "diffusers+graph": (False, False, True), "flashflow+graph": (True, False, True)}
 # the GPU time split is read from the eager providers: compiled kernels are Inductor's fusions,
 # named after aten ops, which would all land in "other"
 PROFILED = (DEFAULT, "flashflow")
@@ -244,6 +246,12 @@ class CudaBackend:
 
         return triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
 
+    def capture(self, fn):
+        """(CUDA graph of one call of ``fn``, its output), after a warm-up call."""
+        from flashflow.bench.decode import capture_graph
+
+        return capture_graph(fn, 1)
+
     def host_ms(self, fn, calls: int = 3) -> float:
         """CPU time to issue one call (Python, validation, launches), the GPU not waited for:
         a step whose host time reaches its GPU time is launch-bound, and only a CUDA graph or
@@ -337,7 +345,7 @@ def measure(model, shapes, providers, inputs: dict, backend, integration=_integr
             refs[s.name, s.text_valid] = model(**inputs[s.name, s.text_valid])[0].float()
         backend.sync()
         for provider in providers:
-            enabled, compiled = _MODES[provider]
+            enabled, compiled, graphed = _MODES[provider]
             disable = None
             setup_error = None
             try:
@@ -355,6 +363,9 @@ def measure(model, shapes, providers, inputs: dict, backend, integration=_integr
                                      f"{' · compiling' if compiled and not setup_error else ''}")
                     if setup_error:
                         row["results"][provider] = {"error": setup_error}
+                    elif graphed:
+                        row["results"][provider] = _measure_graphed(
+                            forward, inputs[s.name, s.text_valid], refs[s.name, s.text_valid], backend)
                     else:
                         row["results"][provider] = _measure_one(
                             forward, inputs[s.name, s.text_valid], refs[s.name, s.text_valid],
@@ -395,6 +406,26 @@ def _measure_one(forward, kwargs: dict, ref, backend, profile: bool) -> dict:
         res["error"] = _short_error(e)
         if backend.is_oom(e):
             backend.free()
+    return res
+
+
+def _measure_graphed(forward, kwargs: dict, ref, backend) -> dict:
+    """One step captured in a CUDA graph (static inputs), then timed as graph replays: the
+    step's GPU time with no host work between its kernels. A model whose forward reads a device
+    value on the host cannot be captured: that is its error entry."""
+    try:
+        graph, out = backend.capture(lambda: forward(**kwargs)[0])
+    except Exception as e:  # noqa: BLE001
+        backend.free()
+        return {"ms": None, "error": f"CUDA graph capture: {_short_error(e)}"}
+
+    def replay(**_):
+        graph.replay()
+        return (out,)
+
+    res = _measure_one(replay, kwargs, ref, backend, profile=False)
+    del graph, out
+    backend.free()
     return res
 
 

@@ -7,6 +7,8 @@ import json
 import math
 from types import SimpleNamespace
 
+import types
+
 import pytest
 import torch
 
@@ -191,6 +193,11 @@ class FakeBackend:
         self.calls.append("host")
         return 0.5
 
+    def capture(self, fn):
+        self.calls.append("capture")
+        out = fn()
+        return types.SimpleNamespace(replay=lambda: None), out
+
     def peak(self, fn):
         fn()
         return 1000, 100
@@ -250,12 +257,15 @@ def _narrow_run(providers, integration=None, compile_fn=None):
 def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
     rows, state, backend = _narrow_run(list(qi.PROVIDERS))
     assert len(rows) == 2 and all(list(r["results"]) == list(qi.PROVIDERS) for r in rows)
-    assert state["log"] == ["enable", "disable", "enable", "disable"] and not state["enabled"]
+    assert state["log"] == ["enable", "disable"] * 3 and not state["enabled"]   # flashflow, +compile, +graph
     assert state["compiled"] == 2 and state["reset"] == 2   # once per compiled provider
-    assert backend.calls.count("free") == 4 and backend.calls.count("profile") == 4
+    # freed after every provider, and after each graphed shape (its graph's memory pool)
+    assert backend.calls.count("free") == 6 + 4 and backend.calls.count("profile") == 4
+    assert backend.calls.count("capture") == 4   # diffusers+graph and flashflow+graph, two shapes each
     for row in rows:
         res = row["results"]
-        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0]
+        # the fake clock times a graph replay as the eager model it captured
+        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0, 10.0, 5.0]
         assert all(r["error"] is None and r["peak_bytes"] == 1000 and r["step_bytes"] == 100
                    and r["first_call_s"] >= 0 for r in res.values())
         # the fake "flashflow" is diffusers itself: same output, to the last bit
