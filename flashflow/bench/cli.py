@@ -98,17 +98,6 @@ def _run_demo() -> int:
     return subprocess.run([sys.executable, "-m", "flashflow.bench.demo"], env=env).returncode
 
 
-def parse_providers(spec: str | None, known, suite: str) -> list[str]:
-    if spec is None:
-        return list(known)
-    names = [p.strip() for p in spec.split(",") if p.strip()]
-    unknown = [p for p in names if p not in known]
-    if unknown or not names:
-        raise ValueError(f"--providers must be a comma list of {', '.join(known)} "
-                         f"for suite {suite!r}, got {spec!r}")
-    return list(dict.fromkeys(names))
-
-
 # --------------------------------------------------------------------------------------------
 # saved results
 # --------------------------------------------------------------------------------------------
@@ -252,7 +241,7 @@ def main(args: argparse.Namespace) -> int:
 
     suite = SUITES[suite_name]
     try:
-        providers = parse_providers(args.providers, suite.providers, suite.name)
+        providers = runner.parse_providers(args.providers, suite.providers, suite.name)
     except ValueError as e:
         return _error(str(e))
 
@@ -323,7 +312,7 @@ def _run_runner(name: str, args) -> int:
                       "interpreter. Unset it to benchmark the GPU.")
     if name == "mlp":
         try:
-            args.providers = parse_providers(args.providers, module.PROVIDERS, name)
+            args.providers = runner.parse_providers(args.providers, module.PROVIDERS, name)
         except ValueError as e:
             return _error(str(e))
     return module.run(args)

@@ -104,20 +104,6 @@ def step_shapes(quick: bool = False) -> list[StepShape]:
 # --------------------------------------------------------------------------------------------
 
 
-def parse_providers(spec) -> list[str]:
-    if spec is None:
-        return list(PROVIDERS)
-    if isinstance(spec, (list, tuple)):
-        names = list(spec)
-    else:
-        names = [p.strip() for p in spec.split(",") if p.strip()]
-    unknown = [p for p in names if p not in PROVIDERS]
-    if unknown or not names:
-        raise ValueError(f"--providers must be a comma list of {', '.join(PROVIDERS)} "
-                         f"for suite 'qwen-image', got {spec!r}")
-    return list(dict.fromkeys(names))
-
-
 def check_args(args) -> str | None:
     """The problem with the suite's options, or None (then ``args.providers`` is a list).
     Runs before the GPU is looked for, so a typo is reported on any machine."""
@@ -130,7 +116,9 @@ def check_args(args) -> str | None:
         if not isinstance(value, int) or value < 1:
             return f"--{flag} must be a positive number of milliseconds, got {value!r}"
     try:
-        args.providers = parse_providers(args.providers)
+        from flashflow.bench.runner import parse_providers
+
+        args.providers = parse_providers(args.providers, PROVIDERS, "qwen-image")
     except ValueError as e:
         return str(e)
     return None

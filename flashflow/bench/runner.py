@@ -123,6 +123,19 @@ def run_suite(suite, shapes, providers: list[str], dtype, warmup_ms: int = 25,
     return rows
 
 
+def parse_providers(spec, known, suite: str) -> list[str]:
+    """``--providers``: a comma list (or a list) of names from ``known``, duplicates dropped;
+    None means all of them."""
+    if spec is None:
+        return list(known)
+    names = list(spec) if isinstance(spec, (list, tuple)) else [p.strip() for p in spec.split(",") if p.strip()]
+    unknown = [p for p in names if p not in known]
+    if unknown or not names:
+        raise ValueError(f"--providers must be a comma list of {', '.join(known)} "
+                         f"for suite {suite!r}, got {spec!r}")
+    return list(dict.fromkeys(names))
+
+
 # --------------------------------------------------------------------------------------------
 # environment and JSON
 # --------------------------------------------------------------------------------------------

@@ -61,6 +61,17 @@ def layernorm_modulate_kernel(
 
 
 @triton.jit
+def gated_residual_row(res_ptr, y_ptr, gate_ptr, index_ptr, b, l, d, mask, B, stride_rb, stride_rl, stride_yb,
+                       stride_yl, stride_gate, stride_ib, stride_il, HAS_INDEX: tl.constexpr):
+    """``residual + gate·y`` of columns ``d`` of token (b, l) in fp32, and the modulation row used."""
+    r = tl.load(res_ptr + b * stride_rb + l * stride_rl + d, mask=mask, other=0.0).to(tl.float32)
+    y = tl.load(y_ptr + b * stride_yb + l * stride_yl + d, mask=mask, other=0.0).to(tl.float32)
+    m = modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX)
+    gate = tl.load(gate_ptr + m * stride_gate + d, mask=mask, other=0.0).to(tl.float32)
+    return r + gate * y, m
+
+
+@triton.jit
 def gate_residual_kernel(
     res_ptr, y_ptr, gate_ptr, index_ptr, out_ptr,
     B, L, D,
@@ -77,11 +88,8 @@ def gate_residual_kernel(
     l = row % L
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = d < D
-    r = tl.load(res_ptr + b * stride_rb + l * stride_rl + d, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + b * stride_yb + l * stride_yl + d, mask=mask, other=0.0).to(tl.float32)
-    m = modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX)
-    gate = tl.load(gate_ptr + m * stride_gate + d, mask=mask, other=0.0).to(tl.float32)
-    out = r + gate * y
+    out, m = gated_residual_row(res_ptr, y_ptr, gate_ptr, index_ptr, b, l, d, mask, B, stride_rb, stride_rl,
+                                stride_yb, stride_yl, stride_gate, stride_ib, stride_il, HAS_INDEX)
     tl.store(out_ptr + b * stride_ob + l * stride_ol + d, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -108,11 +116,9 @@ def gate_residual_layernorm_modulate_kernel(
     l = row % L
     d = tl.arange(0, BLOCK_D)
     mask = d < D
-    r = tl.load(res_ptr + b * stride_rb + l * stride_rl + d, mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(y_ptr + b * stride_yb + l * stride_yl + d, mask=mask, other=0.0).to(tl.float32)
-    m = modulation_row(index_ptr, b, l, B, stride_ib, stride_il, HAS_INDEX)
-    gate = tl.load(gate_ptr + m * stride_gate + d, mask=mask, other=0.0).to(tl.float32)
-    new_res = (r + gate * y).to(new_res_ptr.dtype.element_ty)
+    new_res, m = gated_residual_row(res_ptr, y_ptr, gate_ptr, index_ptr, b, l, d, mask, B, stride_rb, stride_rl,
+                                    stride_yb, stride_yl, stride_gate, stride_ib, stride_il, HAS_INDEX)
+    new_res = new_res.to(new_res_ptr.dtype.element_ty)
     tl.store(new_res_ptr + b * stride_nb + l * stride_nl + d, new_res, mask=mask)
     h = tl.where(mask, new_res.to(tl.float32), 0.0)
     shift = tl.load(shift_ptr + m * stride_shift + d, mask=mask, other=0.0).to(tl.float32)
