@@ -37,7 +37,8 @@ except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError("flashflow.integrations.diffusers needs diffusers (pip install diffusers)") from e
 
 from flashflow.ops.attention import flash_attn_func
-from flashflow.ops.norm import gate_residual, gate_residual_layernorm_modulate, layernorm_modulate, rmsnorm_rope
+from flashflow.ops.norm import (gate_residual, gate_residual_layernorm_modulate, joint_qkv_norm_rope,
+                                layernorm_modulate, rmsnorm_rope)
 
 __all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUPPORTED_MODELS",
            "ATTENTION_MODES"]
@@ -105,16 +106,29 @@ class FlashflowQwenAttnProcessor:
         txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
 
         img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
-        # The [text, image] concatenation is folded into the norm + RoPE pass: each stream is
-        # written at its offset of the joint buffer.
-        joint_shape = (batch, seq_txt + seq_img, img_q.shape[2], head_dim)
-        query = img_q.new_empty(joint_shape)
-        key = img_k.new_empty(joint_shape)
-        _norm_rope_into(attn.norm_added_q, txt_q, txt_freqs, query[:, :seq_txt])
-        _norm_rope_into(attn.norm_q, img_q, img_freqs, query[:, seq_txt:])
-        _norm_rope_into(attn.norm_added_k, txt_k, txt_freqs, key[:, :seq_txt])
-        _norm_rope_into(attn.norm_k, img_k, img_freqs, key[:, seq_txt:])
-        value = torch.cat([txt_v, img_v], dim=1)
+        norms = (attn.norm_added_q, attn.norm_added_k, attn.norm_q, attn.norm_k)
+        weights = [norm.weight for norm in norms]
+        # joint_qkv_norm_rope runs the four norms on one kernel path: weights all present in one
+        # dtype, or all absent
+        one_path = (all(w is None for w in weights)
+                    or (all(w is not None for w in weights) and len({w.dtype for w in weights}) == 1))
+        if txt_freqs is not None and one_path:
+            # One launch for the four norm + RoPE passes and the three [text, image]
+            # concatenations: at Qwen-Image's sizes the step is close to host-bound, and each
+            # launch costs host time.
+            query, key, value = joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, *weights, txt_freqs,
+                                                    img_freqs, eps=tuple(norm.eps for norm in norms))
+        else:
+            # The [text, image] concatenation is folded into the norm (+ RoPE) pass: each stream
+            # is written at its offset of the joint buffer.
+            joint_shape = (batch, seq_txt + seq_img, img_q.shape[2], head_dim)
+            query = img_q.new_empty(joint_shape)
+            key = img_k.new_empty(joint_shape)
+            _norm_rope_into(attn.norm_added_q, txt_q, txt_freqs, query[:, :seq_txt])
+            _norm_rope_into(attn.norm_q, img_q, img_freqs, query[:, seq_txt:])
+            _norm_rope_into(attn.norm_added_k, txt_k, txt_freqs, key[:, :seq_txt])
+            _norm_rope_into(attn.norm_k, img_k, img_freqs, key[:, seq_txt:])
+            value = torch.cat([txt_v, img_v], dim=1)
 
         if encoder_hidden_states_mask is None:
             out = flash_attn_func(query, key, value)

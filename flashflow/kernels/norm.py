@@ -1,6 +1,7 @@
 """Row-wise normalisation kernels of a diffusion transformer block (Qwen-Image, Flux-style
 double-stream DiT): LayerNorm + AdaLN modulation, gated residual add (optionally fused with the
-next LayerNorm + modulation), and the q/k RMSNorm fused with the rotary embedding.
+next LayerNorm + modulation), and the q/k RMSNorm fused with the rotary embedding: per tensor,
+or for the joint [text, image] q, k and v of both streams in one launch.
 
 Every kernel is memory-bound: a row is read once into registers (``BLOCK_D`` = the next power
 of two of its width), reduced and transformed in fp32, and written once. Token (b, l) takes its
@@ -128,6 +129,43 @@ def gate_residual_layernorm_modulate_kernel(
 
 
 @triton.jit
+def head_tile_ptrs(ptr, b, s, h, col, stride_b, stride_s, stride_h):
+    """Pointers of the (BLOCK_H, BLOCK_HALF, 2) tile of heads ``h`` of token (b, s)."""
+    return ptr + b * stride_b + s * stride_s + h[:, None, None] * stride_h + col[None, :, :]
+
+
+@triton.jit
+def rmsnorm_rope_tile(x_ptrs, w_ptrs, f_ptrs, mask, col_mask, D, eps, HAS_WEIGHT: tl.constexpr):
+    """RMSNorm then RoPE of a (BLOCK_H, BLOCK_HALF, 2) tile of head rows, returned in fp32.
+
+    ``w_ptrs`` / ``f_ptrs`` point at the weight's pairs and the token's frequencies as
+    (BLOCK_HALF, 2) tiles (``f``: the float32 view of the complex64 frequencies), shared by the
+    tile's heads; ``w_ptrs`` is not read without a weight. Rounding follows diffusers' RMSNorm:
+    with a fp16/bf16 weight the normalised row is rounded to the weight's dtype before and after
+    the multiply; without a weight, to x's dtype. The rotation is in fp32 (the caller rounds once
+    to the output's dtype)."""
+    x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+    re, im = tl.split(x)                                                  # (BLOCK_H, BLOCK_HALF)
+    ms = tl.sum(re * re + im * im, axis=1) / D
+    rstd = tl.math.rsqrt(ms + eps)[:, None]
+    re = re * rstd
+    im = im * rstd
+    if HAS_WEIGHT:
+        w_dtype = w_ptrs.dtype.element_ty
+        w_re, w_im = tl.split(tl.load(w_ptrs, mask=col_mask, other=0.0).to(tl.float32))
+        re = (re.to(w_dtype).to(tl.float32) * w_re[None, :]).to(w_dtype).to(tl.float32)
+        im = (im.to(w_dtype).to(tl.float32) * w_im[None, :]).to(w_dtype).to(tl.float32)
+    else:
+        x_dtype = x_ptrs.dtype.element_ty
+        re = re.to(x_dtype).to(tl.float32)
+        im = im.to(x_dtype).to(tl.float32)
+    cos, sin = tl.split(tl.load(f_ptrs, mask=col_mask, other=0.0))
+    out_re = re * cos[None, :] - im * sin[None, :]
+    out_im = re * sin[None, :] + im * cos[None, :]
+    return tl.join(out_re, out_im)
+
+
+@triton.jit
 def rmsnorm_rope_kernel(
     x_ptr, w_ptr, f_ptr, out_ptr,
     S, H, D,
@@ -136,16 +174,13 @@ def rmsnorm_rope_kernel(
     HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
 ):
     """Per head row of D: RMSNorm (fp32 statistics, optional weight), then the rotary embedding
-    with pairs ``(x[2i], x[2i+1])`` taken as one complex number times ``freqs[s, i]``.
+    with pairs ``(x[2i], x[2i+1])`` taken as one complex number times ``freqs[s, i]``
+    (:func:`rmsnorm_rope_tile`, which states the rounding).
 
     Grid (B·S tokens, H / BLOCK_H head blocks): a program holds BLOCK_H heads of one token as a
     (BLOCK_H, D/2, 2) tile, split into the pairs' real and imaginary halves, and loads the
     token's D/2 frequencies once for all its heads. ``f_ptr`` is the float32 view of the complex
     frequencies, (S, D/2, 2).
-
-    Rounding follows diffusers' RMSNorm: with a fp16/bf16 weight the normalised row is rounded
-    to the weight's dtype before and after the multiply; without a weight, to x's dtype. The
-    rotation is in fp32, rounded once to out's dtype.
 
     Bytes: x read once, out written once (2·B·S·H·D elements) plus S·D floats of frequencies.
     FLOPs: about 10 per element.
@@ -159,26 +194,86 @@ def rmsnorm_rope_kernel(
     col = (2 * i)[:, None] + j[None, :]                                   # (BLOCK_HALF, 2)
     col_mask = col < D
     mask = (h < H)[:, None, None] & col_mask[None, :, :]                  # (BLOCK_H, BLOCK_HALF, 2)
-    x_off = b * stride_xb + s * stride_xs + h[:, None, None] * stride_xh + col[None, :, :]
-    x = tl.load(x_ptr + x_off, mask=mask, other=0.0).to(tl.float32)
-    re, im = tl.split(x)                                                  # (BLOCK_H, BLOCK_HALF)
-    ms = tl.sum(re * re + im * im, axis=1) / D
-    rstd = tl.math.rsqrt(ms + eps)[:, None]
-    re = re * rstd
-    im = im * rstd
-    if HAS_WEIGHT:
-        w_dtype = w_ptr.dtype.element_ty
-        w_re, w_im = tl.split(tl.load(w_ptr + col, mask=col_mask, other=0.0).to(tl.float32))
-        re = (re.to(w_dtype).to(tl.float32) * w_re[None, :]).to(w_dtype).to(tl.float32)
-        im = (im.to(w_dtype).to(tl.float32) * w_im[None, :]).to(w_dtype).to(tl.float32)
+    out = rmsnorm_rope_tile(head_tile_ptrs(x_ptr, b, s, h, col, stride_xb, stride_xs, stride_xh), w_ptr + col,
+                            f_ptr + s * stride_fs + i[:, None] * stride_fi + j[None, :], mask, col_mask, D, eps,
+                            HAS_WEIGHT)
+    o_ptrs = head_tile_ptrs(out_ptr, b, s, h, col, stride_ob, stride_os, stride_oh)
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def joint_qkv_norm_rope_kernel(
+    tq_ptr, tk_ptr, tv_ptr, iq_ptr, ik_ptr, iv_ptr,
+    wtq_ptr, wtk_ptr, wiq_ptr, wik_ptr, tf_ptr, if_ptr,
+    q_ptr, k_ptr, v_ptr,
+    S_TXT, S, H, D,
+    stride_tqb, stride_tqs, stride_tqh, stride_tkb, stride_tks, stride_tkh, stride_tvb, stride_tvs, stride_tvh,
+    stride_iqb, stride_iqs, stride_iqh, stride_ikb, stride_iks, stride_ikh, stride_ivb, stride_ivs, stride_ivh,
+    stride_tfs, stride_tfi, stride_ifs, stride_ifi, stride_ob, stride_os, stride_oh,
+    eps_tq, eps_tk, eps_iq, eps_ik,
+    HAS_WEIGHT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+):
+    """The joint [text, image] query, key and value of a double-stream attention in one launch:
+    q and k get their stream's RMSNorm and RoPE (:func:`rmsnorm_rope_tile`), v is copied; each
+    is written at its token's place in its joint (B, S_TXT + S_IMG, H, D) output, so the
+    concatenation of the streams costs no pass of its own.
+
+    Grid (B·S joint tokens, 3 tensors {q, k, v}, H / BLOCK_H head blocks): a program takes the
+    text stream's inputs for joint tokens s < S_TXT and the image stream's (at s - S_TXT)
+    otherwise, and holds BLOCK_H heads of one token as a (BLOCK_H, D/2, 2) tile, as
+    :func:`rmsnorm_rope_kernel`. The stream and tensor are picked by branching on the program's
+    indices: every program then runs one path, and the q/k row math is one inlined copy, its
+    pointers (tiles of the same type in every branch) and eps chosen before it. ``tf_ptr`` /
+    ``if_ptr`` are the float32 views of the complex frequencies, (S_TXT, D/2, 2) and
+    (S_IMG, D/2, 2). The three outputs share one layout (``stride_o*``).
+
+    Bytes: q, k, v read once and written once (6·B·S·H·D elements, as the unfused q/k passes
+    plus the torch.cat of v), plus S·D floats of frequencies. FLOPs: about 10 per q/k element,
+    none for v.
+    """
+    tok = tl.program_id(0).to(tl.int64)
+    which = tl.program_id(1)                 # 0: q, 1: k, 2: v
+    b = tok // S
+    s = tok % S
+    h = (tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    j = tl.arange(0, 2)
+    col = (2 * i)[:, None] + j[None, :]                                   # (BLOCK_HALF, 2)
+    col_mask = col < D
+    mask = (h < H)[:, None, None] & col_mask[None, :, :]                  # (BLOCK_H, BLOCK_HALF, 2)
+    if which == 2:
+        if s < S_TXT:
+            src = head_tile_ptrs(tv_ptr, b, s, h, col, stride_tvb, stride_tvs, stride_tvh)
+        else:
+            src = head_tile_ptrs(iv_ptr, b, s - S_TXT, h, col, stride_ivb, stride_ivs, stride_ivh)
+        # same dtype in and out: an exact copy, as torch.cat
+        tl.store(head_tile_ptrs(v_ptr, b, s, h, col, stride_ob, stride_os, stride_oh),
+                 tl.load(src, mask=mask), mask=mask)
     else:
-        x_dtype = x_ptr.dtype.element_ty
-        re = re.to(x_dtype).to(tl.float32)
-        im = im.to(x_dtype).to(tl.float32)
-    f_off = s * stride_fs + i[:, None] * stride_fi + j[None, :]
-    cos, sin = tl.split(tl.load(f_ptr + f_off, mask=col_mask, other=0.0))
-    out_re = re * cos[None, :] - im * sin[None, :]
-    out_im = re * sin[None, :] + im * cos[None, :]
-    out = tl.join(out_re, out_im).to(out_ptr.dtype.element_ty)
-    o_off = b * stride_ob + s * stride_os + h[:, None, None] * stride_oh + col[None, :, :]
-    tl.store(out_ptr + o_off, out, mask=mask)
+        if s < S_TXT:
+            f_ptrs = tf_ptr + s * stride_tfs + i[:, None] * stride_tfi + j[None, :]
+            if which == 0:
+                x_ptrs = head_tile_ptrs(tq_ptr, b, s, h, col, stride_tqb, stride_tqs, stride_tqh)
+                w_ptrs = wtq_ptr + col
+                eps = eps_tq
+            else:
+                x_ptrs = head_tile_ptrs(tk_ptr, b, s, h, col, stride_tkb, stride_tks, stride_tkh)
+                w_ptrs = wtk_ptr + col
+                eps = eps_tk
+        else:
+            si = s - S_TXT
+            f_ptrs = if_ptr + si * stride_ifs + i[:, None] * stride_ifi + j[None, :]
+            if which == 0:
+                x_ptrs = head_tile_ptrs(iq_ptr, b, si, h, col, stride_iqb, stride_iqs, stride_iqh)
+                w_ptrs = wiq_ptr + col
+                eps = eps_iq
+            else:
+                x_ptrs = head_tile_ptrs(ik_ptr, b, si, h, col, stride_ikb, stride_iks, stride_ikh)
+                w_ptrs = wik_ptr + col
+                eps = eps_ik
+        out = rmsnorm_rope_tile(x_ptrs, w_ptrs, f_ptrs, mask, col_mask, D, eps, HAS_WEIGHT)
+        if which == 0:
+            o_ptrs = head_tile_ptrs(q_ptr, b, s, h, col, stride_ob, stride_os, stride_oh)
+        else:
+            o_ptrs = head_tile_ptrs(k_ptr, b, s, h, col, stride_ob, stride_os, stride_oh)
+        tl.store(o_ptrs, out.to(q_ptr.dtype.element_ty), mask=mask)

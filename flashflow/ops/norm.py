@@ -10,7 +10,11 @@ rows (kernels: :mod:`flashflow.kernels.norm`), computing in fp32 and returning x
 * :func:`gate_residual` ``residual + gate·y``;
 * :func:`gate_residual_layernorm_modulate` both of those, reading residual and y once;
 * :func:`rmsnorm_rope` q/k RMSNorm and RoPE, optionally written straight into a slice of the
-  joint [text, image] buffer (``out=``), which folds the concatenation into the same pass.
+  joint [text, image] buffer (``out=``), which folds the concatenation into the same pass;
+* :func:`joint_qkv_norm_rope` the whole of it for a double-stream block in one launch: both
+  streams' q and k normalised and rotated, and v copied, into the three joint [text, image]
+  tensors (one launch instead of four ``rmsnorm_rope`` and a ``torch.cat``: at Qwen-Image's
+  sizes the block is close to host-bound, and each launch costs host time).
 
 shift / scale / gate are rows of the modulation (diffusers' ``mod_params.chunk(3, dim=-1)``
 views are taken as they are: any row stride, unit stride along D). With ``index`` (an integer
@@ -32,16 +36,17 @@ import torch
 
 from flashflow.device import cdiv, next_pow2
 from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
-                                    layernorm_modulate_kernel, rmsnorm_rope_kernel)
+                                    joint_qkv_norm_rope_kernel, layernorm_modulate_kernel, rmsnorm_rope_kernel)
 from flashflow.ops.validate import check_no_grad, check_runs_here, check_scale, check_tensor
 
-__all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope", "MAX_DIM"]
+__all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
+           "joint_qkv_norm_rope", "MAX_DIM"]
 
 # Rows are held in registers in one pass: up to 16384 fp32 values over 8 warps is 64 a thread.
 MAX_DIM = 16384
 # gate_residual reduces nothing: rows split into column blocks of at most this width
 RESIDUAL_BLOCK = 4096
-# rmsnorm_rope packs heads of one token into a tile of at most this many elements
+# rmsnorm_rope and joint_qkv_norm_rope pack heads of one token into a tile of at most this many elements
 ROPE_TILE = 4096
 
 
@@ -128,6 +133,42 @@ def _check_like(name: str, t, x: torch.Tensor, x_name: str) -> None:
         raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(t.shape)}")
     _check_same_device(name, t, x, x_name)
     _check_unit_last_stride(name, t)
+
+
+def _check_head_rows(name: str, x) -> tuple[int, int, int, int]:
+    """x a (batch, seqlen, heads, head_dim) float tensor flashflow can run on, head_dim even;
+    returns its shape."""
+    check_tensor(name, x, 4, "(batch, seqlen, heads, head_dim)")
+    check_runs_here(name, x)
+    _check_unit_last_stride(name, x)
+    b, s, h, d = x.shape
+    if d % 2 or not 2 <= d <= MAX_DIM:
+        raise ValueError(f"head_dim ({name}'s last dim) must be even and between 2 and {MAX_DIM}, got {d}")
+    return b, s, h, d
+
+
+def _check_norm_weight(name: str, weight, d: int, x: torch.Tensor, x_name: str) -> None:
+    """None, or an RMSNorm weight (head_dim,) on x's device."""
+    if weight is None:
+        return
+    check_tensor(name, weight, 1, "(head_dim,)")
+    if weight.shape[0] != d:
+        raise ValueError(f"{name} must have shape (head_dim,) = ({d},), got {tuple(weight.shape)}")
+    _check_same_device(name, weight, x, x_name)
+    _check_unit_last_stride(name, weight)
+
+
+def _check_freqs(name: str, freqs, s: int, d: int, x: torch.Tensor, x_name: str) -> None:
+    """complex64 rotary frequencies (seqlen, head_dim // 2) of x's tokens, on x's device."""
+    if not isinstance(freqs, torch.Tensor):
+        raise TypeError(f"{name} must be a complex64 torch.Tensor of shape (seqlen, head_dim // 2), "
+                        f"got {type(freqs).__name__}")
+    if freqs.dtype != torch.complex64:
+        raise TypeError(f"{name} must be complex64 (the rotation runs in fp32), got {freqs.dtype}")
+    if tuple(freqs.shape) != (s, d // 2):
+        raise ValueError(f"{name} must have shape (seqlen, head_dim // 2) = {(s, d // 2)} ({x_name}'s seqlen), "
+                         f"got {tuple(freqs.shape)}")
+    _check_same_device(name, freqs, x, x_name)
 
 
 def _index_args(index: Optional[torch.Tensor], x: torch.Tensor) -> tuple:
@@ -225,6 +266,38 @@ def _rmsnorm_rope_out_impl(x: torch.Tensor, weight: Optional[torch.Tensor], freq
     _rmsnorm_rope_launch(x, weight, freqs, eps, out)
 
 
+def _joint_qkv_norm_rope_impl(
+    txt_q: torch.Tensor, txt_k: torch.Tensor, txt_v: torch.Tensor,
+    img_q: torch.Tensor, img_k: torch.Tensor, img_v: torch.Tensor,
+    txt_q_weight: Optional[torch.Tensor], txt_k_weight: Optional[torch.Tensor],
+    img_q_weight: Optional[torch.Tensor], img_k_weight: Optional[torch.Tensor],
+    txt_freqs: torch.Tensor, img_freqs: torch.Tensor,
+    eps_txt_q: float, eps_txt_k: float, eps_img_q: float, eps_img_k: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    b, s_txt, h, d = txt_q.shape
+    s = s_txt + img_q.shape[1]
+    query, key, value = (torch.empty((b, s, h, d), dtype=txt_q.dtype, device=txt_q.device) for _ in range(3))
+    if b * s * h == 0:
+        return query, key, value
+    tf, imf = torch.view_as_real(txt_freqs), torch.view_as_real(img_freqs)   # (S, D/2, 2) float32
+    half = next_pow2(d // 2)
+    block_h = _heads_per_program(h, ROPE_TILE // (2 * half))
+    has_weight = txt_q_weight is not None
+    # without weights, any pointer of one type stands in for the four (never read)
+    w_tq, w_tk, w_iq, w_ik = ((txt_q_weight, txt_k_weight, img_q_weight, img_k_weight) if has_weight
+                              else (txt_q,) * 4)
+    joint_qkv_norm_rope_kernel[(b * s, 3, cdiv(h, block_h))](
+        txt_q, txt_k, txt_v, img_q, img_k, img_v, w_tq, w_tk, w_iq, w_ik, tf, imf, query, key, value,
+        s_txt, s, h, d,
+        *txt_q.stride()[:3], *txt_k.stride()[:3], *txt_v.stride()[:3],
+        *img_q.stride()[:3], *img_k.stride()[:3], *img_v.stride()[:3],
+        tf.stride(0), tf.stride(1), imf.stride(0), imf.stride(1), *query.stride()[:3],
+        eps_txt_q, eps_txt_k, eps_img_q, eps_img_k,
+        HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_HALF=half, num_warps=_num_warps(block_h * 2 * half),
+    )
+    return query, key, value
+
+
 # --------------------------------------------------------------------------------------------
 # custom ops: new tensors are returned (mutates_args=()), except rmsnorm_rope_out, which writes
 # into the caller's ``out`` view and is declared as mutating it
@@ -238,6 +311,8 @@ _gate_residual_layernorm_modulate_op = torch.library.custom_op(
 _rmsnorm_rope_op = torch.library.custom_op("flashflow::rmsnorm_rope", mutates_args=())(_rmsnorm_rope_impl)
 _rmsnorm_rope_out_op = torch.library.custom_op(
     "flashflow::rmsnorm_rope_out", mutates_args=("out",))(_rmsnorm_rope_out_impl)
+_joint_qkv_norm_rope_op = torch.library.custom_op(
+    "flashflow::joint_qkv_norm_rope", mutates_args=())(_joint_qkv_norm_rope_impl)
 
 
 @_layernorm_modulate_op.register_fake
@@ -263,6 +338,14 @@ def _(x, weight, freqs, eps):
 @_rmsnorm_rope_out_op.register_fake
 def _(x, weight, freqs, eps, out):
     return None
+
+
+@_joint_qkv_norm_rope_op.register_fake
+def _(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_q_weight, img_k_weight,
+      txt_freqs, img_freqs, eps_txt_q, eps_txt_k, eps_img_q, eps_img_k):
+    b, s_txt, h, d = txt_q.shape
+    shape = (b, s_txt + img_q.shape[1], h, d)
+    return txt_q.new_empty(shape), txt_q.new_empty(shape), txt_q.new_empty(shape)
 
 
 def _dispatch(op, impl, *args):
@@ -366,26 +449,9 @@ def rmsnorm_rope(x, weight, freqs, eps=1e-6, out=None):
     Returns:
         The result in x's dtype: ``out`` when given.
     """
-    check_tensor("x", x, 4, "(batch, seqlen, heads, head_dim)")
-    check_runs_here("x", x)
-    _check_unit_last_stride("x", x)
-    b, s, h, d = x.shape
-    if d % 2 or not 2 <= d <= MAX_DIM:
-        raise ValueError(f"head_dim (x's last dim) must be even and between 2 and {MAX_DIM}, got {d}")
-    if weight is not None:
-        check_tensor("weight", weight, 1, "(head_dim,)")
-        if weight.shape[0] != d:
-            raise ValueError(f"weight must have shape (head_dim,) = ({d},), got {tuple(weight.shape)}")
-        _check_same_device("weight", weight, x, "x")
-        _check_unit_last_stride("weight", weight)
-    if not isinstance(freqs, torch.Tensor):
-        raise TypeError(f"freqs must be a complex64 torch.Tensor of shape (seqlen, head_dim // 2), "
-                        f"got {type(freqs).__name__}")
-    if freqs.dtype != torch.complex64:
-        raise TypeError(f"freqs must be complex64 (the rotation runs in fp32), got {freqs.dtype}")
-    if tuple(freqs.shape) != (s, d // 2):
-        raise ValueError(f"freqs must have shape (seqlen, head_dim // 2) = {(s, d // 2)}, got {tuple(freqs.shape)}")
-    _check_same_device("freqs", freqs, x, "x")
+    b, s, h, d = _check_head_rows("x", x)
+    _check_norm_weight("weight", weight, d, x, "x")
+    _check_freqs("freqs", freqs, s, d, x, "x")
     if out is not None:
         _check_like("out", out, x, "x")
         if out.dtype != x.dtype:
@@ -401,3 +467,69 @@ def rmsnorm_rope(x, weight, freqs, eps=1e-6, out=None):
         return out.copy_(_rmsnorm_rope_op(x, weight, freqs, eps))
     _rmsnorm_rope_out_impl(x, weight, freqs, eps, out)
     return out
+
+
+def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_q_weight,
+                        img_k_weight, txt_freqs, img_freqs, eps=1e-6):
+    """The joint [text, image] query, key and value of a double-stream attention block, in one
+    launch: each stream's q and k through :func:`rmsnorm_rope` with its own weight and
+    frequencies, and v as it is, concatenated along the sequence (text first), as diffusers'
+    Qwen-Image processor does with four ``RMSNorm`` + ``apply_rotary_emb_qwen`` and three
+    ``torch.cat``.
+
+    Args:
+        txt_q, txt_k, txt_v: the text stream's ``(batch, S_txt, heads, head_dim)`` projections,
+            fp16/bf16/fp32, one dtype, unit stride along head_dim (other strides free, e.g.
+            ``linear_out.unflatten(-1, (heads, head_dim))``); head_dim even.
+        img_q, img_k, img_v: the image stream's, ``(batch, S_img, heads, head_dim)``, same
+            dtype, batch, heads and head_dim.
+        txt_q_weight, txt_k_weight, img_q_weight, img_k_weight: the four RMSNorm weights
+            (diffusers' ``norm_added_q``, ``norm_added_k``, ``norm_q``, ``norm_k``),
+            ``(head_dim,)`` tensors of one float dtype, or all four None; rounded as in
+            :func:`rmsnorm_rope`.
+        txt_freqs, img_freqs: complex64 ``(S_txt, head_dim // 2)`` and ``(S_img, head_dim // 2)``
+            (any strides): each stream's rotary frequencies.
+        eps: the RMSNorms' epsilon, one float or a 4-tuple ``(txt_q, txt_k, img_q, img_k)``.
+    Returns:
+        ``(query, key, value)``, new contiguous ``(batch, S_txt + S_img, heads, head_dim)``
+        tensors in the inputs' dtype: equal, bit for bit, to ``torch.cat`` of the
+        :func:`rmsnorm_rope` outputs (q, k) and of txt_v and img_v.
+    """
+    b, s_txt, h, d = _check_head_rows("txt_q", txt_q)
+    for name, t in (("txt_k", txt_k), ("txt_v", txt_v)):
+        _check_like(name, t, txt_q, "txt_q")
+    img_b, s_img, img_h, img_d = _check_head_rows("img_q", img_q)
+    if (img_b, img_h, img_d) != (b, h, d):
+        raise ValueError(f"img_q must have txt_q's batch, heads and head_dim: (batch, S_img, heads, head_dim) = "
+                         f"({b}, S_img, {h}, {d}), got {tuple(img_q.shape)}")
+    _check_same_device("img_q", img_q, txt_q, "txt_q")
+    for name, t in (("img_k", img_k), ("img_v", img_v)):
+        _check_like(name, t, img_q, "img_q")
+    for name, t in (("txt_k", txt_k), ("txt_v", txt_v), ("img_q", img_q), ("img_k", img_k), ("img_v", img_v)):
+        if t.dtype != txt_q.dtype:
+            raise TypeError(f"{name} must have txt_q's dtype {txt_q.dtype}, got {t.dtype}")
+    weights = {"txt_q_weight": txt_q_weight, "txt_k_weight": txt_k_weight, "img_q_weight": img_q_weight,
+               "img_k_weight": img_k_weight}
+    for name, w in weights.items():
+        _check_norm_weight(name, w, d, txt_q, "txt_q")
+    given = [name for name, w in weights.items() if w is not None]
+    # one kernel path for all four norms: the weights' presence and dtype are compile-time
+    if given and len(given) != len(weights):
+        missing = [name for name in weights if name not in given]
+        raise ValueError(f"the four RMSNorm weights must be all tensors or all None; got {', '.join(missing)} None "
+                         f"and {', '.join(given)} given (use rmsnorm_rope per tensor for mixed norms)")
+    if given and len({w.dtype for w in weights.values()}) > 1:
+        dtypes = ", ".join(f"{name} {w.dtype}" for name, w in weights.items())
+        raise TypeError(f"the four RMSNorm weights must share one dtype, got {dtypes}")
+    _check_freqs("txt_freqs", txt_freqs, s_txt, d, txt_q, "txt_q")
+    _check_freqs("img_freqs", img_freqs, s_img, d, img_q, "img_q")
+    if isinstance(eps, (tuple, list)):
+        if len(eps) != 4:
+            raise ValueError(f"eps must be a float or a 4-tuple (txt_q, txt_k, img_q, img_k), got {len(eps)} values")
+        eps = tuple(_check_eps(e) for e in eps)
+    else:
+        eps = (_check_eps(eps),) * 4
+    check_no_grad("joint_qkv_norm_rope", txt_q=txt_q, txt_k=txt_k, txt_v=txt_v, img_q=img_q, img_k=img_k,
+                  img_v=img_v, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
+    return _dispatch(_joint_qkv_norm_rope_op, _joint_qkv_norm_rope_impl, txt_q, txt_k, txt_v, img_q, img_k, img_v,
+                     txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, *eps)

@@ -5,5 +5,12 @@ from flashflow.reference.attention import (
     attention_tiled,
     attention_varlen_naive,
 )
+from flashflow.reference.attention_fp8 import (
+    QuantizedQKV,
+    attention_fp8_reference,
+    quantize_qkv_reference,
+    stress_qkv,
+)
 
-__all__ = ["attention_mask", "attention_naive", "attention_tiled", "attention_varlen_naive"]
+__all__ = ["attention_mask", "attention_naive", "attention_tiled", "attention_varlen_naive",
+           "QuantizedQKV", "attention_fp8_reference", "quantize_qkv_reference", "stress_qkv"]

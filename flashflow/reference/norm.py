@@ -58,7 +58,7 @@ def rope(x, freqs):
     ``freqs[s, i]`` (complex, (S, D/2)); in float32 (complex64), or float64 for float64 x."""
     real_dtype, complex_dtype = ((torch.float64, torch.complex128) if x.dtype == torch.float64
                                  else (torch.float32, torch.complex64))
-    pairs = torch.view_as_complex(x.to(real_dtype).reshape(*x.shape[:-1], -1, 2))
+    pairs = torch.view_as_complex(x.to(real_dtype).unflatten(-1, (-1, 2)))   # also for an empty seqlen
     rotated = pairs * freqs.to(x.device, complex_dtype).unsqueeze(1)
     return torch.view_as_real(rotated).flatten(3)
 
@@ -67,3 +67,17 @@ def rmsnorm_rope(x, weight, freqs, eps=1e-6):
     """``rope(rmsnorm(x, weight, eps), freqs)`` in x's dtype (the q/k path of Qwen-Image's
     attention processor, for x (B, S, H, D))."""
     return rope(rmsnorm(x, weight, eps), freqs).to(x.dtype)
+
+
+def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_q_weight,
+                        img_k_weight, txt_freqs, img_freqs, eps=1e-6):
+    """The joint [text, image] ``(query, key, value)`` of a double-stream block: each stream's q
+    and k through :func:`rmsnorm_rope` with its own weight and frequencies, v as it is, each
+    concatenated along the sequence, text first. ``eps``: one float or a 4-tuple
+    ``(txt_q, txt_k, img_q, img_k)``."""
+    eps_tq, eps_tk, eps_iq, eps_ik = eps if isinstance(eps, (tuple, list)) else (eps,) * 4
+    query = torch.cat([rmsnorm_rope(txt_q, txt_q_weight, txt_freqs, eps_tq),
+                       rmsnorm_rope(img_q, img_q_weight, img_freqs, eps_iq)], dim=1)
+    key = torch.cat([rmsnorm_rope(txt_k, txt_k_weight, txt_freqs, eps_tk),
+                     rmsnorm_rope(img_k, img_k_weight, img_freqs, eps_ik)], dim=1)
+    return query, key, torch.cat([txt_v, img_v], dim=1)

@@ -4,7 +4,8 @@ QwenImageTransformer2DModel (6 blocks, random weights) with ``enable`` against i
 import pytest
 import torch
 
-from flashflow.ops.norm import gate_residual, gate_residual_layernorm_modulate, layernorm_modulate, rmsnorm_rope
+from flashflow.ops.norm import (gate_residual, gate_residual_layernorm_modulate, joint_qkv_norm_rope,
+                                layernorm_modulate, rmsnorm_rope)
 from flashflow.reference import norm as ref
 
 pytestmark = pytest.mark.gpu
@@ -60,6 +61,38 @@ def test_rmsnorm_rope_into_a_joint_buffer(gpu, dtype, s, h, d):
     want = ref.rmsnorm_rope(x.double(), w.double(), freqs, 1e-6)
     assert gpu.rel(joint[:, off:off + s], want) < gpu.tol
     assert joint[:, :off].isnan().all() and joint[:, off + s:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s_txt,s_img,h,d", [(256, 4096, 24, 128), (37, 301, 3, 64)])
+def test_joint_qkv_norm_rope(gpu, monkeypatch, dtype, s_txt, s_img, h, d):
+    b = 1
+    # each stream's q, k, v: views of one (B, S, 3·H·D) projection, as the Linear outputs give them
+    txt = torch.randn(b, s_txt, 3 * h * d, device="cuda", dtype=dtype).unflatten(-1, (3 * h, d)).split(h, dim=2)
+    img = torch.randn(b, s_img, 3 * h * d, device="cuda", dtype=dtype).unflatten(-1, (3 * h, d)).split(h, dim=2)
+    weights = [torch.rand(d, device="cuda", dtype=dtype) + 0.5 for _ in range(4)]
+    freqs = [_freqs(s_txt, d), _freqs(s_img, d)]
+    eps = (1e-6, 1e-5, 1e-6, 1e-5)
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    # the outputs are allocated inside the op: NaN-filled, so an element never written shows
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    query, key, value = joint_qkv_norm_rope(*txt, *img, *weights, *freqs, eps=eps)
+    monkeypatch.undo()
+    want = ref.joint_qkv_norm_rope(*(t.double() for t in (*txt, *img, *weights)), *freqs, eps=eps)
+    for got, expected in zip((query, key, value), want):
+        assert got.shape == (b, s_txt + s_img, h, d) and got.dtype == dtype
+        assert gpu.rel(got, expected) < gpu.tol
+    # the same bits as the four rmsnorm_rope passes and the torch.cat it replaces
+    assert torch.equal(query, torch.cat([rmsnorm_rope(txt[0], weights[0], freqs[0], eps[0]),
+                                         rmsnorm_rope(img[0], weights[2], freqs[1], eps[2])], 1))
+    assert torch.equal(key, torch.cat([rmsnorm_rope(txt[1], weights[1], freqs[0], eps[1]),
+                                       rmsnorm_rope(img[1], weights[3], freqs[1], eps[3])], 1))
+    assert torch.equal(value, torch.cat([txt[2], img[2]], 1))
 
 
 def test_graph_replay_and_compile(gpu):

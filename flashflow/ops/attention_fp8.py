@@ -1,0 +1,257 @@
+"""FP8 attention: validation, the quantize pass, config choice, launch, custom op.
+
+:func:`flash_attn_fp8_func` takes bf16/fp16 Q, K, V in FlashAttention layout and returns the
+attention output in the same dtype, computing both products on 8-bit tensor cores
+(SageAttention's recipe, :mod:`flashflow.kernels.quant`, :mod:`flashflow.kernels.attention_fp8`):
+
+1. ``attention_kv_stats_kernel``: per (batch, kv head) the mean of K over the keys and the
+   largest |V| per channel;
+2. ``attention_quantize_kernel``: Q per token and K − mean(K) per key block to INT8 (or e4m3),
+   V per channel to e4m3, transposed, all padded to whole blocks;
+3. ``attention_fp8_fwd_kernel``: the flash forward on the 8-bit operands.
+
+The time of a call includes all three. :func:`scaled_dot_product_attention_fp8` is the same in
+SDPA's layout. Hopper (sm90) and newer run it; under Triton's interpreter it runs with the FP8
+products emulated in fp32 on the same values (so CPU tests check the GPU's numerics); other GPUs
+get a ``ValueError`` (use :func:`flashflow.flash_attn_func` there).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
+from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
+from flashflow.kernels.quant import attention_kv_stats_kernel, attention_quantize_kernel
+from flashflow.kernels.softmax import LOG2E
+from flashflow.ops.validate import check_heads, check_no_grad, check_runs_here, softmax_scale_or_default
+from flashflow.tuning.attention_fp8 import AttentionFp8Config, attention_fp8_config, supported_families
+
+__all__ = ["flash_attn_fp8_func", "scaled_dot_product_attention_fp8", "quantize_attention_inputs",
+           "QK_FORMATS", "FP8_HEAD_DIMS"]
+
+# Q·Kᵀ in INT8 (the default: an exact integer product, and more accurate than e4m3 at the same
+# byte count, docs/fp8.md) or in e4m3.
+QK_FORMATS = ("int8", "fp8")
+FP8_HEAD_DIMS = (64, 128, 256)
+_STATS_ROWS = 64
+_MAX_STATS_CHUNKS = 32    # partial statistics per (batch, kv head), reduced in one load
+
+
+def _check_inputs(q, k, v, qk_format, key_padding_mask):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of shape (batch, seqlen, heads, head_dim), "
+                            f"got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        if t.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"{name} must be bfloat16 or float16 (FP8 attention quantizes 16-bit inputs), "
+                            f"got {t.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along head_dim, got strides {t.stride()}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
+    check_runs_here("q", q)
+    family = gpu_family(q.device)
+    if family not in supported_families():
+        raise ValueError(f"FP8 attention needs FP8 tensor cores (Hopper, sm90, or newer); {q.device} is "
+                         f"{family}. Use flashflow.flash_attn_func (exact bf16/fp16 attention) there.")
+    batch, seqlen_q, heads, head_dim = q.shape
+    if head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {FP8_HEAD_DIMS} for FP8 attention, got {head_dim}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape (batch, seqlen_k, kv_heads, head_dim), got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k/v must be (batch={batch}, seqlen_k, kv_heads, head_dim={head_dim}), got {tuple(k.shape)}")
+    check_heads(heads, k.shape[2])
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    if key_padding_mask is not None:
+        form = f"a bool tensor (batch, P) = ({batch}, P) with P <= seqlen_k = {k.shape[1]}"
+        if not isinstance(key_padding_mask, torch.Tensor):
+            raise TypeError(f"key_padding_mask must be {form}, got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise TypeError(f"key_padding_mask must be {form}, got dtype {key_padding_mask.dtype}")
+        if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch \
+                or key_padding_mask.shape[1] > k.shape[1]:
+            raise ValueError(f"key_padding_mask must be {form}, got shape {tuple(key_padding_mask.shape)}")
+        if key_padding_mask.device != q.device:
+            raise ValueError(f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}")
+
+
+def _config(head_dim: int, causal: bool, device) -> AttentionFp8Config:
+    return attention_fp8_config(head_dim, causal, gpu_family(device))
+
+
+def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block_n: int, qk_format: str = "int8",
+                              lse_correction: bool = False, smooth_k: bool = True) -> dict:
+    """The quantize pass alone, on validated inputs: a dict of the 8-bit tensors and scales the
+    kernel reads (names as in :func:`flashflow.kernels.quant.attention_quantize_kernel`:
+    ``q8, q_scale, q_corr, k8, k_scale, vt8, v_scale``), padded to ``block_m`` / ``block_n``."""
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    dev = q.device
+    q_block = max(block_m, block_n)   # powers of two: a multiple of both
+    sq_pad = cdiv(max(seqlen_q, 1), q_block) * q_block
+    sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
+    qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
+    q8 = torch.empty((batch, heads, sq_pad, head_dim), dtype=qk_dtype, device=dev)
+    q_scale = torch.empty((batch, heads, sq_pad), dtype=torch.float32, device=dev)
+    q_corr = torch.empty((batch, heads, sq_pad) if lse_correction else (1,), dtype=torch.float32, device=dev)
+    k8 = torch.empty((batch, kv_heads, sk_pad, head_dim), dtype=qk_dtype, device=dev)
+    k_scale = torch.empty((batch, kv_heads, sk_pad // block_n), dtype=torch.float32, device=dev)
+    vt8 = torch.empty((batch, kv_heads, head_dim, sk_pad), dtype=torch.float8_e4m3fn, device=dev)
+    v_scale = torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, device=dev)
+
+    # statistics: enough chunks of keys per (batch, kv head) for about two waves of programs
+    per_head = min(_MAX_STATS_CHUNKS, max(1, cdiv(2 * num_sms(dev), batch * kv_heads)))
+    chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS) * _STATS_ROWS
+    chunks = cdiv(max(seqlen_k, 1), chunk)
+    ksum = torch.empty((batch * kv_heads * chunks, head_dim), dtype=torch.float32, device=dev)
+    vmax = torch.empty_like(ksum)
+    attention_kv_stats_kernel[(batch * kv_heads, chunks)](
+        k, v, ksum, vmax, seqlen_k, kv_heads, chunk,
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4,
+    )
+    attention_quantize_kernel[(max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)](
+        q, k, v, q8, q_scale, q_corr, k8, k_scale, vt8, v_scale, ksum, vmax,
+        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        softmax_scale * LOG2E, softmax_scale,
+        HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
+        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), num_warps=8 if block_n * head_dim >= 8192 else 4,
+    )
+    return dict(q8=q8, q_scale=q_scale, q_corr=q_corr, k8=k8, k_scale=k_scale, vt8=vt8, v_scale=v_scale,
+                sq_pad=sq_pad, sk_pad=sk_pad)
+
+
+def _attention_fp8_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+                        softmax_scale: float, causal: bool, return_lse: bool,
+                        qk_format: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return attention_fp8_forward(q, k, v, key_padding_mask, softmax_scale, causal, return_lse, qk_format)
+
+
+def attention_fp8_forward(q, k, v, key_padding_mask, softmax_scale: float, causal: bool, return_lse: bool,
+                          qk_format: str, config: Optional[AttentionFp8Config] = None):
+    """Quantize and launch on validated inputs; ``config`` overrides the shipped one (sweeps)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, seqlen_q) if return_lse else (1,), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out, lse
+    if seqlen_k == 0:
+        out.zero_()
+        if return_lse:
+            lse.fill_(float("-inf"))
+        return out, lse
+    cfg = config or _config(head_dim, causal, q.device)
+    qz = quantize_attention_inputs(q, k, v, softmax_scale, cfg.BLOCK_M, cfg.BLOCK_N, qk_format,
+                                   lse_correction=return_lse)
+    sq_pad, sk_pad = qz["sq_pad"], qz["sk_pad"]
+    qd = TensorDescriptor(qz["q8"], [batch * heads * sq_pad, head_dim], [head_dim, 1], [cfg.BLOCK_M, head_dim])
+    kd = TensorDescriptor(qz["k8"], [batch * kv_heads * sk_pad, head_dim], [head_dim, 1], [cfg.BLOCK_N, head_dim])
+    vd = TensorDescriptor(qz["vt8"], [batch * kv_heads * head_dim, sk_pad], [sk_pad, 1], [head_dim, cfg.BLOCK_N])
+    kpm_keys = 0
+    kpm = q   # never read without HAS_KPM
+    if key_padding_mask is not None and key_padding_mask.shape[1] > 0:
+        kpm = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+        kpm_keys = kpm.shape[1]
+    num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
+    lse_strides = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
+    attention_fp8_fwd_kernel[(num_m_blocks * heads * batch,)](
+        qd, kd, vd, qz["q_scale"], qz["k_scale"], qz["v_scale"], qz["q_corr"], out, lse, kpm,
+        out.stride(0), out.stride(1), out.stride(2), *lse_strides, kpm.stride(0) if kpm_keys else 0,
+        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, kpm_keys,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CAUSAL=causal, HAS_KPM=kpm_keys > 0,
+        RETURN_LSE=return_lse, QK_FP8=qk_format == "fp8", EMULATE_FP8=interpreting(), PV_FP32_SUM=cfg.pv_fp32_sum,
+        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out, lse
+
+
+_attention_fp8_op = torch.library.custom_op("flashflow::attention_fp8_fwd", mutates_args=())(_attention_fp8_impl)
+
+
+@_attention_fp8_op.register_fake
+def _(q, k, v, key_padding_mask, softmax_scale, causal, return_lse, qk_format):
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (1,)
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _attention_fp8(*args):
+    """The registered op while torch.compile traces; a direct call otherwise (host time)."""
+    if torch.compiler.is_compiling():
+        return _attention_fp8_op(*args)
+    return _attention_fp8_impl(*args)
+
+
+def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, key_padding_mask=None,
+                        qk_format="int8"):
+    """Attention with 8-bit products, FlashAttention layout (bf16/fp16 in and out).
+
+    Args:
+        q: ``(batch, seqlen_q, heads, head_dim)``; k, v: ``(batch, seqlen_k, kv_heads, head_dim)``,
+            ``heads % kv_heads == 0``; bfloat16 or float16, unit stride along head_dim;
+            head_dim 64, 128 or 256.
+        softmax_scale: defaults to ``1/sqrt(head_dim)``.
+        causal: mask aligned to the bottom-right corner (FlashAttention's rule).
+        return_lse: also return the log-sum-exp, float32 ``(batch, heads, seqlen_q)`` (the
+            smoothing of K is added back, so it is the LSE of the unsmoothed scores).
+        key_padding_mask: bool ``(batch, P)``, ``P <= seqlen_k``, True = attend; covers keys
+            ``[0, P)`` (a joint ``[text, image]`` sequence passes its text mask alone).
+        qk_format: ``"int8"`` (default) or ``"fp8"``: the 8-bit format of Q·Kᵀ. P·V is e4m3.
+    Returns:
+        ``out`` of q's shape and dtype, or ``(out, lse)``. Rows with no allowed key give 0.
+
+    Accuracy and speed against exact attention: docs/fp8.md.
+    """
+    _check_inputs(q, k, v, qk_format, key_padding_mask)
+    check_no_grad("flash_attn_fp8_func", q=q, k=k, v=v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
+    out, lse = _attention_fp8(q, k, v, key_padding_mask, scale, causal, bool(return_lse), qk_format)
+    return (out, lse) if return_lse else out
+
+
+def scaled_dot_product_attention_fp8(query, key, value, attn_mask=None, is_causal=False, scale=None,
+                                     enable_gqa=False, *, qk_format="int8"):
+    """:func:`flash_attn_fp8_func` in SDPA's layout ``(batch, heads, seqlen, head_dim)``.
+
+    ``attn_mask``: None or a boolean key-padding mask broadcastable as ``(batch, 1, 1,
+    seqlen_k)`` (True = attend); other masks are refused (use the bf16
+    :func:`flashflow.scaled_dot_product_attention`). ``is_causal`` is PyTorch's top-left
+    alignment, taken for ``seqlen_q == seqlen_k`` only (where both alignments agree).
+    Query heads that are a multiple of the key heads need ``enable_gqa=True``, as in PyTorch.
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
+                         "for grouped-query attention")
+    if is_causal and query.shape[2] != key.shape[2]:
+        raise ValueError("is_causal with seqlen_q != seqlen_k is aligned top-left in SDPA; FP8 attention takes "
+                         "causal masks where seqlen_q == seqlen_k only (flash_attn_fp8_func aligns bottom-right)")
+    kpm = None
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool or attn_mask.dim() != 4 \
+                or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1 or attn_mask.shape[3] != key.shape[2] \
+                or attn_mask.shape[0] not in (1, query.shape[0]):
+            raise ValueError("attn_mask must be None or a bool key-padding mask of shape (batch, 1, 1, seqlen_k) "
+                             "for FP8 attention; use flashflow.scaled_dot_product_attention for other masks")
+        kpm = attn_mask[:, 0, 0, :].expand(query.shape[0], key.shape[2])
+    out = flash_attn_fp8_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, is_causal,
+                              key_padding_mask=kpm, qk_format=qk_format)
+    return out.transpose(1, 2)

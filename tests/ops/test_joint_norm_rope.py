@@ -1,0 +1,240 @@
+"""joint_qkv_norm_rope (flashflow.ops.norm) through Triton's interpreter: both streams' q/k
+RMSNorm + RoPE and the v concatenation in one launch, against float64 at odd sizes in
+fp32/fp16/bf16, outputs poisoned with NaN, strided inputs as a Linear's output gives them, an
+eps per norm, equality with the unfused rmsnorm_rope + torch.cat, the custom op under opcheck
+and torch.compile, and bad inputs refused before any launch."""
+import pytest
+import torch
+
+from flashflow.device import interpreting
+from flashflow.ops.norm import MAX_DIM, joint_qkv_norm_rope, rmsnorm_rope
+from flashflow.reference import norm as ref
+
+pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
+TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
+EPS4 = (1e-6, 1e-5, 1e-4, 1e-3)
+
+
+def rand(*shape, dtype=torch.float32, seed=0, scale=1.0, offset=0.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE, dtype)
+
+
+def freqs_of(s, d, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    angles = torch.rand(s, d // 2, generator=g) * 6.3
+    return torch.polar(torch.ones_like(angles), angles).to(DEVICE)
+
+
+def err(out, want):
+    """Largest error relative to the reference's largest magnitude."""
+    return ((out.double() - want).abs().max() / want.abs().max()).item()
+
+
+def d64(ts):
+    return [None if t is None else t.double() for t in ts]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every tensor the op allocates starts as NaN: an element the kernel fails to write shows."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def streams(b, s_txt, s_img, h, d, dtype=torch.float32, weighted=True, wdtype=None):
+    """The op's twelve tensor arguments, as diffusers' processor has them: each stream's q, k, v
+    views of one fused (B, S, 3·H·D) projection (row stride 3·H·D), the image stream's with its
+    batch and sequence dims transposed in memory."""
+    txt = rand(b, s_txt, 3 * h * d, dtype=dtype, seed=1, scale=2.0, offset=0.3).unflatten(-1, (3 * h, d))
+    img = rand(s_img, b, 3 * h * d, dtype=dtype, seed=2, scale=2.0, offset=-0.2).transpose(0, 1)
+    img = img.unflatten(-1, (3 * h, d))
+    txt_q, txt_k, txt_v = txt.split(h, dim=2)
+    img_q, img_k, img_v = img.split(h, dim=2)
+    wdtype = wdtype or dtype
+    weights = ([rand(d, dtype=wdtype, seed=3 + n).abs() + 0.5 for n in range(4)] if weighted else [None] * 4)
+    return [txt_q, txt_k, txt_v, img_q, img_k, img_v, *weights, freqs_of(s_txt, d, seed=7),
+            freqs_of(s_img, d, seed=8)]
+
+
+def check_against_float64(args, eps, tol):
+    query, key, value = joint_qkv_norm_rope(*args, eps=eps)
+    want = ref.joint_qkv_norm_rope(*d64(args[:10]), *args[10:], eps=eps)
+    b, s_txt, h, d = args[0].shape
+    shape = (b, s_txt + args[3].shape[1], h, d)
+    for got, expected in zip((query, key, value), want):
+        assert got.shape == shape and got.dtype == args[0].dtype and got.is_contiguous()
+        assert err(got, expected) < tol
+    assert torch.equal(value, torch.cat([args[2], args[5]], dim=1))     # v: an exact copy
+
+
+# --------------------------------------------------------------------------------------------
+# numerics
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [32, 24])                # 24: half a tile of pairs masked
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+def test_matches_float64(poisoned, dtype, d, weighted):
+    args = streams(2, 7, 13, 3, d, dtype, weighted)
+    assert not args[0].is_contiguous() and not args[3].is_contiguous()
+    check_against_float64(args, EPS4, TOL[dtype])
+
+
+@pytest.mark.parametrize("h", [7, 24])                 # 7: a head block with a masked head; 24: three blocks
+def test_head_blocks(poisoned, h):
+    check_against_float64(streams(1, 5, 9, h, 48), 1e-6, TOL[torch.float32])
+
+
+def test_fp32_weights_on_bf16_inputs(poisoned):
+    # weights kept in fp32: no rounding to the weights' dtype in between
+    check_against_float64(streams(2, 7, 13, 3, 32, torch.bfloat16, wdtype=torch.float32), 1e-6,
+                          TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("s_txt,s_img", [(0, 13), (7, 0)])
+def test_one_empty_stream(poisoned, s_txt, s_img):
+    check_against_float64(streams(2, s_txt, s_img, 3, 32), 1e-6, TOL[torch.float32])
+
+
+def test_each_eps_is_used():
+    # rows of small magnitude, where eps matters; a different eps for each of the four norms
+    args = streams(1, 5, 9, 2, 32)
+    small = [t * 0.05 for t in args[:6]]
+    eps = (0.0, 0.5, 0.01, 2.0)
+    query, key, _ = joint_qkv_norm_rope(*small, *args[6:], eps=eps)
+    want_q, want_k, _ = ref.joint_qkv_norm_rope(*d64(small + args[6:10]), *args[10:], eps=eps)
+    assert err(query, want_q) < 1e-5 and err(key, want_k) < 1e-5
+    swapped_q, _, _ = joint_qkv_norm_rope(*small, *args[6:], eps=(0.5, 0.0, 2.0, 0.01))
+    assert not torch.allclose(query, swapped_q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+def test_equals_rmsnorm_rope_and_cat_bit_for_bit(dtype, weighted):
+    args = streams(2, 7, 13, 3, 24, dtype, weighted)
+    tq, tk, tv, iq, ik, iv, wtq, wtk, wiq, wik, ft, fi = args
+    query, key, value = joint_qkv_norm_rope(*args, eps=EPS4)
+    assert torch.equal(query, torch.cat([rmsnorm_rope(tq, wtq, ft, EPS4[0]), rmsnorm_rope(iq, wiq, fi, EPS4[2])], 1))
+    assert torch.equal(key, torch.cat([rmsnorm_rope(tk, wtk, ft, EPS4[1]), rmsnorm_rope(ik, wik, fi, EPS4[3])], 1))
+    assert torch.equal(value, torch.cat([tv, iv], 1))
+
+
+def test_empty_batch_launches_nothing():
+    outs = joint_qkv_norm_rope(*streams(0, 7, 13, 3, 32))
+    assert [tuple(t.shape) for t in outs] == [(0, 20, 3, 32)] * 3
+
+
+# --------------------------------------------------------------------------------------------
+# custom op: opcheck and torch.compile
+# --------------------------------------------------------------------------------------------
+
+
+def test_custom_op_opcheck():
+    checks = ("test_schema", "test_faketensor")
+    for weighted in (True, False):
+        args = [t.contiguous() if t is not None else None for t in streams(1, 3, 5, 2, 32, weighted=weighted)]
+        torch.library.opcheck(torch.ops.flashflow.joint_qkv_norm_rope.default, (*args, *EPS4), test_utils=checks)
+
+
+def test_torch_compile():
+    args = streams(1, 3, 5, 2, 32)
+
+    def attention_inputs(*tensors):
+        query, key, value = joint_qkv_norm_rope(*tensors, *args[6:], eps=EPS4)
+        return query * 2, key + 1, value
+
+    compiled = torch.compile(attention_inputs, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(*args[:6]), attention_inputs(*args[:6])):
+        assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------
+# bad inputs: clear errors before any launch
+# --------------------------------------------------------------------------------------------
+
+NAMES = ["txt_q", "txt_k", "txt_v", "img_q", "img_k", "img_v", "txt_q_weight", "txt_k_weight", "img_q_weight",
+         "img_k_weight", "txt_freqs", "img_freqs"]
+B, S_TXT, S_IMG, H, D = 2, 3, 5, 2, 16
+
+
+def _call(**kw):
+    args = dict(zip(NAMES, streams(B, S_TXT, S_IMG, H, D)))
+    args.update(kw)
+    return lambda: joint_qkv_norm_rope(**args)
+
+
+BAD = {
+    "txt_q rank": (_call(txt_q=rand(B, S_TXT, H * D)), ValueError, r"txt_q must have rank 4"),
+    "txt_q dtype": (_call(txt_q=rand(B, S_TXT, H, D).double()), TypeError, r"txt_q must be float16, bfloat16"),
+    "txt_q not a tensor": (_call(txt_q=[1.0]), TypeError, r"txt_q must be a torch.Tensor"),
+    "txt_q last stride": (_call(txt_q=rand(B, S_TXT, D, H).transpose(2, 3)), ValueError,
+                          r"txt_q must have unit stride"),
+    "odd head_dim": (_call(txt_q=rand(B, S_TXT, H, 15)), ValueError, r"head_dim \(txt_q's last dim\) must be even"),
+    "head_dim too wide": (_call(txt_q=rand(1, 1, 1, MAX_DIM + 2)), ValueError, r"must be even and between 2 and"),
+    "txt_k shape": (_call(txt_k=rand(B, S_TXT + 1, H, D)), ValueError, r"txt_k must have txt_q's shape"),
+    "txt_v dtype": (_call(txt_v=rand(B, S_TXT, H, D, dtype=torch.float16)), TypeError,
+                    r"txt_v must have txt_q's dtype torch.float32"),
+    "img_q heads": (_call(img_q=rand(B, S_IMG, H + 1, D)), ValueError,
+                    r"img_q must have txt_q's batch, heads and head_dim"),
+    "img_q batch": (_call(img_q=rand(B + 1, S_IMG, H, D)), ValueError,
+                    r"img_q must have txt_q's batch, heads and head_dim"),
+    "img_q dtype": (_call(**{n: rand(B, S_IMG, H, D, dtype=torch.float16) for n in NAMES[3:6]}), TypeError,
+                    r"img_q must have txt_q's dtype"),
+    "img_v shape": (_call(img_v=rand(B, S_IMG - 1, H, D)), ValueError, r"img_v must have img_q's shape"),
+    "img_k last stride": (_call(img_k=rand(B, S_IMG, D, H).transpose(2, 3)), ValueError,
+                          r"img_k must have unit stride"),
+    "weight shape": (_call(img_k_weight=rand(D + 2)), ValueError,
+                     r"img_k_weight must have shape \(head_dim,\) = \(16,\)"),
+    "weight dtype": (_call(txt_k_weight=rand(D).double()), TypeError, r"txt_k_weight must be float16"),
+    "weights mixed None": (_call(img_q_weight=None), ValueError,
+                           r"all tensors or all None; got img_q_weight None"),
+    "weights mixed dtypes": (_call(txt_q_weight=rand(D, dtype=torch.float16)), TypeError,
+                             r"weights must share one dtype"),
+    "txt_freqs real": (_call(txt_freqs=rand(S_TXT, D // 2)), TypeError, r"txt_freqs must be complex64"),
+    "img_freqs type": (_call(img_freqs=None), TypeError, r"img_freqs must be a complex64 torch.Tensor"),
+    "img_freqs shape": (_call(img_freqs=freqs_of(S_TXT, D)), ValueError,
+                        r"img_freqs must have shape \(seqlen, head_dim // 2\) = \(5, 8\)"),
+    "txt_freqs swapped": (_call(txt_freqs=freqs_of(S_IMG, D), img_freqs=freqs_of(S_TXT, D)), ValueError,
+                          r"txt_freqs must have shape \(seqlen, head_dim // 2\) = \(3, 8\)"),
+    "eps negative": (_call(eps=-1.0), ValueError, r"eps must be a finite number >= 0"),
+    "eps tuple length": (_call(eps=(1e-6, 1e-6)), ValueError, r"eps must be a float or a 4-tuple"),
+    "eps tuple nan": (_call(eps=(1e-6, float("nan"), 1e-6, 1e-6)), ValueError, r"eps must be a finite number"),
+    "eps str": (_call(eps="1e-6"), TypeError, r"eps must be a float"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_inputs_raise(case, monkeypatch):
+    from flashflow.ops import norm
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched with bad inputs")
+
+    monkeypatch.setattr(norm, "_joint_qkv_norm_rope_impl", no_launch)
+    call, error, match = BAD[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only run under the interpreter")
+def test_cpu_tensors_without_the_interpreter_are_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match=r"CUDA tensors; got txt_q on cpu"):
+        _call()()
+
+
+@pytest.mark.parametrize("name", ["txt_v", "img_k", "img_q_weight", "txt_freqs"])
+def test_requires_grad_is_refused(name):
+    args = dict(zip(NAMES, streams(B, S_TXT, S_IMG, H, D)))
+    leaf = args[name].detach().clone().requires_grad_()
+    with pytest.raises(ValueError, match=rf"joint_qkv_norm_rope: {name} requires grad"):
+        joint_qkv_norm_rope(**{**args, name: leaf})
