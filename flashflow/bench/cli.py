@@ -1,7 +1,7 @@
 """`flashflow bench`: time flashflow against its anchors on the GPU and keep the numbers.
 
-Suites: attention (default; flashflow vs SDPA cuDNN / FLASH), decode, mlp, memory, dataflow,
-qwen-image.
+Suites: attention (default; flashflow and its FP8 attention vs SDPA cuDNN / FLASH, with each
+output's accuracy against exact attention), decode, mlp, memory, dataflow, qwen-image.
 Each writes <suite>-<device>.json to --out. Without a CUDA GPU the attention suite runs a
 small correctness demo through Triton's interpreter instead; the other suites need the GPU.
 --from-json prints a saved result's tables, --tables the tables of docs/results.md.
@@ -17,7 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from flashflow.bench import runner
+from flashflow.bench import runner, suites
 from flashflow.progress import progress as Progress
 from flashflow.bench.suites import ATTENTION_DEFAULTS, ATTENTION_OPTIONS, RUNNERS, SUITES
 
@@ -40,7 +40,8 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--suite", choices=_ALL_SUITES, default=None,
                    help="what to measure (default: attention): " + "; ".join(
-                       [f"attention: flashflow's forward vs {', '.join(SUITES['attention'].anchors)}"]
+                       [f"attention: flashflow's forward and {', '.join(SUITES['attention'].variants)} vs "
+                        f"{', '.join(SUITES['attention'].anchors)}, with each output's accuracy"]
                        + [f"{name}: {r.measures}" for name, r in sorted(RUNNERS.items())]))
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
@@ -108,6 +109,7 @@ def print_result(result: dict, markdown: bool = False) -> None:
     suite = result.get("suite")
     if suite == "attention":
         print(runner.markdown_table(result["rows"]) if markdown else runner.text_table(result["rows"]))
+        _print_accuracy(result["rows"])
     elif suite == "decode":
         from flashflow.bench.decode import markdown_table
 
@@ -264,7 +266,7 @@ def main(args: argparse.Namespace) -> int:
     if "H100" not in env["device"]:
         print(f"note: the ceiling column is the H100's {runner.MATMUL_CEILING_TFLOPS:.0f} TFLOP/s; "
               f"this is a {env['device']}.", file=sys.stderr)
-    rows = runner.run_suite(suite, shapes, providers, dtype, args.warmup, args.rep)
+    rows = suites.measure(suite, shapes, providers, dtype, args.warmup, args.rep)
     result = {
         "schema_version": runner.SCHEMA_VERSION, "suite": suite.name, **env,
         "dtype": args.dtype, "quick": args.quick, "providers": providers, "ours": suite.ours,
@@ -272,6 +274,8 @@ def main(args: argparse.Namespace) -> int:
         "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
         "rows": rows,
     }
+    if suite.reference is not None:
+        result["accuracy"] = {"against": suites.ACCURACY_REFERENCE, "keys": list(suites.ACCURACY_KEYS)}
     stamped, stable = runner.write_json(result, args.out)
     for line in runner.failures(rows):
         print(line)
@@ -286,10 +290,21 @@ def main(args: argparse.Namespace) -> int:
             print(f"plot:    {png}" if png else "plot skipped: matplotlib is not installed "
                   "(pip install matplotlib, or pass --no-plot)")
     print(f"\n{suite.name}, {args.dtype}, {env['device']}: median times; causal TF/s count half "
-          f"the FLOPs;\n'{suite.ours} ÷' = its TF/s over the anchor's (>1: {suite.ours} faster); "
-          f"'% of' the bf16 matmul ceiling; 'rel err' of the outputs vs the first anchor\n")
+          f"the FLOPs;\n'X ÷' = X's TF/s over the other provider's (>1: X faster); '% of' "
+          f"{suite.ours}'s share of the bf16 matmul ceiling; 'rel err' of {suite.ours}'s output vs the "
+          f"first anchor's\n")
     print(runner.markdown_table(rows) if args.markdown else runner.text_table(rows), flush=True)
+    _print_accuracy(rows)
     return 0
+
+
+def _print_accuracy(rows: list[dict]) -> None:
+    from flashflow.bench import tables
+
+    text = tables.accuracy_table(rows)
+    if text:
+        print(f"\naccuracy against {suites.ACCURACY_REFERENCE}: cosine, and relative L1 error "
+              f"Σ|out − exact| / Σ|exact|\n\n{text}", flush=True)
 
 
 def _run_runner(name: str, args) -> int:

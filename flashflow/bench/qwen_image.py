@@ -15,16 +15,22 @@ Providers, timed in one run on the same model and inputs:
   * ``diffusers`` — the model as diffusers builds it (SDPA attention);
   * ``diffusers+compile`` — ``torch.compile(model, dynamic=False)``, default mode;
   * ``flashflow`` — after ``flashflow.integrations.diffusers.enable(model)``;
-  * ``flashflow+compile`` — ``enable(model)``, then ``torch.compile(model, dynamic=False)``.
+  * ``flashflow+compile`` — ``enable(model)``, then ``torch.compile(model, dynamic=False)``;
+  * ``diffusers+graph``, ``flashflow+graph`` — one step captured in a CUDA graph per shape, timed
+    as replays (a step with a text mask cannot be captured: its error entry says so);
+  * ``flashflow-fp8``, ``flashflow-fp8+graph`` — ``enable(model, attention="fp8")`` (FP8
+    attention, :func:`flashflow.ops.attention_fp8.flash_attn_fp8_func`; Hopper or newer), eager
+    and captured.
 
 Per (provider, shape): median ms of one step (``triton.testing.do_bench`` under
 ``torch.no_grad()``, after the first call, which compiles and is reported as ``first_call_s``),
 speedups over ``diffusers`` and ``diffusers+compile``, the output's relative L2 error and cosine
-against the eager diffusers output, peak memory over one step (``max_memory_allocated``), and for
-the eager providers the split of GPU kernel time into GEMM / attention / other from
-``torch.profiler`` (:func:`classify_kernel`). Each compiled provider compiles once per shape
-(``dynamic=False``: static shapes, no dynamic-shape recompiles), and the compiled code is dropped
-(``torch._dynamo.reset()``) before the next provider.
+against the eager diffusers output (for the fp8 providers, the error FP8 attention adds), peak
+memory over one step (``max_memory_allocated``), and for the eager providers the split of GPU
+kernel time into GEMM / attention / other from ``torch.profiler`` (:func:`classify_kernel`).
+Each compiled provider compiles once per shape (``dynamic=False``: static shapes, no
+dynamic-shape recompiles), and the compiled code is dropped (``torch._dynamo.reset()``) before
+the next provider.
 
 Writes ``qwen-image-<device>.json`` and a PNG bar chart beside it (with matplotlib).
 """
@@ -39,15 +45,17 @@ from pathlib import Path
 
 DEFAULT = "diffusers"
 COMPILED_DEFAULT = "diffusers+compile"
-PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile", "diffusers+graph", "flashflow+graph")
-# provider -> (flashflow enabled, torch.compile'd)
-# provider -> (flashflow enabled, torch.compile'd, one step captured in a CUDA graph per shape)
-_MODES = {DEFAULT: (False, False, False), COMPILED_DEFAULT: (False, True, False),
-          "flashflow": (True, False, False), "flashflow+compile": (True, True, False),
-          "diffusers+graph": (False, False, True), "flashflow+graph": (True, False, True)}
+PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile", "diffusers+graph", "flashflow+graph",
+             "flashflow-fp8", "flashflow-fp8+graph")
+# provider -> (flashflow's attention mode, None: not enabled; torch.compile'd; one step captured in
+# a CUDA graph per shape)
+_MODES = {DEFAULT: (None, False, False), COMPILED_DEFAULT: (None, True, False),
+          "flashflow": ("bf16", False, False), "flashflow+compile": ("bf16", True, False),
+          "diffusers+graph": (None, False, True), "flashflow+graph": ("bf16", False, True),
+          "flashflow-fp8": ("fp8", False, False), "flashflow-fp8+graph": ("fp8", False, True)}
 # the GPU time split is read from the eager providers: compiled kernels are Inductor's fusions,
 # named after aten ops, which would all land in "other"
-PROFILED = (DEFAULT, "flashflow")
+PROFILED = (DEFAULT, "flashflow", "flashflow-fp8")
 PROFILE_STEPS = 3
 
 MODEL_BLOCKS = 60
@@ -64,7 +72,9 @@ TIMESTEP = 0.5               # the pipeline passes t / 1000, in [0, 1]
 
 GIB = 2 ** 30
 
-# kernel-name fragments, lower case; attention first: cutlass' FMHA kernels name cutlass too
+# kernel-name fragments, lower case; attention first: cutlass' FMHA kernels name cutlass too.
+# FP8 attention's quantize pass (attention_kv_stats_kernel, attention_quantize_kernel) counts as
+# attention: it is part of the op's call.
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn")
 GEMM_KERNELS = ("gemm", "cutlass", "cublas", "xmma", "nvjet")
 CLASSES = ("gemm", "attention", "other")
@@ -320,7 +330,9 @@ def measure(model, shapes, providers, inputs: dict, backend, integration=_integr
             compile_fn=_compile, reset_compiled=_reset_compiled, bar=None) -> list[dict]:
     """One row per shape: every provider's result on ``inputs[shape.name, shape.text_valid]``.
 
-    ``integration()`` returns ``(enable, disable)``; ``compile_fn(model)`` the compiled callable.
+    ``integration()`` returns ``(enable, disable)``, called as ``enable(model, attention=mode)``
+    with the provider's attention mode (``"bf16"`` or ``"fp8"``); ``compile_fn(model)`` the
+    compiled callable.
     Providers run one after the other over all shapes, so each is set up (enabled, compiled)
     once and torn down (disabled, compiled code dropped, memory freed) before the next.
     """
@@ -333,13 +345,13 @@ def measure(model, shapes, providers, inputs: dict, backend, integration=_integr
             refs[s.name, s.text_valid] = model(**inputs[s.name, s.text_valid])[0].float()
         backend.sync()
         for provider in providers:
-            enabled, compiled, graphed = _MODES[provider]
+            attention, compiled, graphed = _MODES[provider]
             disable = None
             setup_error = None
             try:
-                if enabled:
+                if attention is not None:
                     enable, undo = integration()
-                    enable(model)
+                    enable(model, attention=attention)
                     disable = undo
                 forward = compile_fn(model) if compiled else model
             except Exception as e:  # noqa: BLE001 — recorded on every shape of this provider
@@ -440,12 +452,15 @@ def _f(value, spec: str) -> str:
 
 def caption(result: dict) -> str:
     t = result["timing"]
+    fp8 = any(p.startswith("flashflow-fp8") for row in result["rows"] for p in row["results"])
     return (f"Qwen-Image transformer, {result['blocks']} of {MODEL_BLOCKS} blocks at full width, "
             f"{result['dtype']}, batch 1, on {result['device']} (torch {result['torch']}, diffusers "
             f"{result.get('diffusers')}): median ms per step (do_bench, warm-up {t['warmup_ms']} ms, "
             f"{t['rep_ms']} ms timed); ÷ = the anchor's time over this one (> 1: faster); error of "
-            f"the output vs eager diffusers; peak = max_memory_allocated over one step; GEMM / "
-            f"attention / other = GPU kernel time per step from torch.profiler (eager providers).")
+            f"the output vs eager diffusers"
+            f"{' (flashflow-fp8: FP8 attention, its quantize pass counted as attention)' if fp8 else ''}; "
+            f"peak = max_memory_allocated over one step; GEMM / attention / other = GPU kernel time "
+            f"per step from torch.profiler (eager providers).")
 
 
 def markdown_table(result: dict) -> str:
@@ -477,6 +492,9 @@ def report(result: dict) -> str:
     return caption(result) + "\n\n" + markdown_table(result)
 
 
+_HATCHES = ("", "", "//", "xx")
+
+
 def plot(result: dict, path) -> Path | None:
     """ms per step per provider and shape (left); the eager providers' GPU time split (right).
     Returns the PNG's path, or None when matplotlib is not installed."""
@@ -502,7 +520,8 @@ def plot(result: dict, path) -> Path | None:
     left.set_xticks(range(len(rows)), labels, rotation=15)
     left.set_ylabel("ms per step")
     left.set_title("step time (lower is better)")
-    left.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(providers))
+    left.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
+                ncol=min(4, len(providers)))
     left.grid(axis="y", alpha=0.3)
 
     split_providers = [p for p in providers if any((r["results"][p].get("split") for r in rows
@@ -513,8 +532,10 @@ def plot(result: dict, path) -> Path | None:
         bottom = [0.0] * len(rows)
         for k, cls in enumerate(CLASSES):
             ys = [((r["results"].get(p, {}).get("split") or {}).get("ms") or {}).get(cls, 0.0) for r in rows]
+            # colour: the kernel class; the first provider solid, the next lighter, then hatched
             right.bar(xs, ys, width, bottom=bottom, color=f"C{k}", alpha=1.0 if i == 0 else 0.55,
-                      edgecolor="black", linewidth=0.4, label=f"{p}: {cls}")
+                      hatch=_HATCHES[i % len(_HATCHES)], edgecolor="black", linewidth=0.4,
+                      label=f"{p}: {cls}")
             bottom = [b + y for b, y in zip(bottom, ys)]
     right.set_xticks(range(len(rows)), labels, rotation=15)
     right.set_ylabel("GPU kernel ms per step")

@@ -6,10 +6,13 @@ with ``run(args) -> int``).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Callable
+import logging
+from dataclasses import asdict, dataclass, replace
+from typing import Callable, Optional
 
-from flashflow.bench import providers
+from flashflow.bench import providers, runner
+
+log = logging.getLogger(__name__)
 
 
 def attention_flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int,
@@ -85,10 +88,16 @@ class Suite:
     providers: dict                 # provider name -> (shape, *inputs) -> zero-argument callable
     ours: str                       # the provider the ratios and the ceiling percentage are for
     x_key: str                      # shape field on the plots' x axis
+    # more of flashflow's providers (FP8 attention): ratios against the anchors like ``ours``,
+    # never an anchor themselves
+    variants: tuple[str, ...] = ()
+    # (shape, *inputs) -> the exact output every provider's accuracy is measured against; None:
+    # no accuracy columns
+    reference: Optional[Callable] = None
 
     @property
     def anchors(self) -> tuple[str, ...]:
-        return tuple(p for p in self.providers if p != self.ours)
+        return tuple(p for p in self.providers if p != self.ours and p not in self.variants)
 
 
 SUITES: dict[str, Suite] = {
@@ -99,8 +108,70 @@ SUITES: dict[str, Suite] = {
         providers=providers.ATTENTION_PROVIDERS,
         ours="flashflow",
         x_key="seqlen_q",
+        variants=providers.ATTENTION_VARIANTS,
+        reference=providers.exact_attention,
     ),
 }
+
+# what the accuracy keys of a result entry are measured against
+ACCURACY_REFERENCE = "exact attention in float64 on the same inputs"
+ACCURACY_KEYS = ("cosine", "rel_l1")
+
+
+def measure(suite: Suite, shapes, names: list[str], dtype, warmup_ms: int = 25, rep_ms: int = 100,
+            progress: bool = True) -> list[dict]:
+    """:func:`flashflow.bench.runner.run_suite`, plus, per provider entry, the accuracy of its
+    output against ``suite.reference`` on the very inputs it was timed on (``cosine``,
+    ``rel_l1``; None where the provider failed or the reference could not be computed), and
+    ratios for ``suite.variants`` as for ``suite.ours``.
+
+    The reference is computed once per shape, at the first provider that runs, and dropped at
+    the next shape. A variant never is the anchor of the row's check: the names are reordered
+    to put the variants after the anchors. Adds keys only: the rows read as the runner's do.
+    """
+    variants = [p for p in names if p in suite.variants]
+    names = [p for p in names if p not in suite.variants] + variants
+    measured: dict[tuple, dict] = {}   # (shape, provider) -> accuracy
+    current: dict = {}                 # the shape whose reference is held, and the reference
+
+    def reference_for(shape, inputs):
+        if current.get("shape") != shape:
+            current.clear()
+            current["shape"] = shape
+            try:
+                current["ref"] = suite.reference(shape, *inputs)
+            except Exception as e:  # noqa: BLE001 — no accuracy for this shape, the timings still run
+                log.warning("no reference at %s: %s: %s", shape.label, type(e).__name__, e)
+                current["ref"] = None
+        return current["ref"]
+
+    def with_accuracy(name, make):
+        def wrapped(shape, *inputs):
+            fn = make(shape, *inputs)
+            out = fn()   # raises as the runner's first call would: the provider's error entry
+            ref = reference_for(shape, inputs)
+            if ref is not None:
+                measured[shape, name] = providers.accuracy(out, ref)
+            del out
+            return fn
+        return wrapped
+
+    if suite.reference is not None:
+        suite = replace(suite, providers={n: with_accuracy(n, m) for n, m in suite.providers.items()})
+    rows = runner.run_suite(suite, shapes, names, dtype, warmup_ms, rep_ms, progress=progress)
+    current.clear()
+    anchors = [p for p in names if p != suite.ours and p not in suite.variants]
+    for shape, row in zip(shapes, rows):
+        if suite.reference is not None:
+            for name, res in row["results"].items():
+                acc = measured.get((shape, name)) if not res.get("error") else None
+                res.update(acc or dict.fromkeys(ACCURACY_KEYS))
+        tf = {p: row["results"].get(p, {}).get("tflops") for p in names}
+        for v in variants:
+            row["ratios"].pop(f"{suite.ours}/{v}", None)
+            for other in anchors + ([suite.ours] if suite.ours in names else []):
+                row["ratios"][f"{v}/{other}"] = tf[v] / tf[other] if tf[v] and tf[other] else None
+    return rows
 
 
 @dataclass(frozen=True)
@@ -130,8 +201,9 @@ RUNNERS: dict[str, Runner] = {
                        "profiles a GEMM's DRAM bytes per tile order with Nsight Compute",
                        frozenset({"quick"}), {}),
     "qwen-image": Runner("flashflow.bench.qwen_image",
-                         "times a Qwen-Image transformer step, diffusers vs flashflow.integrations.diffusers, "
-                         "eager and compiled; warm-up 200 ms, 1000 ms timed",
+                         "times a Qwen-Image transformer step, diffusers vs flashflow.integrations.diffusers "
+                         "(exact and FP8 attention), eager, compiled and in CUDA graphs; warm-up 200 ms, "
+                         "1000 ms timed",
                          frozenset({"quick", "providers", "warmup", "rep", "no_plot", "blocks"}),
                          {"warmup": 200, "rep": 1000, "blocks": 6}),
 }

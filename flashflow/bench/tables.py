@@ -23,15 +23,43 @@ def _header(d: dict, name: str) -> str:
     return f"{d.get('device')}, torch {d.get('torch')}, triton {d.get('triton')} (`bench/results/{name}`)."
 
 
+def accuracy_table(rows: list[dict]) -> str:
+    """Per shape and provider, the cosine and relative L1 error of its output against exact
+    attention (the ``cosine`` / ``rel_l1`` keys :func:`flashflow.bench.suites.measure` adds), as
+    Markdown; "" when no row has them (results written before they were measured)."""
+    providers = list(dict.fromkeys(p for row in rows for p, res in row["results"].items() if "cosine" in res))
+    if not providers:
+        return ""
+    head = ["shape", "b", "h", "sq", "sk", "d", "causal"]
+    for p in providers:
+        head += [f"{p} cosine", f"{p} rel L1"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--"] + ["--:"] * (len(head) - 1)) + "|"]
+    for row in rows:
+        s = row["shape"]
+        cells = [s["name"], str(s["batch"]), str(s["heads"]), str(s["seqlen_q"]), str(s["seqlen_k"]),
+                 str(s["head_dim"]), "yes" if s["causal"] else "no"]
+        for p in providers:
+            res = row["results"].get(p, {})
+            cos, l1 = res.get("cosine"), res.get("rel_l1")
+            cells += ["-" if cos is None else f"{cos:.6f}", "-" if l1 is None else f"{l1:.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def attention_section(results, device=DEVICE) -> str:
     from flashflow.bench import runner
 
     d, name = _load(results, "attention", device)
     if d is None:
         return ""
-    return (f"### Prefill / diffusion attention forward ({d['dtype']}, `flashflow bench`)\n\n" + _header(d, name)
+    text = (f"### Prefill / diffusion attention forward ({d['dtype']}, `flashflow bench`)\n\n" + _header(d, name)
             + " Median of `triton.testing.do_bench`; ratios are flashflow's TF/s over the anchor's in the "
             "same run; causal TF/s count half the FLOPs.\n\n" + runner.markdown_table(d["rows"]) + "\n")
+    accuracy = accuracy_table(d["rows"])
+    if accuracy:
+        text += ("\nAccuracy of each provider's output against exact attention in float64 on the same inputs: "
+                 "cosine similarity, and relative L1 error Σ|out − exact| / Σ|exact|.\n\n" + accuracy + "\n")
+    return text
 
 
 def decode_section(results, device=DEVICE) -> str:

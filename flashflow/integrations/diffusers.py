@@ -3,10 +3,13 @@
 ``enable(transformer)`` swaps, in every ``QwenImageTransformerBlock``:
 
 - the attention processor for :class:`FlashflowQwenAttnProcessor`: the six projections as
-  before, then one ``rmsnorm_rope`` pass per q/k and stream that writes straight into the joint
-  ``[text, image]`` buffer (no ``torch.cat`` of q and k), then flashflow's exact attention
-  (``flash_attn_func``; with a text padding mask, its ``key_padding_mask`` over the text keys
-  alone: the image keys run the kernel's unmasked loop, and no dense mask is ever built);
+  before, then one ``joint_qkv_norm_rope`` launch for q, k and v of both streams (the four q/k
+  RMSNorm + RoPE passes, written straight into the joint ``[text, image]`` buffers, and the v
+  concatenation: no ``torch.cat``; a pass per stream where the four norms' weights differ in
+  dtype, or without RoPE), then flashflow's attention over the joint sequence, exact
+  (``flash_attn_func``, ``attention="bf16"``) or with 8-bit products (``flash_attn_fp8_func``,
+  ``attention="fp8"``); with a text padding mask, the op's ``key_padding_mask`` over the text
+  keys alone: the image keys run the kernel's unmasked loop, and no dense mask is ever built;
 - the block's ``forward`` for one that does the same math with fused passes:
   ``layernorm_modulate`` (norm1 + AdaLN modulate), ``gate_residual_layernorm_modulate`` (gate ·
   attention + residual, norm2, modulate), ``gate_residual`` after the MLP, and on CUDA the MLP's
@@ -36,7 +39,9 @@ try:
 except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError("flashflow.integrations.diffusers needs diffusers (pip install diffusers)") from e
 
+from flashflow.device import interpreting
 from flashflow.ops.attention import flash_attn_func
+from flashflow.ops.attention_fp8 import FP8_HEAD_DIMS, flash_attn_fp8_func
 from flashflow.ops.norm import (gate_residual, gate_residual_layernorm_modulate, joint_qkv_norm_rope,
                                 layernorm_modulate, rmsnorm_rope)
 
@@ -44,10 +49,10 @@ __all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUP
            "ATTENTION_MODES"]
 
 SUPPORTED_MODELS = (QwenImageTransformer2DModel,)
-# "bf16": exact attention in the model's own dtype (bf16, fp16 or fp32 models alike).
-ATTENTION_MODES = ("bf16",)
-_RESERVED_ATTENTION = {"fp8": "attention='fp8' is reserved for FP8 attention, which flashflow does not have yet; "
-                              "use attention='bf16'"}
+# "bf16": exact attention in the model's own dtype (bf16, fp16 or fp32 models alike);
+# "fp8": flash_attn_fp8_func, Q·Kᵀ in INT8 and P·V in e4m3 (bf16 or fp16 models, Hopper or newer).
+ATTENTION_MODES = ("bf16", "fp8")
+_FP8_DTYPES = (torch.bfloat16, torch.float16)
 
 # The original (processor, instance-level forward or None) of a block, kept on the block itself.
 _ORIGINAL = "_flashflow_original"
@@ -75,7 +80,10 @@ def _norm_rope_into(norm: nn.Module, x: torch.Tensor, freqs, out: torch.Tensor) 
 class FlashflowQwenAttnProcessor:
     """Joint [text, image] attention of a Qwen-Image block through flashflow's kernels; a
     drop-in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` (same call, same outputs up to
-    rounding)."""
+    rounding with ``attention="bf16"``, up to FP8 attention's error with ``"fp8"``).
+
+    ``attention``: one of :data:`ATTENTION_MODES`; :func:`enable` sets it (and checks that the
+    model can run it)."""
 
     def __init__(self, attention: str = "bf16"):
         self.attention = _check_attention(attention)
@@ -130,8 +138,9 @@ class FlashflowQwenAttnProcessor:
             _norm_rope_into(attn.norm_k, img_k, img_freqs, key[:, seq_txt:])
             value = torch.cat([txt_v, img_v], dim=1)
 
+        attend = flash_attn_fp8_func if self.attention == "fp8" else flash_attn_func
         if encoder_hidden_states_mask is None:
-            out = flash_attn_func(query, key, value)
+            out = attend(query, key, value)
         else:
             if tuple(encoder_hidden_states_mask.shape) != (batch, seq_txt):
                 raise ValueError(f"encoder_hidden_states_mask must be (batch, text_seqlen) = ({batch}, {seq_txt}), "
@@ -139,7 +148,7 @@ class FlashflowQwenAttnProcessor:
             # The text keys come first in the joint sequence, so the text mask (nonzero = a real
             # token, as the model's forward normalises it) is a key-padding mask over its first
             # seq_txt keys; the image keys always attend and take the unmasked loop.
-            out = flash_attn_func(query, key, value, key_padding_mask=encoder_hidden_states_mask.to(torch.bool))
+            out = attend(query, key, value, key_padding_mask=encoder_hidden_states_mask.to(torch.bool))
         out = out.flatten(2, 3)
 
         img_out = attn.to_out[0](out[:, seq_txt:].contiguous())
@@ -233,8 +242,6 @@ def _block_forward(
 def _check_attention(attention) -> str:
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a str, one of {ATTENTION_MODES}, got {attention!r}")
-    if attention in _RESERVED_ATTENTION:
-        raise NotImplementedError(_RESERVED_ATTENTION[attention])
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     return attention
@@ -246,6 +253,34 @@ def _check_transformer(transformer) -> list:
         raise TypeError(f"transformer must be one of: {names} (e.g. pipe.transformer of a QwenImagePipeline or "
                         f"QwenImageEditPipeline), got {type(transformer).__module__}.{type(transformer).__name__}")
     return [block for block in transformer.transformer_blocks if isinstance(block, QwenImageTransformerBlock)]
+
+
+def _check_fp8(transformer, blocks) -> None:
+    """What ``attention="fp8"`` needs, checked before any block changes: a bf16/fp16 model,
+    head_dim 64, 128 or 256, and a device that runs FP8 attention. The device is probed with a
+    call of ``flash_attn_fp8_func`` on empty tensors (the op's own checks; nothing launches);
+    a model whose weights are on the CPU outside Triton's interpreter (offloaded to the GPU per
+    call) is probed at its first step instead, by the op."""
+    dtype, device = transformer.dtype, transformer.device
+    if dtype not in _FP8_DTYPES:
+        raise ValueError(f"attention='fp8' needs a bfloat16 or float16 model (FP8 attention quantizes 16-bit "
+                         f"q, k, v), got a {dtype} model; convert it (transformer.to(torch.bfloat16)) or use "
+                         "attention='bf16'")
+    head_shapes = {}
+    for i, block in enumerate(blocks):
+        heads, head_dim = block.attn.heads, block.attn.inner_dim // block.attn.heads
+        if head_dim not in FP8_HEAD_DIMS:
+            raise ValueError(f"attention='fp8' needs head_dim in {FP8_HEAD_DIMS}; transformer_blocks[{i}] has "
+                             f"head_dim {head_dim}; use attention='bf16'")
+        head_shapes[heads, head_dim] = None
+    if device.type == "cuda" or interpreting():
+        for heads, head_dim in head_shapes:
+            probe = torch.empty(1, 0, heads, head_dim, dtype=dtype, device=device)
+            try:
+                flash_attn_fp8_func(probe, probe, probe)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"attention='fp8' cannot run on {device}: {e} (with enable(), exact "
+                                 "attention is attention='bf16')") from e
 
 
 def _forward_is_ours(block) -> bool:
@@ -268,10 +303,18 @@ def enable(transformer, attention: str = "bf16"):
     Args:
         transformer: the model, in eval mode (``pipe.transformer``), on a CUDA device (or on the
             CPU under Triton's interpreter). Its weights are not touched or copied.
-        attention: ``"bf16"``: exact attention in the model's dtype (bf16, fp16 or fp32 models).
-            ``"fp8"`` is reserved for FP8 attention and raises ``NotImplementedError``.
+        attention: ``"bf16"`` (default): exact attention in the model's dtype (bf16, fp16 or
+            fp32 models). ``"fp8"``: :func:`flashflow.ops.attention_fp8.flash_attn_fp8_func`,
+            Q·Kᵀ in INT8 and P·V in e4m3 (about 0.999 cosine to exact attention per call,
+            docs/diffusion.md); it needs a bf16 or fp16 model (a ``ValueError`` otherwise), head_dim
+            64, 128 or 256 (Qwen-Image's is 128), and Hopper (sm90) or newer, or the CPU under
+            Triton's interpreter. The device is checked here, with the op's own error, when the
+            weights are on the GPU; weights kept on the CPU (offloading) are checked by the op at
+            the first step.
     Returns:
-        ``transformer`` itself. Enabling an enabled model changes nothing; ``disable`` undoes it.
+        ``transformer`` itself. Enabling an enabled model changes nothing but its attention mode
+        (``enable(model, attention="fp8")`` after ``enable(model)`` switches it); ``disable``
+        undoes it.
 
     Every block is checked before any is changed, so a refused model is left as it was.
     """
@@ -292,6 +335,8 @@ def enable(transformer, attention: str = "bf16"):
             if not (isinstance(norm, _DiffusersRMSNorm) and norm.bias is None):
                 raise ValueError(f"transformer_blocks[{i}].attn.{name} is {type(norm).__name__}; enable() supports "
                                  "the Qwen-Image blocks' qk_norm='rms_norm' (diffusers RMSNorm without bias)")
+    if attention == "fp8":
+        _check_fp8(transformer, blocks)
     for block in blocks:
         if _processor_is_ours(block):
             block.attn.processor.attention = attention

@@ -39,6 +39,16 @@ _STATS_ROWS = 64
 _MAX_STATS_CHUNKS = 32    # partial statistics per (batch, kv head), reduced in one load
 
 
+# torch.compile traces these checks: the families are read once (it cannot trace the JSON read
+# behind supported_families()) and the device's family is a constant to it, not a traced query.
+_FAMILIES = tuple(supported_families())
+
+
+@torch.compiler.assume_constant_result
+def _family(device: torch.device) -> str:
+    return gpu_family(device)
+
+
 def _check_inputs(q, k, v, qk_format, key_padding_mask):
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -56,8 +66,8 @@ def _check_inputs(q, k, v, qk_format, key_padding_mask):
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
     check_runs_here("q", q)
-    family = gpu_family(q.device)
-    if family not in supported_families():
+    family = _family(q.device)
+    if family not in _FAMILIES:
         raise ValueError(f"FP8 attention needs FP8 tensor cores (Hopper, sm90, or newer); {q.device} is "
                          f"{family}. Use flashflow.flash_attn_func (exact bf16/fp16 attention) there.")
     batch, seqlen_q, heads, head_dim = q.shape
@@ -100,20 +110,28 @@ def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block
     sq_pad = cdiv(max(seqlen_q, 1), q_block) * q_block
     sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
     qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
-    q8 = torch.empty((batch, heads, sq_pad, head_dim), dtype=qk_dtype, device=dev)
-    q_scale = torch.empty((batch, heads, sq_pad), dtype=torch.float32, device=dev)
-    q_corr = torch.empty((batch, heads, sq_pad) if lse_correction else (1,), dtype=torch.float32, device=dev)
-    k8 = torch.empty((batch, kv_heads, sk_pad, head_dim), dtype=qk_dtype, device=dev)
-    k_scale = torch.empty((batch, kv_heads, sk_pad // block_n), dtype=torch.float32, device=dev)
-    vt8 = torch.empty((batch, kv_heads, head_dim, sk_pad), dtype=torch.float8_e4m3fn, device=dev)
-    v_scale = torch.empty((batch, kv_heads, head_dim), dtype=torch.float32, device=dev)
-
-    # statistics: enough chunks of keys per (batch, kv head) for about two waves of programs
-    per_head = min(_MAX_STATS_CHUNKS, max(1, cdiv(2 * num_sms(dev), batch * kv_heads)))
+    # statistics: enough chunks of keys per (batch, kv head) for about four waves of programs
+    per_head = min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(dev), batch * kv_heads)))
     chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS) * _STATS_ROWS
     chunks = cdiv(max(seqlen_k, 1), chunk)
-    ksum = torch.empty((batch * kv_heads * chunks, head_dim), dtype=torch.float32, device=dev)
-    vmax = torch.empty_like(ksum)
+
+    # two allocations (bytes, floats) carved into every tensor: host time is part of a call
+    n_q, n_k = batch * heads * sq_pad * head_dim, batch * kv_heads * sk_pad * head_dim
+    raw = torch.empty(n_q + 2 * n_k, dtype=torch.uint8, device=dev)
+    q8 = raw[:n_q].view(qk_dtype).view(batch, heads, sq_pad, head_dim)
+    k8 = raw[n_q:n_q + n_k].view(qk_dtype).view(batch, kv_heads, sk_pad, head_dim)
+    vt8 = raw[n_q + n_k:].view(torch.float8_e4m3fn).view(batch, kv_heads, head_dim, sk_pad)
+    sizes = {"q_scale": batch * heads * sq_pad, "q_corr": batch * heads * sq_pad if lse_correction else 1,
+             "k_scale": batch * kv_heads * (sk_pad // block_n), "v_scale": batch * kv_heads * head_dim,
+             "ksum": batch * kv_heads * chunks * head_dim, "vmax": batch * kv_heads * chunks * head_dim}
+    floats = torch.empty(sum(sizes.values()), dtype=torch.float32, device=dev).split(list(sizes.values()))
+    f = dict(zip(sizes, floats))
+    q_scale = f["q_scale"].view(batch, heads, sq_pad)
+    q_corr = f["q_corr"].view(batch, heads, sq_pad) if lse_correction else f["q_corr"]
+    k_scale = f["k_scale"].view(batch, kv_heads, sk_pad // block_n)
+    v_scale = f["v_scale"].view(batch, kv_heads, head_dim)
+    ksum, vmax = f["ksum"], f["vmax"]
+
     attention_kv_stats_kernel[(batch * kv_heads, chunks)](
         k, v, ksum, vmax, seqlen_k, kv_heads, chunk,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
@@ -126,7 +144,7 @@ def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block
         v.stride(0), v.stride(1), v.stride(2),
         softmax_scale * LOG2E, softmax_scale,
         HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
-        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), num_warps=8 if block_n * head_dim >= 8192 else 4,
+        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), num_warps=4,
     )
     return dict(q8=q8, q_scale=q_scale, q_corr=q_corr, k8=k8, k_scale=k_scale, vt8=vt8, v_scale=v_scale,
                 sq_pad=sq_pad, sk_pad=sk_pad)
@@ -185,7 +203,7 @@ _attention_fp8_op = torch.library.custom_op("flashflow::attention_fp8_fwd", muta
 @_attention_fp8_op.register_fake
 def _(q, k, v, key_padding_mask, softmax_scale, causal, return_lse, qk_format):
     lse_shape = (q.shape[0], q.shape[2], q.shape[1]) if return_lse else (1,)
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 def _attention_fp8(*args):

@@ -180,7 +180,7 @@ def _quantize_groups(x: torch.Tensor, group: int, fmt: str) -> tuple[torch.Tenso
     padded = F.pad(x.abs(), (0, 0, 0, groups * group - s))
     amax = padded.reshape(b, h, groups, group * d).amax(dim=-1).clamp_min(_AMAX_FLOOR)
     qmax = _QMAX[fmt]
-    inv = (qmax / amax).repeat_interleave(group, dim=2)[:, :, :s]
+    inv = (torch.full_like(amax, qmax) / amax).repeat_interleave(group, dim=2)[:, :, :s]
     y = x * inv[..., None]
     # |y| <= qmax up to one rounding of the product, so the int8 clamp never moves a value.
     x_q = torch.round(y).clamp(-INT8_MAX, INT8_MAX) if fmt == "int8" else e4m3(y)
@@ -199,7 +199,7 @@ def _quantize_heads_first(q, k, v, scale: float, qk_format: str, q_block: int, k
     q_q, sq = _quantize_groups(qf * c, q_block, qk_format)
     k_q, sk = _quantize_groups(ks, k_block, qk_format)
     v_amax = vf.abs().amax(dim=2).clamp_min(_AMAX_FLOOR)  # (batch, kv_heads, d)
-    v_q = e4m3(vf * (E4M3_MAX / v_amax)[:, :, None])
+    v_q = e4m3(vf * (torch.full_like(v_amax, E4M3_MAX) / v_amax)[:, :, None])
     sv = v_amax / E4M3_MAX
     return q_q, sq, k_q, sk, kmean, v_q, sv
 

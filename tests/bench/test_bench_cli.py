@@ -235,8 +235,9 @@ def test_bench_without_gpu_starts_the_interpreter_itself():
 
 def test_suite_registry_names_its_providers():
     suite = SUITES["attention"]
-    assert list(suite.providers) == ["flashflow", "sdpa-cudnn", "sdpa-flash"]
+    assert list(suite.providers) == ["flashflow", "sdpa-cudnn", "sdpa-flash", "flashflow-fp8"]
     assert suite.ours == "flashflow" and suite.anchors == ("sdpa-cudnn", "sdpa-flash")
+    assert suite.variants == ("flashflow-fp8",)
 
 
 def test_from_json_refuses_a_missing_file(tmp_path, capsys):

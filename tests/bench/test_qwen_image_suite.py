@@ -215,18 +215,19 @@ class FakeBackend:
 
 def _narrow_run(providers, integration=None, compile_fn=None):
     """``measure`` on a one-block narrow model; the fake clock says 10 ms eager, 8 compiled,
-    5 with flashflow enabled, 4 both."""
+    5 with flashflow enabled, 4 both, 3 with FP8 attention."""
     model = qi.build_model(1, "cpu", torch.float32, **NARROW)
     config = {**qi.CONFIG, **NARROW}
     shapes = [qi.StepShape("qwen-image-1024px", 1, 4, 8, None), qi.StepShape("qwen-image-1024px", 1, 4, 8, 5)]
     inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", torch.float32) for s in shapes}
     state = {"enabled": False, "compiled": 0, "reset": 0, "log": [], "via_compiled": False}
-    times = {(False, False): 10.0, (False, True): 8.0, (True, False): 5.0, (True, True): 4.0}
+    times = {(False, False): 10.0, (False, True): 8.0, ("bf16", False): 5.0, ("bf16", True): 4.0,
+             ("fp8", False): 3.0}
 
-    def enable(m):
+    def enable(m, attention):
         assert m is model and not state["enabled"]
-        state["enabled"] = True
-        state["log"].append("enable")
+        state["enabled"] = attention
+        state["log"].append("enable" if attention == "bf16" else f"enable {attention}")
 
     def disable(m):
         assert m is model and state["enabled"]
@@ -257,15 +258,16 @@ def _narrow_run(providers, integration=None, compile_fn=None):
 def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
     rows, state, backend = _narrow_run(list(qi.PROVIDERS))
     assert len(rows) == 2 and all(list(r["results"]) == list(qi.PROVIDERS) for r in rows)
-    assert state["log"] == ["enable", "disable"] * 3 and not state["enabled"]   # flashflow, +compile, +graph
+    # flashflow, +compile, +graph, then flashflow-fp8 and its +graph
+    assert state["log"] == ["enable", "disable"] * 3 + ["enable fp8", "disable"] * 2 and not state["enabled"]
     assert state["compiled"] == 2 and state["reset"] == 2   # once per compiled provider
     # freed after every provider, and after each graphed shape (its graph's memory pool)
-    assert backend.calls.count("free") == 6 + 4 and backend.calls.count("profile") == 4
-    assert backend.calls.count("capture") == 4   # diffusers+graph and flashflow+graph, two shapes each
+    assert backend.calls.count("free") == 8 + 6 and backend.calls.count("profile") == 6
+    assert backend.calls.count("capture") == 6   # the three +graph providers, two shapes each
     for row in rows:
         res = row["results"]
         # the fake clock times a graph replay as the eager model it captured
-        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0, 10.0, 5.0]
+        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0, 10.0, 5.0, 3.0, 3.0]
         assert all(r["error"] is None and r["peak_bytes"] == 1000 and r["step_bytes"] == 100
                    and r["first_call_s"] >= 0 for r in res.values())
         # the fake "flashflow" is diffusers itself: same output, to the last bit
@@ -275,6 +277,21 @@ def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
         assert row["speedup"]["flashflow"] == {"diffusers": 2.0, "diffusers+compile": 1.6}
         assert row["speedup"]["flashflow+compile"] == {"diffusers": 2.5, "diffusers+compile": 2.0}
         assert row["speedup"]["diffusers"]["diffusers"] == 1.0
+        assert row["speedup"]["flashflow-fp8"] == {"diffusers": pytest.approx(10 / 3),
+                                                   "diffusers+compile": pytest.approx(8 / 3)}
+
+
+def test_fp8_providers_enable_fp8_attention_and_are_measured_by_default():
+    assert {"flashflow-fp8", "flashflow-fp8+graph"} <= set(qi.PROVIDERS)
+    assert qi._MODES["flashflow-fp8"] == ("fp8", False, False)
+    assert qi._MODES["flashflow-fp8+graph"] == ("fp8", False, True)
+    assert all(qi._MODES[p][0] == "bf16" for p in ("flashflow", "flashflow+compile", "flashflow+graph"))
+    assert "flashflow-fp8" in qi.PROFILED   # its GPU time split, attention's share included
+    args = SimpleNamespace(blocks=6, warmup=200, rep=1000, providers="flashflow-fp8+graph,flashflow-fp8")
+    assert qi.check_args(args) is None and args.providers == ["flashflow-fp8+graph", "flashflow-fp8"]
+    # FP8 attention's own kernels, quantize pass included, are attention time
+    for name in ("attention_fp8_fwd_kernel", "attention_quantize_kernel", "attention_kv_stats_kernel"):
+        assert qi.classify_kernel(name) == "attention"
 
 
 def test_a_provider_that_cannot_be_set_up_is_an_error_entry_not_the_end():
@@ -328,6 +345,39 @@ def test_measure_with_the_real_integration_matches_diffusers_and_disables():
     assert processors == {"QwenDoubleStreamAttnProcessor2_0"}
 
 
+def test_measure_fp8_with_the_real_integration_reports_its_error_and_disables():
+    """flashflow-fp8 through the real integration on a narrow fp16 model with heads of 64 (FP8
+    attention's head_dims): its output against eager diffusers' is recorded (cosine, rel L2),
+    and the model is given back as diffusers built it. An fp32 model cannot run it: an error
+    entry on every shape, the other providers still measured."""
+    from flashflow.device import interpreting
+
+    if not interpreting():
+        pytest.skip("runs flashflow's kernels on CPU tensors: needs TRITON_INTERPRET=1")
+    from flashflow.integrations.diffusers import is_enabled
+
+    narrow64 = {**NARROW, "attention_head_dim": 64, "axes_dims_rope": (16, 24, 24)}
+    config = {**qi.CONFIG, **narrow64}
+    shapes = [qi.StepShape("qwen-image-1024px", 1, 4, 8, None), qi.StepShape("qwen-image-edit-1024px", 2, 4, 8, 5)]
+    backend = FakeBackend(lambda fn: (fn(), 1.0)[1])
+    for dtype in (torch.float16, torch.float32):
+        model = qi.build_model(1, "cpu", dtype, **narrow64)
+        inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", dtype) for s in shapes}
+        rows = qi.measure(model, shapes, ["diffusers", "flashflow-fp8", "flashflow"], inputs, backend,
+                          compile_fn=lambda m: m)
+        for row in rows:
+            res, exact = row["results"]["flashflow-fp8"], row["results"]["flashflow"]
+            assert exact["error"] is None
+            if dtype == torch.float16:
+                assert res["error"] is None and res["cosine"] > 0.99 and res["split"]["ms"]["attention"] > 0
+                assert res["rel_l2"] > exact["rel_l2"]   # FP8 attention's error, beside exact attention's
+            else:
+                assert res["error"].startswith("ValueError: attention='fp8' needs a bfloat16 or float16 model")
+        assert not is_enabled(model)
+        processors = {type(b.attn.processor).__name__ for b in model.transformer_blocks}
+        assert processors == {"QwenDoubleStreamAttnProcessor2_0"}
+
+
 # ---------------------------------------------------------------------------- result, tables, plot
 
 
@@ -348,7 +398,8 @@ def _fake_rows():
     for s in qi.step_shapes():
         results = {"diffusers": res(40.0, 0.0, split), "diffusers+compile": res(32.0, 2e-3),
                    "flashflow": res(25.0, 3e-3, split),
-                   "flashflow+compile": {"ms": None, "error": "RuntimeError: x|y"}}
+                   "flashflow+compile": {"ms": None, "error": "RuntimeError: x|y"},
+                   "flashflow-fp8": res(20.0, 4e-2, split)}
         rows.append({"shape": s.as_dict(), "label": s.label, "results": results,
                      "speedup": qi.speedups(results)})
     return rows
@@ -359,7 +410,8 @@ def test_table_has_one_line_per_shape_and_provider():
     text = qi.report(result)
     assert text.startswith("Qwen-Image transformer, 6 of 60 blocks at full width, bf16")
     lines = [l for l in text.splitlines() if l.startswith("| ")]
-    assert len(lines) == 1 + 4 * 4
+    assert len(lines) == 1 + 4 * 5
+    assert "flashflow-fp8: FP8 attention" in text.split("\n\n")[0]   # the caption says what it is
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     ff = next(l for l in lines if "qwen-image-edit-1024px (8192+256) | 200/256 | flashflow |" in l)
     cells = dict(zip(head, [c.strip() for c in ff.strip("|").split("|")]))
@@ -370,6 +422,18 @@ def test_table_has_one_line_per_shape_and_provider():
     assert dict(zip(head, [c.strip() for c in comp.strip("|").split("|")]))["GEMM ms"] == "-"
     broken = next(l for l in lines if "flashflow+compile" in l)
     assert "RuntimeError: x/y" in broken and broken.count("|") == lines[0].count("|")
+    fp8 = next(l for l in lines if "| none | flashflow-fp8 |" in l)
+    cells = dict(zip(head, [c.strip() for c in fp8.strip("|").split("|")]))
+    assert (cells["ms/step"], cells["÷ diffusers"], cells["rel L2"], cells["cosine"]) == \
+        ("20.00", "2.00", "4.0e-02", "0.960000")
+    assert cells["attention ms"] == "5.00"
+
+
+def test_caption_names_fp8_only_where_it_ran():
+    rows = _fake_rows()
+    for row in rows:
+        del row["results"]["flashflow-fp8"]
+    assert "fp8" not in qi.caption(_fake_result(rows))
 
 
 def test_from_json_prints_a_saved_result(tmp_path, capsys):

@@ -32,7 +32,7 @@ def test_help_shows_defaults_and_every_op(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines at the terminal width
     assert "(default: 3)" in out and "(default: bench/results)" in out
-    assert "{attention,decode,mlp}" in out
+    assert "{attention,attention-fp8,decode,mlp}" in out
 
 
 def test_vary_values_are_typed_and_fields_checked():
@@ -150,3 +150,15 @@ def test_a_case_checks_skips_and_times_candidates_against_the_anchor(monkeypatch
     assert row["skipped"] == {"BLOCK_N=64": "not for this shape"}
     assert sum(done) == 3 * (len(cands) + 1)
     assert "| s | 10.0 | 8.0 |" in tune.table([{**row, "label": "s"}], "TB/s", "sdpa")
+
+
+def test_attention_fp8_axes_are_its_config_fields_and_the_qk_format():
+    from flashflow.tuning.attention_fp8 import AttentionFp8Config
+
+    names = tune.tunable("attention-fp8")
+    assert "qk_format" in names and "pv_fp32_sum" in names and "BLOCK_N" in names
+    base = AttentionFp8Config(64, 128, 4, 3)
+    # a plan option leaves the config as it is; a field replaces it
+    assert tune.replace_fields(base, {"qk_format": "fp8"}, tune.PLAN_OPTIONS["attention-fp8"]) == base
+    assert tune.replace_fields(base, {"BLOCK_N": 64}, tune.PLAN_OPTIONS["attention-fp8"]).BLOCK_N == 64
+    assert tune.TOLERANCES["attention-fp8"] > tune.TOLERANCE

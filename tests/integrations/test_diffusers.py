@@ -1,6 +1,7 @@
 """flashflow.integrations.diffusers on a tiny Qwen-Image transformer (random weights, CPU,
 Triton's interpreter): enable matches the model's own forward (one and two images, with and
-without text padding, zero_cond_t), disable gives back the exact original, and the refusals."""
+without text padding, zero_cond_t; exact attention and FP8 attention), disable gives back the
+exact original, and the refusals."""
 import pytest
 import torch
 from torch import nn
@@ -15,11 +16,16 @@ TXT = 7
 IMAGE = (1, 4, 6)   # (frames, height, width) in latent patches
 
 
-def tiny_model(dtype=torch.float32, zero_cond_t=False, seed=0):
+# FP8 attention takes head_dim 64, 128 or 256: the FP8 tests build heads of 64
+HEAD_DIM_64 = dict(attention_head_dim=64, axes_dims_rope=(16, 24, 24))
+
+
+def tiny_model(dtype=torch.float32, zero_cond_t=False, seed=0, **config):
     torch.manual_seed(seed)
+    config = {"attention_head_dim": 32, "axes_dims_rope": (8, 12, 12), **config}
     model = diffusers.QwenImageTransformer2DModel(
-        num_layers=2, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=48,
-        in_channels=16, out_channels=4, axes_dims_rope=(8, 12, 12), zero_cond_t=zero_cond_t)
+        num_layers=2, num_attention_heads=2, joint_attention_dim=48,
+        in_channels=16, out_channels=4, zero_cond_t=zero_cond_t, **config)
     with torch.no_grad():   # the RMSNorm weights start at 1: make them count
         for name, p in model.named_parameters():
             if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
@@ -52,6 +58,11 @@ def run(model, kwargs):
 
 def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def cosine(a, b):
+    a, b = a.double().flatten(), b.double().flatten()
+    return (a @ b / (a.norm() * b.norm())).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -194,10 +205,10 @@ def test_refusals():
         enable(nn.Linear(4, 4).eval())
     with pytest.raises(TypeError, match="QwenImageTransformer2DModel"):
         disable(nn.Linear(4, 4))
-    with pytest.raises(NotImplementedError, match="fp8"):
-        enable(model, attention="fp8")
-    with pytest.raises(ValueError, match=r"one of \('bf16',\).*'int8'"):
+    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8'\), got 'int8'"):
         enable(model, attention="int8")
+    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8'\), got 'FP8'"):
+        enable(model, attention="FP8")
     with pytest.raises(TypeError, match="attention must be a str"):
         enable(model, attention=None)
     model.train()
@@ -210,6 +221,112 @@ def test_refusals():
     # every refusal above left the model untouched
     assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+
+
+# ---------------------------------------------------------------------------- FP8 attention
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padded"])
+def test_fp8_attention_matches_the_original(padded, monkeypatch):
+    """attention="fp8" runs flash_attn_fp8_func (with the text mask as its key_padding_mask) and
+    stays within FP8 attention's error of the model's own output; exact attention does better."""
+    calls = []
+    real_fp8 = ffd.flash_attn_fp8_func
+
+    def fp8(q, k, v, **kw):
+        mask = kw.get("key_padding_mask")
+        calls.append((tuple(q.shape), q.dtype, None if mask is None else tuple(mask.shape)))
+        return real_fp8(q, k, v, **kw)
+
+    monkeypatch.setattr(ffd, "flash_attn_fp8_func", fp8)
+    model = tiny_model(torch.float16, **HEAD_DIM_64)
+    kwargs = inputs(2, padded, torch.float16)
+    want = run(model, kwargs)
+    exact = run(enable(model), kwargs)
+    assert calls == []
+    enable(model, attention="fp8")
+    assert calls == [((1, 0, 2, 64), torch.float16, None)]   # enable's probe of the device: empty tensors
+    calls.clear()
+    got = run(model, kwargs)
+    seq = TXT + 2 * IMAGE[0] * IMAGE[1] * IMAGE[2]
+    assert calls == [((2, seq, 2, 64), torch.float16, (2, TXT) if padded else None)] * 2
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.isfinite(got).all()
+    assert cosine(got, want) > 0.99
+    assert rel(exact, want) < rel(got, want)   # the 8-bit products do change the output
+
+
+def test_fp8_attention_applies_the_padding_mask():
+    model = enable(tiny_model(torch.float16, **HEAD_DIM_64), attention="fp8")
+    masked, unmasked = inputs(1, True, torch.float16), inputs(1, False, torch.float16)
+    a, b = run(model, masked), run(model, unmasked)
+    assert rel(a[0], b[0]) < 1e-3    # the first prompt is not padded: up to rounding, the same
+    assert rel(a[1], b[1]) > 2e-3    # the last one is: 3 of its 7 text keys masked
+
+
+def test_attention_mode_switches_and_disable_restores():
+    model = tiny_model(torch.float16, **HEAD_DIM_64)
+    kwargs = inputs(1, True, torch.float16)
+    processors = [b.attn.processor for b in model.transformer_blocks]
+    want = run(model, kwargs)
+    exact = run(enable(model, attention="bf16"), kwargs)
+    ours = [b.attn.processor for b in model.transformer_blocks]
+    fp8 = run(enable(model, attention="fp8"), kwargs)
+    assert [b.attn.processor for b in model.transformer_blocks] == ours   # switched in place
+    assert all(p.attention == "fp8" for p in ours) and is_enabled(model)
+    assert not torch.equal(fp8, exact)
+    assert torch.equal(run(enable(model), kwargs), exact)   # and back
+    assert all(p.attention == "bf16" for p in ours)
+    enable(model, attention="fp8")
+    disable(model)
+    assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, processors))
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_fp8_attention_under_torch_compile():
+    model = tiny_model(torch.float16, **HEAD_DIM_64)
+    kwargs = inputs(2, True, torch.float16)
+    want = run(model, kwargs)
+    eager = run(enable(model, attention="fp8"), kwargs)
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    with torch.no_grad():
+        got = compiled(**kwargs)[0]
+    assert rel(got, eager) < 1e-3 and cosine(got, want) > 0.99
+
+
+def test_fp8_attention_refuses_a_fp32_model_before_changing_it():
+    model = tiny_model(torch.float32, **HEAD_DIM_64)
+    with pytest.raises(ValueError, match=r"attention='fp8' needs a bfloat16 or float16 model .*torch.float32"):
+        enable(model, attention="fp8")
+    assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
+    enable(model)   # an enabled fp32 model is refused too, and keeps exact attention
+    with pytest.raises(ValueError, match="bfloat16 or float16 model"):
+        enable(model, attention="fp8")
+    assert all(b.attn.processor.attention == "bf16" for b in model.transformer_blocks)
+
+
+def test_fp8_attention_refuses_a_head_dim_it_has_no_kernel_for():
+    model = tiny_model(torch.float16)   # heads of 32
+    with pytest.raises(ValueError, match=r"head_dim in \(64, 128, 256\); transformer_blocks\[0\] has head_dim 32"):
+        enable(model, attention="fp8")
+    assert not is_enabled(model)
+
+
+def test_fp8_attention_gives_the_ops_error_where_it_cannot_run(monkeypatch):
+    """enable() probes the device with the op itself (empty tensors, nothing launched): a GPU
+    without FP8 tensor cores is refused there, with the op's message."""
+    seen = []
+
+    def no_fp8(q, k, v, **kw):
+        seen.append((tuple(q.shape), q.dtype, q.device.type))
+        raise ValueError("FP8 attention needs FP8 tensor cores (Hopper, sm90, or newer); cuda:0 is sm80.")
+
+    monkeypatch.setattr(ffd, "flash_attn_fp8_func", no_fp8)
+    model = tiny_model(torch.bfloat16, **HEAD_DIM_64)
+    with pytest.raises(ValueError, match=r"attention='fp8' cannot run on cpu: FP8 attention needs FP8 tensor "
+                                         r"cores .*attention='bf16'"):
+        enable(model, attention="fp8")
+    assert seen == [((1, 0, 2, 64), torch.bfloat16, "cpu")]
+    assert not is_enabled(model)
 
 
 def test_grad_mode_is_refused_not_detached():
