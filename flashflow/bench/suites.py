@@ -121,57 +121,51 @@ ACCURACY_KEYS = ("cosine", "rel_l1")
 def measure(suite: Suite, shapes, names: list[str], dtype, warmup_ms: int = 25, rep_ms: int = 100,
             progress: bool = True) -> list[dict]:
     """:func:`flashflow.bench.runner.run_suite`, plus, per provider entry, the accuracy of its
-    output against ``suite.reference`` on the very inputs it was timed on (``cosine``,
-    ``rel_l1``; None where the provider failed or the reference could not be computed), and
-    ratios for ``suite.variants`` as for ``suite.ours``.
+    output against ``suite.reference`` (``cosine``, ``rel_l1``; None where the provider failed or
+    the reference could not be computed), and ratios for ``suite.variants`` as for ``suite.ours``.
 
-    The reference is computed once per shape, at the first provider that runs, and dropped at
-    the next shape. A variant never is the anchor of the row's check: the names are reordered
-    to put the variants after the anchors. Adds keys only: the rows read as the runner's do.
+    Accuracy is a second pass after all the timing, on the same inputs (``make_inputs`` is
+    seeded): the float64 reference is heavy work that would otherwise run right before a
+    provider is timed and leave the GPU hot and clocked down for it. A variant never is the
+    anchor of the row's check: the names are reordered to put the variants after the anchors.
+    Adds keys only: the rows read as the runner's do.
     """
     variants = [p for p in names if p in suite.variants]
     names = [p for p in names if p not in suite.variants] + variants
-    measured: dict[tuple, dict] = {}   # (shape, provider) -> accuracy
-    current: dict = {}                 # the shape whose reference is held, and the reference
-
-    def reference_for(shape, inputs):
-        if current.get("shape") != shape:
-            current.clear()
-            current["shape"] = shape
-            try:
-                current["ref"] = suite.reference(shape, *inputs)
-            except Exception as e:  # noqa: BLE001 — no accuracy for this shape, the timings still run
-                log.warning("no reference at %s: %s: %s", shape.label, type(e).__name__, e)
-                current["ref"] = None
-        return current["ref"]
-
-    def with_accuracy(name, make):
-        def wrapped(shape, *inputs):
-            fn = make(shape, *inputs)
-            out = fn()   # raises as the runner's first call would: the provider's error entry
-            ref = reference_for(shape, inputs)
-            if ref is not None:
-                measured[shape, name] = providers.accuracy(out, ref)
-            del out
-            return fn
-        return wrapped
-
-    if suite.reference is not None:
-        suite = replace(suite, providers={n: with_accuracy(n, m) for n, m in suite.providers.items()})
     rows = runner.run_suite(suite, shapes, names, dtype, warmup_ms, rep_ms, progress=progress)
-    current.clear()
+    if suite.reference is not None:
+        for shape, row in zip(shapes, rows):
+            _add_accuracy(suite, shape, row, dtype)
     anchors = [p for p in names if p != suite.ours and p not in suite.variants]
     for shape, row in zip(shapes, rows):
-        if suite.reference is not None:
-            for name, res in row["results"].items():
-                acc = measured.get((shape, name)) if not res.get("error") else None
-                res.update(acc or dict.fromkeys(ACCURACY_KEYS))
         tf = {p: row["results"].get(p, {}).get("tflops") for p in names}
         for v in variants:
             row["ratios"].pop(f"{suite.ours}/{v}", None)
             for other in anchors + ([suite.ours] if suite.ours in names else []):
                 row["ratios"][f"{v}/{other}"] = tf[v] / tf[other] if tf[v] and tf[other] else None
     return rows
+
+
+def _add_accuracy(suite: Suite, shape, row: dict, dtype) -> None:
+    """``cosine`` / ``rel_l1`` of every provider's output at ``shape`` against the reference."""
+    results = row["results"]
+    for res in results.values():
+        res.update(dict.fromkeys(ACCURACY_KEYS))
+    try:
+        inputs = suite.make_inputs(shape, dtype, "cuda")
+        ref = suite.reference(shape, *inputs)
+    except Exception as e:  # noqa: BLE001 — no accuracy for this shape; the timings stand
+        log.warning("no reference at %s: %s: %s", shape.label, type(e).__name__, e)
+        return
+    for name, res in results.items():
+        if res.get("error"):
+            continue
+        try:
+            out = suite.providers[name](shape, *inputs)()
+            res.update(providers.accuracy(out, ref))
+        except Exception as e:  # noqa: BLE001
+            log.warning("no accuracy for %s at %s: %s: %s", name, shape.label, type(e).__name__, e)
+    del inputs, ref
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ multiple of ``BLOCK_N`` keys runs only the unmasked loop. An additive bias cover
 ``bias_keys`` keys (all of them for a full bias): their blocks join the first masked loop, the
 only one that loads the bias, and the keys after them take the unmasked loop, so a key-padding
 mask over a short prefix (the text of a joint ``[text, image]`` sequence) costs only its own blocks.
+A key-padding mask is passed as such (``KEY_PADDING``): a row of boolean flags per key block,
+not a float score tile, so it needs no shared memory and keeps the unmasked configs.
 
 Loads (``LOAD_MODE``, a constexpr; one kernel body):
   * 0 pointers: masked ``tl.load``/``tl.store`` with arbitrary strides (Ampere/Ada, interpreter).
@@ -53,19 +55,24 @@ from flashflow.kernels.softmax import (LOG2E_C, log_sum_exp, merge_partials, nor
 @triton.jit
 def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset,
                    window_left, window_right, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   KEY_PADDING: tl.constexpr):
     """log2(e)·(softcap(q·kᵀ·scale) + bias), -inf outside the sequence, the window and the diagonal.
-    The bias covers the keys before ``bias_end``; later ones add nothing."""
+    The bias covers the keys before ``bias_end``; later ones add nothing. With ``KEY_PADDING`` the
+    "bias" is a boolean row of keys (one load of ``BLOCK_N`` flags, not a score tile)."""
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         s = softcap_scores(s, qk_scale_log2, softcap)
     else:
         s = s * qk_scale_log2
-    if HAS_BIAS:
+    if HAS_BIAS and not KEY_PADDING:
         b = tl.load(bias_ptrs, mask=offs_n[None, :] < bias_end, other=0.0).to(tl.float32)
         s += b * LOG2E_C
     allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n, offs_m[:, None] + diag_offset, window_left,
                           window_right, HAS_LEFT, HAS_RIGHT)
+    if HAS_BIAS and KEY_PADDING:
+        keep = tl.load(bias_ptrs, mask=offs_n < bias_end, other=1)
+        allowed &= (keep != 0)[None, :]
     return tl.where(allowed, s, float("-inf"))
 
 
@@ -102,7 +109,8 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
              MASKED: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
-             HAS_RIGHT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr):
+             HAS_RIGHT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DOT_FP32: tl.constexpr,
+             KEY_PADDING: tl.constexpr):
     """Fold key blocks [lo, hi) into (acc, l, m). ``MASKED=False`` is the hot loop: no masks,
     scale folded into one FMA with the max subtraction."""
     offs_nb = tl.arange(0, BLOCK_N)
@@ -116,7 +124,7 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
                 s = _masked_scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n,
                                    qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left,
                                    window_right, DOT_PRECISION, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT,
-                                   HAS_RIGHT)
+                                   HAS_RIGHT, KEY_PADDING)
             else:
                 s = softcap_scores(tl.dot(q, k.T, input_precision=DOT_PRECISION), qk_scale_log2, softcap)
             p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
@@ -146,6 +154,7 @@ def attention_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, RETURN_LSE: tl.constexpr,
     HEAVY_FIRST: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, TAIL_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr = False,
+    KEY_PADDING: tl.constexpr = False,
 ):
     """1-D grid over tiles, m-block fastest, then head, then batch (programs that run together
     share K/V in L2). Tiles ``>= num_full`` are cut into ``TAIL_SPLITS`` key-range pieces.
@@ -211,7 +220,11 @@ def attention_fwd_kernel(
         q = q.to(tl.float32)
 
     bias_end = seqlen_k
-    if HAS_BIAS:
+    if HAS_BIAS and KEY_PADDING:
+        # BIAS is a boolean (batch, bias_keys) key-padding mask: stride_bb per batch, stride_bn per key
+        bias_end = tl.minimum(seqlen_k, bias_keys)
+        bias_ptrs = BIAS + batch.to(tl.int64) * stride_bb + tl.arange(0, BLOCK_N) * stride_bn
+    elif HAS_BIAS:
         bias_end = tl.minimum(seqlen_k, bias_keys)
         bias_ptrs = (BIAS + batch.to(tl.int64) * stride_bb + head.to(tl.int64) * stride_bh
                      + tl.minimum(offs_m, seqlen_q - 1)[:, None].to(tl.int64) * stride_bm
@@ -239,19 +252,19 @@ def attention_fwd_kernel(
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
+                             HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32, KEY_PADDING)
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE,
-                             DOT_FP32)
+                             DOT_FP32, KEY_PADDING)
     # The last loop starts at or after full_lo, past every biased key block (or is empty): no bias.
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, kd, vd, k_row0, k_col0,
                              stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
                              qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
                              BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, False, HAS_LEFT, HAS_RIGHT, False, DOT_FP32)
+                             HAS_SOFTCAP, False, HAS_LEFT, HAS_RIGHT, False, DOT_FP32, KEY_PADDING)
 
     if TAIL_SPLITS > 1:
         if is_piece:

@@ -134,7 +134,7 @@ def _portable_forward(
     softmax_scale: float, window_left: Optional[int] = None, window_right: Optional[int] = None,
     softcap: float = 0.0, return_lse: bool = True, heavy_first: bool = False,
     config: Optional[AttentionConfig] = None, out: Optional[torch.Tensor] = None,
-    num_sms: Optional[int] = None,
+    num_sms: Optional[int] = None, key_padding: bool = False,
 ):
     """Launch the forward kernel on validated tensors in FlashAttention layout.
 
@@ -183,14 +183,17 @@ def _portable_forward(
     elif bias_keys is None:
         bias_keys = seqlen_k
 
-    cfg = config or pick_config(q, causal=window_right is not None, bias=bias is not None)
+    float_bias = bias is not None and not key_padding
+    cfg = config or pick_config(q, causal=window_right is not None, bias=float_bias)
     head_dim_pad = _head_dim_pad(head_dim)
     if config is None and autotune.enabled() and q.is_cuda and not capturing(q.device):
         key = (torch.cuda.get_device_name(q.device), q.dtype, head_dim_pad, window_left, window_right,
-               bias is not None, varlen, autotune.seqlen_bucket(seqlen_q), autotune.seqlen_bucket(seqlen_k))
+               bias is not None, key_padding, varlen, autotune.seqlen_bucket(seqlen_q),
+               autotune.seqlen_bucket(seqlen_k))
         kw = dict(bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                   max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, window_left=window_left,
-                  window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first)
+                  window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first,
+                  key_padding=key_padding)
 
         def time_ms(c):
             run = lambda: _portable_forward(q, k, v, config=c, **kw)  # noqa: E731
@@ -223,7 +226,7 @@ def _portable_forward(
     num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
     total = num_m_blocks * heads * batch
     splits = 1
-    plain = not (varlen or heavy_first or bias is not None or window_left is not None or window_right is not None)
+    plain = not (varlen or heavy_first or float_bias or window_left is not None or window_right is not None)
     if cfg.tail_split and plain:
         if num_sms is None:
             num_sms = device_num_sms(q.device)
@@ -238,7 +241,10 @@ def _portable_forward(
         num_full, ws_acc, ws_ml = total, q, q
         grid = (total,)
     bias_t = bias if bias is not None else q
-    b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    if key_padding:   # (b, P) flags: batch stride, key stride in the tile's first and last slots
+        b_strides = (bias.stride(0), 0, 0, bias.stride(1))
+    else:
+        b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
     dummy = cu_seqlens_q if varlen else q
     extra = {}
     if cfg.maxnreg:
@@ -258,7 +264,7 @@ def _portable_forward(
         IS_VARLEN=varlen, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
         HAS_SOFTCAP=has_softcap, HAS_BIAS=bias is not None, RETURN_LSE=return_lse,
         HEAVY_FIRST=heavy_first, LOAD_MODE=load_mode, **dot_options(q.dtype),
-        WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits,
+        WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits, KEY_PADDING=key_padding,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
     )
     if splits > 1:
@@ -305,7 +311,7 @@ def _attention_fwd_impl(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
     has_left: bool, window_left: int, has_right: bool, window_right: int,
-    softcap: float, return_lse: bool, heavy_first: bool,
+    softcap: float, return_lse: bool, heavy_first: bool, key_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if cu_seqlens_q is not None:
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
@@ -313,7 +319,7 @@ def _attention_fwd_impl(
         q, k, v, bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         window_left=window_left if has_left else None, window_right=window_right if has_right else None,
-        softcap=softcap, return_lse=return_lse, heavy_first=heavy_first,
+        softcap=softcap, return_lse=return_lse, heavy_first=heavy_first, key_padding=key_padding,
     )
 
 
@@ -322,7 +328,7 @@ _attention_fwd_op = torch.library.custom_op("flashflow::attention_fwd", mutates_
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first):
+      has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first, key_padding=False):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not return_lse:
         lse_shape = (0,)
@@ -353,9 +359,9 @@ def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _key_padding_bias(mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device):
-    """The additive bias of a ``(batch, P)`` key-padding mask: ``(batch, heads, seqlen_q, P)``
-    view of ``batch·P`` floats (stride 0 over heads and queries), 0 where True, -inf where False."""
+def _check_key_padding_mask(mask, batch: int, seqlen_k: int, device) -> torch.Tensor:
+    """A ``(batch, P)`` boolean key-padding mask as the kernel reads it (unit stride along keys):
+    one flag per key, loaded once per key block, not a score tile."""
     form = f"a bool tensor (batch, P) = ({batch}, P) with P <= seqlen_k = {seqlen_k}"
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"key_padding_mask must be {form}, got {type(mask).__name__}")
@@ -365,9 +371,7 @@ def _key_padding_bias(mask, batch: int, heads: int, seqlen_q: int, seqlen_k: int
         raise ValueError(f"key_padding_mask must be {form}, got shape {tuple(mask.shape)}")
     if mask.device != device:
         raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
-    covered = mask.shape[1]
-    bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill(~mask, float("-inf"))
-    return bias[:, None, None, :].expand(batch, heads, seqlen_q, covered)
+    return mask if mask.shape[1] <= 1 or mask.stride(1) == 1 else mask.contiguous()
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -403,13 +407,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     bias, bias_keys = None, 0
     if key_padding_mask is not None:
-        bias = _key_padding_bias(key_padding_mask, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q.device)
+        bias = _check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
         bias_keys = bias.shape[-1]
         if bias_keys == 0:   # the mask covers no key
             bias = None
     out, lse = _attention_fwd(q, k, v, bias, bias_keys, None, None, 0, 0, scale,
                               *_window_args(causal, window_size), check_softcap(softcap),
-                              bool(return_lse), bool(causal))
+                              bool(return_lse), bool(causal), bias is not None)
     return (out, lse) if return_lse else out
 
 
