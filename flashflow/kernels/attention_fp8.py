@@ -36,7 +36,7 @@ import triton.language as tl
 
 from flashflow.kernels.mask import key_allowed, key_blocks
 from flashflow.kernels.quant import E4M3_MAX, round_e4m3
-from flashflow.kernels.softmax import LN2_C, normalize, shift_of
+from flashflow.kernels.softmax import log_sum_exp, normalize, shift_of
 
 LOG2_E4M3_MAX: tl.constexpr = tl.constexpr(8.807354922057604)   # log2(448)
 # An int32 ``x`` with |x| < 2^22 plus the bits of 1.5 · 2^23 is the fp32 ``1.5 · 2^23 + x``
@@ -172,8 +172,6 @@ def attention_fp8_fwd_kernel(
               + offs_m[:, None].to(tl.int64) * stride_os + offs_d[None, :])
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=rows[:, None])
     if RETURN_LSE:
-        empty = l_i == 0.0
-        l_safe = tl.where(empty, 1.0, l_i)
-        lse = (m_i + tl.math.log2(l_safe) - LOG2_E4M3_MAX) * LN2_C + tl.load(QC + q_row + offs_m)
-        lse = tl.where(empty, float("-inf"), lse)
+        # l sums 448-scaled probabilities; -inf for a row with no key stays -inf
+        lse = log_sum_exp(m_i - LOG2_E4M3_MAX, l_i) + tl.load(QC + q_row + offs_m)
         tl.store(LSE + batch.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + offs_m, lse, mask=rows)

@@ -129,6 +129,22 @@ def gate_residual_layernorm_modulate_kernel(
 
 
 @triton.jit
+def head_tile(tok, head_block, S, H, D, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token ``tok`` of B·S as (b, s), heads ``h`` of its ``head_block``, the pair index ``i`` and
+    lane ``j``, the (BLOCK_HALF, 2) columns ``col`` with their mask, and the
+    (BLOCK_H, BLOCK_HALF, 2) tile mask."""
+    b = tok // S
+    s = tok % S
+    h = (head_block * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    j = tl.arange(0, 2)
+    col = (2 * i)[:, None] + j[None, :]
+    col_mask = col < D
+    mask = (h < H)[:, None, None] & col_mask[None, :, :]
+    return b, s, h, i, j, col, col_mask, mask
+
+
+@triton.jit
 def head_tile_ptrs(ptr, b, s, h, col, stride_b, stride_s, stride_h):
     """Pointers of the (BLOCK_H, BLOCK_HALF, 2) tile of heads ``h`` of token (b, s)."""
     return ptr + b * stride_b + s * stride_s + h[:, None, None] * stride_h + col[None, :, :]
@@ -185,15 +201,8 @@ def rmsnorm_rope_kernel(
     Bytes: x read once, out written once (2·B·S·H·D elements) plus S·D floats of frequencies.
     FLOPs: about 10 per element.
     """
-    tok = tl.program_id(0).to(tl.int64)
-    b = tok // S
-    s = tok % S
-    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    j = tl.arange(0, 2)
-    col = (2 * i)[:, None] + j[None, :]                                   # (BLOCK_HALF, 2)
-    col_mask = col < D
-    mask = (h < H)[:, None, None] & col_mask[None, :, :]                  # (BLOCK_H, BLOCK_HALF, 2)
+    b, s, h, i, j, col, col_mask, mask = head_tile(tl.program_id(0).to(tl.int64), tl.program_id(1), S, H, D,
+                                                   BLOCK_H, BLOCK_HALF)
     out = rmsnorm_rope_tile(head_tile_ptrs(x_ptr, b, s, h, col, stride_xb, stride_xs, stride_xh), w_ptr + col,
                             f_ptr + s * stride_fs + i[:, None] * stride_fi + j[None, :], mask, col_mask, D, eps,
                             HAS_WEIGHT)
@@ -231,16 +240,9 @@ def joint_qkv_norm_rope_kernel(
     plus the torch.cat of v), plus S·D floats of frequencies. FLOPs: about 10 per q/k element,
     none for v.
     """
-    tok = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)                 # 0: q, 1: k, 2: v
-    b = tok // S
-    s = tok % S
-    h = (tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)
-    i = tl.arange(0, BLOCK_HALF)
-    j = tl.arange(0, 2)
-    col = (2 * i)[:, None] + j[None, :]                                   # (BLOCK_HALF, 2)
-    col_mask = col < D
-    mask = (h < H)[:, None, None] & col_mask[None, :, :]                  # (BLOCK_H, BLOCK_HALF, 2)
+    b, s, h, i, j, col, col_mask, mask = head_tile(tl.program_id(0).to(tl.int64), tl.program_id(2), S, H, D,
+                                                   BLOCK_H, BLOCK_HALF)
     if which == 2:
         if s < S_TXT:
             src = head_tile_ptrs(tv_ptr, b, s, h, col, stride_tvb, stride_tvs, stride_tvh)

@@ -157,7 +157,8 @@ def attention_quantize_kernel(
         tl.store(QS + row, tl.reshape(scale, [BLOCK_S]))
         if LSE_CORRECTION:
             kv_head = h // (heads // kv_heads)
-            kmean, _ = _kv_head_stats(KSUM, VMAX, b * kv_heads + kv_head, chunks, seqlen_k, offs_d, HEAD_DIM, CHUNKS_PAD)
+            kmean, _ = _kv_head_stats(KSUM, VMAX, b * kv_heads + kv_head, chunks, seqlen_k, offs_d, HEAD_DIM,
+                                      CHUNKS_PAD)
             tl.store(QC + row, tl.sum(q * kmean[None, :], 1) * softmax_scale)
     else:
         h = (which - heads) % kv_heads

@@ -21,7 +21,7 @@ from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
-from flashflow.ops.validate import (check_no_grad, check_qkv, check_softcap, check_tensor,
+from flashflow.ops.validate import (check_key_padding_mask, check_no_grad, check_qkv, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
 from flashflow.tuning.attention import AttentionConfig, attention_config
@@ -359,21 +359,6 @@ def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_key_padding_mask(mask, batch: int, seqlen_k: int, device) -> torch.Tensor:
-    """A ``(batch, P)`` boolean key-padding mask as the kernel reads it (unit stride along keys):
-    one flag per key, loaded once per key block, not a score tile."""
-    form = f"a bool tensor (batch, P) = ({batch}, P) with P <= seqlen_k = {seqlen_k}"
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"key_padding_mask must be {form}, got {type(mask).__name__}")
-    if mask.dtype != torch.bool:
-        raise TypeError(f"key_padding_mask must be {form}, got dtype {mask.dtype}")
-    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] > seqlen_k:
-        raise ValueError(f"key_padding_mask must be {form}, got shape {tuple(mask.shape)}")
-    if mask.device != device:
-        raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
-    return mask if mask.shape[1] <= 1 or mask.stride(1) == 1 else mask.contiguous()
-
-
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     return_lse=False, *, key_padding_mask=None):
     """Exact attention, FlashAttention layout.
@@ -407,7 +392,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     bias, bias_keys = None, 0
     if key_padding_mask is not None:
-        bias = _check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
+        bias = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
         bias_keys = bias.shape[-1]
         if bias_keys == 0:   # the mask covers no key
             bias = None

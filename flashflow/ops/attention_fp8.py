@@ -25,7 +25,8 @@ from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
 from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
 from flashflow.kernels.quant import attention_kv_stats_kernel, attention_quantize_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.validate import check_heads, check_no_grad, check_runs_here, softmax_scale_or_default
+from flashflow.ops.validate import (check_heads, check_key_padding_mask, check_no_grad, check_runs_here,
+                                    softmax_scale_or_default)
 from flashflow.tuning.attention_fp8 import AttentionFp8Config, attention_fp8_config, supported_families
 
 __all__ = ["flash_attn_fp8_func", "scaled_dot_product_attention_fp8", "quantize_attention_inputs",
@@ -82,16 +83,7 @@ def _check_inputs(q, k, v, qk_format, key_padding_mask):
     if qk_format not in QK_FORMATS:
         raise ValueError(f"qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     if key_padding_mask is not None:
-        form = f"a bool tensor (batch, P) = ({batch}, P) with P <= seqlen_k = {k.shape[1]}"
-        if not isinstance(key_padding_mask, torch.Tensor):
-            raise TypeError(f"key_padding_mask must be {form}, got {type(key_padding_mask).__name__}")
-        if key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be {form}, got dtype {key_padding_mask.dtype}")
-        if key_padding_mask.dim() != 2 or key_padding_mask.shape[0] != batch \
-                or key_padding_mask.shape[1] > k.shape[1]:
-            raise ValueError(f"key_padding_mask must be {form}, got shape {tuple(key_padding_mask.shape)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask must be on {q.device}, got {key_padding_mask.device}")
+        check_key_padding_mask(key_padding_mask, batch, k.shape[1], q.device)
 
 
 def _config(head_dim: int, causal: bool, device) -> AttentionFp8Config:

@@ -121,3 +121,19 @@ def softmax_scale_or_default(softmax_scale, head_dim: int, name: str = "softmax_
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     return check_scale(name, softmax_scale)
+
+
+def check_key_padding_mask(mask, batch: int, seqlen_k: int, device) -> torch.Tensor:
+    """A ``(batch, P)`` boolean key-padding mask over the first ``P <= seqlen_k`` keys (True =
+    attend), on ``device``; returned with unit stride along the keys, as the kernels read it
+    (one flag per key, once per key block)."""
+    form = f"a bool tensor (batch, P) = ({batch}, P) with P <= seqlen_k = {seqlen_k}"
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"key_padding_mask must be {form}, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be {form}, got dtype {mask.dtype}")
+    if mask.dim() != 2 or mask.shape[0] != batch or mask.shape[1] > seqlen_k:
+        raise ValueError(f"key_padding_mask must be {form}, got shape {tuple(mask.shape)}")
+    if mask.device != device:
+        raise ValueError(f"key_padding_mask must be on {device}, got {mask.device}")
+    return mask if mask.shape[1] <= 1 or mask.stride(1) == 1 else mask.contiguous()

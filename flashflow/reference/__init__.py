@@ -4,6 +4,7 @@ from flashflow.reference.attention import (
     attention_naive,
     attention_tiled,
     attention_varlen_naive,
+    full_key_padding,
 )
 from flashflow.reference.attention_fp8 import (
     QuantizedQKV,
@@ -12,5 +13,5 @@ from flashflow.reference.attention_fp8 import (
     stress_qkv,
 )
 
-__all__ = ["attention_mask", "attention_naive", "attention_tiled", "attention_varlen_naive",
+__all__ = ["attention_mask", "attention_naive", "attention_tiled", "attention_varlen_naive", "full_key_padding",
            "QuantizedQKV", "attention_fp8_reference", "quantize_qkv_reference", "stress_qkv"]

@@ -17,7 +17,7 @@ from flashflow.ops.attention_fp8 import (
     quantize_attention_inputs,
     scaled_dot_product_attention_fp8,
 )
-from flashflow.reference import attention_fp8_reference, attention_naive, stress_qkv
+from flashflow.reference import attention_fp8_reference, attention_naive, full_key_padding, stress_qkv
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
 
@@ -66,14 +66,6 @@ def poisoned():
         yield
     finally:
         torch.empty = empty
-
-
-def full_mask(kpm, seqlen_k):
-    """A prefix mask ``(batch, P)`` as a ``(batch, seqlen_k)`` one (keys from P on allowed)."""
-    if kpm is None:
-        return None
-    rest = torch.ones(kpm.shape[0], seqlen_k - kpm.shape[1], dtype=torch.bool, device=kpm.device)
-    return torch.cat([kpm, rest], dim=1)
 
 
 def allowed_keys(b, sq, sk, causal, mask):
@@ -168,7 +160,7 @@ def check(q, k, v, fmt, causal, kind, kpm=None):
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, h, sq)
     assert torch.isfinite(out).all(), "NaN/inf in out (an element left unwritten?)"
 
-    mask = full_mask(kpm, sk)
+    mask = full_key_padding(kpm, sk)
     cfg = attention_fp8_config(d, causal, gpu_family(q.device))
     qz = quantize_attention_inputs(q, k, v, scale, cfg.BLOCK_M, cfg.BLOCK_N, fmt, lse_correction=True)
     exact, exact_lse, bound = exact_and_lse_bound(q, k, v, scale, causal, mask, qz, cfg.BLOCK_N)

@@ -28,7 +28,8 @@ from flashflow.ops.attention_fp8 import (
     quantize_attention_inputs,
     scaled_dot_product_attention_fp8,
 )
-from flashflow.reference import attention_fp8_reference, attention_naive, quantize_qkv_reference, stress_qkv
+from flashflow.reference import (attention_fp8_reference, attention_naive, full_key_padding,
+                                 quantize_qkv_reference, stress_qkv)
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
 
@@ -80,14 +81,6 @@ def poisoned():
         yield
     finally:
         torch.empty = empty
-
-
-def full_mask(kpm, seqlen_k):
-    """A prefix mask ``(batch, P)`` as the reference's ``(batch, seqlen_k)`` one (keys from P on allowed)."""
-    if kpm is None:
-        return None
-    rest = torch.ones(kpm.shape[0], seqlen_k - kpm.shape[1], dtype=torch.bool, device=kpm.device)
-    return torch.cat([kpm, rest], dim=1)
 
 
 def config(d, causal):
@@ -278,7 +271,7 @@ def test_forward_against_reference_and_exact(case):
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), f"{msg}: NaN/inf in out (an element left unwritten?)"
 
-    mask = full_mask(kpm, sk)
+    mask = full_key_padding(kpm, sk)
     ref, ref_lse = fp8_reference(q, k, v, fmt, causal, mask)
     exact, exact_lse = attention_naive(q.double(), k.double(), v.double(), scale, causal=causal,
                                        key_padding_mask=mask, return_lse=True)

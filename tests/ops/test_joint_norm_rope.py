@@ -9,44 +9,11 @@ import torch
 from flashflow.device import interpreting
 from flashflow.ops.norm import MAX_DIM, joint_qkv_norm_rope, rmsnorm_rope
 from flashflow.reference import norm as ref
+from norm_inputs import DEVICE, TOL, d64, err, freqs_of, poisoned, rand  # noqa: F401 (poisoned: a fixture)
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
-DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
-TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 EPS4 = (1e-6, 1e-5, 1e-4, 1e-3)
-
-
-def rand(*shape, dtype=torch.float32, seed=0, scale=1.0, offset=0.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE, dtype)
-
-
-def freqs_of(s, d, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    angles = torch.rand(s, d // 2, generator=g) * 6.3
-    return torch.polar(torch.ones_like(angles), angles).to(DEVICE)
-
-
-def err(out, want):
-    """Largest error relative to the reference's largest magnitude."""
-    return ((out.double() - want).abs().max() / want.abs().max()).item()
-
-
-def d64(ts):
-    return [None if t is None else t.double() for t in ts]
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every tensor the op allocates starts as NaN: an element the kernel fails to write shows."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 def streams(b, s_txt, s_img, h, d, dtype=torch.float32, weighted=True, wdtype=None):
@@ -66,7 +33,7 @@ def streams(b, s_txt, s_img, h, d, dtype=torch.float32, weighted=True, wdtype=No
 
 def check_against_float64(args, eps, tol):
     query, key, value = joint_qkv_norm_rope(*args, eps=eps)
-    want = ref.joint_qkv_norm_rope(*d64(args[:10]), *args[10:], eps=eps)
+    want = ref.joint_qkv_norm_rope(*d64(*args[:10]), *args[10:], eps=eps)
     b, s_txt, h, d = args[0].shape
     shape = (b, s_txt + args[3].shape[1], h, d)
     for got, expected in zip((query, key, value), want):
@@ -111,7 +78,7 @@ def test_each_eps_is_used():
     small = [t * 0.05 for t in args[:6]]
     eps = (0.0, 0.5, 0.01, 2.0)
     query, key, _ = joint_qkv_norm_rope(*small, *args[6:], eps=eps)
-    want_q, want_k, _ = ref.joint_qkv_norm_rope(*d64(small + args[6:10]), *args[10:], eps=eps)
+    want_q, want_k, _ = ref.joint_qkv_norm_rope(*d64(*(small + args[6:10])), *args[10:], eps=eps)
     assert err(query, want_q) < 1e-5 and err(key, want_k) < 1e-5
     swapped_q, _, _ = joint_qkv_norm_rope(*small, *args[6:], eps=(0.5, 0.0, 2.0, 0.01))
     assert not torch.allclose(query, swapped_q)

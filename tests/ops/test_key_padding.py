@@ -12,7 +12,7 @@ import torch
 import flashflow
 from flashflow.device import interpreting
 from flashflow.ops.attention import attention_forward
-from flashflow.reference import attention_naive
+from flashflow.reference import attention_naive, full_key_padding
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
@@ -28,12 +28,6 @@ def rand(*shape, dtype=torch.float16):
     return torch.randn(*shape, dtype=dtype, device=DEVICE)
 
 
-def dense(mask, seqlen_k):
-    """The (batch, seqlen_k) mask the reference takes: the given prefix, then all True."""
-    tail = torch.ones(mask.shape[0], seqlen_k - mask.shape[1], dtype=torch.bool, device=mask.device)
-    return torch.cat([mask, tail], dim=1)
-
-
 def check(b, sq, sk, h, hk, d, p, dtype=torch.float16, causal=False, window=(-1, -1), mask=None):
     q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
     if mask is None:
@@ -41,7 +35,7 @@ def check(b, sq, sk, h, hk, d, p, dtype=torch.float16, causal=False, window=(-1,
     out, lse = flashflow.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True,
                                          key_padding_mask=mask)
     ref, ref_lse = attention_naive(q.double(), k.double(), v.double(), None, causal, window,
-                                   key_padding_mask=dense(mask, sk), return_lse=True)
+                                   key_padding_mask=full_key_padding(mask, sk), return_lse=True)
     assert out.shape == q.shape and lse.shape == (b, h, sq)
     assert not torch.isnan(out).any()
     assert rel(out, ref) < TOL[dtype], rel(out, ref)
@@ -115,7 +109,7 @@ def test_keys_past_bias_keys_are_never_read_from_the_bias():
     bias = torch.full((b, 1, 1, sk), float("-inf"), device=DEVICE)
     bias[:, 0, 0, :p] = torch.zeros(b, p, device=DEVICE).masked_fill(~mask, float("-inf"))
     out, _ = attention_forward(q, k, v, bias=bias.expand(b, h, sq, sk), bias_keys=p, softmax_scale=d ** -0.5)
-    ref = attention_naive(q.double(), k.double(), v.double(), key_padding_mask=dense(mask, sk))
+    ref = attention_naive(q.double(), k.double(), v.double(), key_padding_mask=full_key_padding(mask, sk))
     assert rel(out, ref) < TOL[torch.float16]
 
 

@@ -11,46 +11,13 @@ from flashflow.ops import norm
 from flashflow.ops.norm import (MAX_DIM, gate_residual, gate_residual_layernorm_modulate, layernorm_modulate,
                                 rmsnorm_rope)
 from flashflow.reference import norm as ref
+from norm_inputs import DEVICE, TOL, d64, err, freqs_of, poisoned, rand  # noqa: F401 (poisoned: a fixture)
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
-DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 SHAPES = [(1, 1, 48), (2, 7, 80), (1, 33, 200), (2, 33, 48)]          # (B, L, D)
 ROPE_SHAPES = [(1, 1, 2, 48), (2, 7, 3, 80), (1, 33, 1, 200), (2, 5, 24, 48)]   # (B, S, H, D)
-
-
-def rand(*shape, dtype=torch.float32, seed=0, scale=1.0, offset=0.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale + offset).to(DEVICE, dtype)
-
-
-def freqs_of(s, d, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    angles = torch.rand(s, d // 2, generator=g) * 6.3
-    return torch.polar(torch.ones_like(angles), angles).to(DEVICE)
-
-
-def err(out, want):
-    """Largest error relative to the reference's largest magnitude."""
-    return ((out.double() - want).abs().max() / want.abs().max()).item()
-
-
-def d64(*ts):
-    return [None if t is None else t.double() for t in ts]
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """Every tensor the ops allocate starts as NaN: an element a kernel fails to write shows."""
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(torch, "empty", nan_empty)
 
 
 # --------------------------------------------------------------------------------------------
