@@ -30,6 +30,13 @@ what the op reads is what stream order gives. Each program releases its dependen
 K/V stream is done, so a following PDL launch (the next layer's projection, or the next decode
 step) overlaps this grid's merge and exit.
 
+``KV_FP8``: the caches are ``float8_e4m3fn`` holding ``K / k_scale`` and ``V / v_scale``
+(per tensor: the float arguments; ``SCALE_PER_HEAD``: one float32 per KV head at
+``K_SCALE``/``V_SCALE``). The tiles widen exactly to q's dtype for the tensor cores; a program owns
+one KV head, so ``k_scale`` joins the score scale and ``v_scale`` multiplies its accumulator once.
+The append quantizes the new K/V with :func:`flashflow.kernels.quant.round_e4m3` (nearest even,
+saturating at ±448) and attends them as stored. Bytes read halve.
+
 Cache layouts (``LAYOUT``): 0 contiguous ``(b, s, hk, d)``; 1 paged ``(blocks, page, hk, d)``
 through ``block_table``; 2 FasterTransformer: K ``(b, hk, d/x, s, x)``, V ``(b, hk, s, d)``.
 
@@ -44,13 +51,14 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashflow.kernels.mask import key_allowed, window_start
+from flashflow.kernels.quant import round_e4m3
 from flashflow.kernels.softmax import (log_sum_exp, merge_partials, normalize, online_softmax, shift_of,
                                        softcap_scores)
 
 
 @triton.jit
 def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_d, valid_n,
-             sk0, sk1, sk2, sk3, sv0, sv1, sv2, stride_bt,
+             sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
              PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
              PAGE_ALIGNED: tl.constexpr, BLOCK_N: tl.constexpr):
     """Pointers to the K and V rows of cache positions ``offs_n`` (tokens) of (b, kvh); ``page``:
@@ -72,9 +80,14 @@ def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_d, valid_n,
         k_ptrs = KC + page[:, None] * sk0 + row[:, None] * sk1 + kvh * sk2 + offs_d[None, :]
         v_ptrs = VC + page[:, None] * sv0 + row[:, None] * sv1 + kvh * sv2 + offs_d[None, :]
     elif LAYOUT == 2:
+        # a key's x channels are 16 contiguous bytes, keys x elements apart: the token stride is
+        # the constexpr FT_X (the op checks it), not a runtime stride, so that the compiler
+        # knows every piece 16-byte aligned and vectorises the loads (a runtime stride of 8 is
+        # not specialised as a multiple of 16: it gave 2-byte loads at 0.36-0.51x contiguous)
         n = offs_n.to(tl.int64)
+        sk2 = tl.multiple_of(sk2, FT_X)
         k_ptrs = (KC + b.to(tl.int64) * sk0 + kvh * sk1 + (offs_d // FT_X)[None, :] * sk2
-                  + n[:, None] * sk3 + (offs_d % FT_X)[None, :])
+                  + n[:, None] * FT_X + (offs_d % FT_X)[None, :])
         v_ptrs = VC + b.to(tl.int64) * sv0 + kvh * sv1 + n[:, None] * sv2 + offs_d[None, :]
     else:
         n = offs_n.to(tl.int64)
@@ -161,11 +174,11 @@ def _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, 
 
 @triton.jit
 def decode_attention_kernel(
-    Q, KC, VC, KNEW, VNEW, O, LSE, CACHE_SEQLENS, BT, WS_ACC, WS_ML, COUNTERS,
+    Q, KC, VC, KNEW, VNEW, O, LSE, CACHE_SEQLENS, BT, WS_ACC, WS_ML, COUNTERS, K_SCALE, V_SCALE,
     sq_b, sq_s, sq_h, so_b, so_s, so_h, sl_b, sl_h, sl_s,
-    sk0, sk1, sk2, sk3, sv0, sv1, sv2, skn_b, skn_s, skn_h, svn_b, svn_s, svn_h, stride_bt,
+    sk0, sk1, sk2, sv0, sv1, sv2, skn_b, skn_s, skn_h, svn_b, svn_s, svn_h, stride_bt,
     seqlen_q, n_new, kv_group, num_kv_heads,
-    qk_scale_log2, softcap, window_left, window_right,
+    qk_scale_log2, softcap, window_left, window_right, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_NEW: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
@@ -173,6 +186,7 @@ def decode_attention_kernel(
     HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
     MERGE_CHUNK: tl.constexpr = 1, DOT_FP32: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False,
 ):
     if PDL:
         # launched programmatically dependent (sm90+): this grid may start while the previous
@@ -198,6 +212,14 @@ def decode_attention_kernel(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    if KV_FP8:
+        # an e4m3 cache holds K/scale and V/scale: the tiles widen exactly to q's dtype, k's
+        # scale joins the score scale and v's multiplies the output once (one pair per program:
+        # a program owns one KV head)
+        if SCALE_PER_HEAD:
+            k_scale = tl.load(K_SCALE + kvh)
+            v_scale = tl.load(V_SCALE + kvh)
+        qk_scale_log2 = qk_scale_log2 * k_scale
     diag = total - seqlen_q + row_tok        # last key each row may see (causal, bottom-right)
 
     # this program's slice of the cached keys
@@ -227,13 +249,16 @@ def decode_attention_kernel(
         offs_n = start_n + offs_nb
         valid_n = offs_n < end
         k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, start_n, page, offs_n, offs_d, valid_n, sk0, sk1, sk2,
-                                  sk3, sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, page_aligned, BLOCK_N)
+                                  sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, page_aligned, BLOCK_N)
         kv_mask = valid_n[:, None] & d_valid[None, :]
         k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap,
                                 window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
     if PDL:
@@ -252,18 +277,28 @@ def decode_attention_kernel(
                          mask=new_mask, other=0.0)
             vn = tl.load(VNEW + b.to(tl.int64) * svn_b + offs_j[:, None] * svn_s + kvh * svn_h + offs_d[None, :],
                          mask=new_mask, other=0.0)
-            if DOT_FP32:
+            if KV_FP8:
+                # quantized as the cache will hold them (saturating at ±448), and attended so:
+                # the output is the attention over the cache after the append
+                kn = round_e4m3(tl.fdiv(kn.to(tl.float32), k_scale, ieee_rounding=True))
+                vn = round_e4m3(tl.fdiv(vn.to(tl.float32), v_scale, ieee_rounding=True))
+                if not DOT_FP32:
+                    kn = kn.to(q.dtype)
+                    vn = vn.to(q.dtype)
+            elif DOT_FP32:
                 kn = kn.to(tl.float32)
                 vn = vn.to(tl.float32)
             pos = cache_len + offs_j
             acc, l_i, m_i = _attend(acc, l_i, m_i, q, kn, vn, pos, valid_j, diag, qk_scale_log2, softcap,
                                     window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
                                     DOT_PRECISION)
-            k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, cache_len, 0, pos, offs_d, valid_j, sk0, sk1, sk2, sk3,
+            k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, cache_len, 0, pos, offs_d, valid_j, sk0, sk1, sk2,
                                       sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, False, BLOCK_NEW)
             tl.store(k_ptrs, kn.to(KC.dtype.element_ty), mask=new_mask)
             tl.store(v_ptrs, vn.to(VC.dtype.element_ty), mask=new_mask)
 
+    if KV_FP8:
+        acc = acc * v_scale
     if NUM_SPLITS == 1:
         _store_rows(O, LSE, acc, l_i, m_i, b, row_head, row_tok, row_valid, offs_d, so_b, so_s, so_h,
                     sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)

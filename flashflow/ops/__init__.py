@@ -1,8 +1,9 @@
 """One module per operation: validate the inputs, look up the config, launch the kernels."""
 from flashflow.ops.attention import flash_attn_func, flash_attn_varlen_func, scaled_dot_product_attention
 from flashflow.ops.attention_fp8 import flash_attn_fp8_func, scaled_dot_product_attention_fp8
-from flashflow.ops.decode import DecodePlan, flash_attn_with_kvcache, merge_attention_states, plan_decode
+from flashflow.ops.decode import (DecodePlan, flash_attn_with_kvcache, merge_attention_states, plan_decode,
+                                 quantize_kv_cache)
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention",
            "flash_attn_fp8_func", "scaled_dot_product_attention_fp8",
-           "flash_attn_with_kvcache", "merge_attention_states", "plan_decode", "DecodePlan"]
+           "flash_attn_with_kvcache", "merge_attention_states", "plan_decode", "DecodePlan", "quantize_kv_cache"]

@@ -20,7 +20,8 @@ from flashflow.kernels.decode import decode_attention_kernel, merge_states_kerne
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
 from flashflow.ops.validate import (check_head_dim, check_heads, check_no_grad, check_qkv, check_runs_here,
-                                    check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
+                                    check_scale, check_softcap, check_tensor, softmax_scale_or_default,
+                                    window_bounds)
 from flashflow.tuning.decode import DecodeConfig, decode_config
 
 KV_LAYOUTS = ("NHD", "FT")
@@ -35,8 +36,28 @@ MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread a
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
+FP8_CACHE_DTYPE = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+
+
 def _ft_x(dtype: torch.dtype) -> int:
     return 16 // dtype.itemsize
+
+
+def check_kv_scale(name: str, scale, kv_heads: int, device) -> tuple[float, Optional[torch.Tensor]]:
+    """``(per-tensor value, per-head tensor or None)`` of a cache scale: None (1.0), a Python float
+    > 0, or a float32 tensor ``(kv_heads,)`` on the cache's device."""
+    if scale is None:
+        return 1.0, None
+    if isinstance(scale, torch.Tensor):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != (kv_heads,):
+            raise TypeError(f"{name} must be a float or a float32 tensor of shape (kv_heads,) = ({kv_heads},), "
+                            f"got a {scale.dtype} tensor of shape {tuple(scale.shape)}")
+        if scale.device != torch.device(device):
+            raise ValueError(f"{name} must be on {device}, got {scale.device}")
+        check_no_grad("flash_attn_with_kvcache", **{name: scale})
+        return 1.0, scale.contiguous()
+    return check_scale(name, scale), None
 
 
 def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
@@ -63,8 +84,15 @@ def _cache_geometry(q, k_cache, v_cache, block_table, kv_layout):
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.dtype == FP8_CACHE_DTYPE:
+            if q.dtype not in (torch.float16, torch.bfloat16):
+                raise TypeError(f"an FP8 {name} needs q in float16 or bfloat16, got q {q.dtype}")
+        elif t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype} or be {FP8_CACHE_DTYPE} (an FP8 cache), "
+                            f"got {t.dtype}")
+    if k_cache.dtype != v_cache.dtype:
+        raise TypeError(f"k_cache and v_cache must share a dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.device != q.device:
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
         if t.stride(-1) != 1:
@@ -72,11 +100,15 @@ def _cache_geometry(q, k_cache, v_cache, block_table, kv_layout):
     if kv_layout == "FT":
         if block_table is not None:
             raise ValueError("block_table (paged cache) is not supported with kv_layout='FT'")
-        x = _ft_x(q.dtype)
+        x = _ft_x(k_cache.dtype)
         if k_cache.dim() != 5 or k_cache.shape[0] != batch or k_cache.shape[2] * k_cache.shape[4] != head_dim \
                 or k_cache.shape[4] != x:
             raise ValueError(f"k_cache in the FT layout must be (batch, kv_heads, head_dim/{x}, capacity, {x}) = "
-                             f"({batch}, kv_heads, {head_dim // x}, capacity, {x}), got {tuple(k_cache.shape)}")
+                             f"({batch}, kv_heads, {head_dim // x}, capacity, {x}) (x: 16 bytes of "
+                             f"{k_cache.dtype}), got {tuple(k_cache.shape)}")
+        if k_cache.stride(3) != x or k_cache.stride(2) % x:
+            raise ValueError(f"k_cache in the FT layout must hold each key's {x} channels contiguous, keys {x} "
+                             f"elements apart (strides (..., {x}·capacity, {x}, 1)), got strides {k_cache.stride()}")
         kv_heads, capacity = k_cache.shape[1], k_cache.shape[3]
         if tuple(v_cache.shape) != (batch, kv_heads, capacity, head_dim):
             raise ValueError(f"v_cache in the FT layout must be (batch, kv_heads, capacity, head_dim) = "
@@ -182,10 +214,19 @@ class DecodePlan:
 
     def run(self, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0, return_lse=False,
-            kv_layout="NHD", out=None):
+            kv_layout="NHD", out=None, k_scale=None, v_scale=None):
         """One decode step. Shapes and dtypes are checked (no device values are read)."""
         _check_decode_inputs(q, k, v, k_cache, v_cache)
         capacity, kv_heads, page, layout = _cache_geometry(q, k_cache, v_cache, block_table, kv_layout)
+        fp8 = k_cache.dtype == FP8_CACHE_DTYPE
+        if not fp8 and (k_scale is not None or v_scale is not None):
+            raise ValueError(f"k_scale/v_scale apply to {FP8_CACHE_DTYPE} caches only; this cache is "
+                             f"{k_cache.dtype}")
+        k_val, k_per_head = check_kv_scale("k_scale", k_scale, kv_heads, q.device)
+        v_val, v_per_head = check_kv_scale("v_scale", v_scale, kv_heads, q.device)
+        if (k_per_head is None) != (v_per_head is None):
+            raise TypeError("k_scale and v_scale must both be floats (per tensor) or both (kv_heads,) tensors "
+                            "(per head)")
         batch, seqlen_q, heads, head_dim = q.shape
         if (batch, heads, kv_heads, head_dim, seqlen_q) != (self.batch, self.heads, self.kv_heads,
                                                             self.head_dim, self.seqlen_q):
@@ -216,12 +257,8 @@ class DecodePlan:
         if batch == 0 or (seqlen_q == 0 and n_new == 0):   # nothing to attend, nothing to append
             return (out, lse) if return_lse else out
         ls = lse.stride() if return_lse else (0, 0, 0)
-        if layout == 2:
-            sk = k_cache.stride()[:4]
-            sv = v_cache.stride()[:3]
-        else:
-            sk = (*k_cache.stride()[:3], 0)
-            sv = v_cache.stride()[:3]
+        sk = k_cache.stride()[:3]
+        sv = v_cache.stride()[:3]
         kn = k if k is not None else q
         vn = v if v is not None else q
         cfg = self.config_for(page if layout == 1 else None)
@@ -231,15 +268,16 @@ class DecodePlan:
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
             block_table if block_table is not None else cache_seqlens,
             self.ws_acc, self.ws_ml, self.counters,
+            k_per_head if k_per_head is not None else self._no_lse, v_per_head if v_per_head is not None else self._no_lse,
             q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2), *ls,
             *sk, *sv, kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
             block_table.stride(0) if block_table is not None else 0,
             seqlen_q, n_new, heads // kv_heads, kv_heads,
-            qk_scale_log2, softcap, max(left, 0), max(right, 0),
+            qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
             BLOCK_R=self.block_r, BLOCK_NEW=max(16, next_pow2(n_new)),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
-            FT_X=_ft_x(q.dtype) if layout == 2 else 1,
+            FT_X=_ft_x(k_cache.dtype) if layout == 2 else 1, KV_FP8=fp8, SCALE_PER_HEAD=k_per_head is not None,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, **dot_options(q.dtype), PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
             MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
@@ -366,7 +404,8 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None, pdl=None):
+                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None, pdl=None,
+                            k_scale=None, v_scale=None):
     """Attention of a few query tokens against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
     Args:
@@ -392,6 +431,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         pdl: launch programmatically dependent on the previous kernel (sm90+; ignored elsewhere):
             the grid is placed while that kernel ends and waits for it before its first load.
             None: ``PDL_DEFAULT``. With ``plan``, the plan's setting is used.
+        k_scale, v_scale: the dequantization scales of an FP8 cache (``k_cache``/``v_cache`` in
+            ``torch.float8_e4m3fn``, read as ``cache · scale``; q, k, v and the output stay
+            float16/bfloat16): a Python float (per tensor) or a float32 tensor ``(kv_heads,)`` (per
+            head); None is 1.0. Appended ``k``/``v`` are quantized with them (nearest even,
+            saturating at ±448) and attended as stored. See :func:`quantize_kv_cache`.
     Returns ``out`` ``(batch, seqlen_q, heads, head_dim)``, or ``(out, lse)`` with lse float32
     ``(batch, heads, seqlen_q)``.
     """
@@ -406,7 +450,50 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page, batch)
         plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits, pdl)
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
-                    softcap, return_lse, kv_layout)
+                    softcap, return_lse, kv_layout, k_scale=k_scale, v_scale=v_scale)
+
+
+def quantize_kv_cache(cache, scale=None, kv_layout="NHD"):
+    """``(fp8_cache, scale)``: a float16/bfloat16/float32 KV cache as ``torch.float8_e4m3fn`` for
+    :func:`flash_attn_with_kvcache` (``k_scale``/``v_scale``), each value ``cache / scale`` rounded
+    to nearest even and saturated at ±448.
+
+    ``cache``: a K or V cache in any layout the op reads: ``(batch, capacity, kv_heads, head_dim)``
+    or pages ``(num_blocks, page_size, kv_heads, head_dim)`` (``kv_layout="NHD"``), or with
+    ``kv_layout="FT"`` a K cache ``(batch, kv_heads, head_dim/x, capacity, x)`` (returned with the
+    FP8 layout's x = 16) or a V cache ``(batch, kv_heads, capacity, head_dim)``.
+    ``scale``: None (one per KV head, the head's max |value| / 448: a float32 ``(kv_heads,)``
+    tensor), a Python float > 0, or a float32 ``(kv_heads,)`` tensor; returned as given otherwise.
+    """
+    if not isinstance(cache, torch.Tensor) or cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"cache must be a float16, bfloat16 or float32 tensor, got "
+                        f"{getattr(cache, 'dtype', type(cache).__name__)}")
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    check_no_grad("quantize_kv_cache", cache=cache)
+    if cache.dim() == 5 and kv_layout == "FT":   # K (b, hk, d/x, s, x): to (b, s, hk, d) and back
+        b, hk, dx, s, x = cache.shape
+        heads_last = cache.permute(0, 3, 1, 2, 4).reshape(b, s, hk, dx * x)
+        fp8, scale = quantize_kv_cache(heads_last, scale)
+        x8 = _ft_x(FP8_CACHE_DTYPE)
+        if (dx * x) % x8:
+            raise ValueError(f"head_dim {dx * x} of an FT K cache must be a multiple of {x8} in FP8")
+        return fp8.reshape(b, s, hk, dx * x // x8, x8).permute(0, 2, 3, 1, 4).contiguous(), scale
+    if cache.dim() != 4:
+        raise ValueError(f"cache must be (batch, capacity, kv_heads, head_dim), pages (num_blocks, page_size, "
+                         f"kv_heads, head_dim), or with kv_layout='FT' a K cache of rank 5 or a V cache "
+                         f"(batch, kv_heads, capacity, head_dim); got shape {tuple(cache.shape)}")
+    head_axis = 1 if kv_layout == "FT" else 2
+    kv_heads = cache.shape[head_axis]
+    shape = [1] * 4
+    shape[head_axis] = kv_heads
+    if scale is None:
+        amax = cache.abs().amax(dim=[a for a in range(4) if a != head_axis]).float()
+        scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    _, per_head = check_kv_scale("scale", scale, kv_heads, cache.device)
+    s = per_head.view(shape) if per_head is not None else torch.tensor(float(scale), dtype=torch.float32)
+    fp8 = (cache.float() / s.to(cache.device)).clamp_(-E4M3_MAX, E4M3_MAX).to(FP8_CACHE_DTYPE)
+    return fp8, scale
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

@@ -52,43 +52,81 @@ def gather_cache(cache: torch.Tensor, block_table: torch.Tensor | None, b: int, 
     return cache[pages, idx % page]
 
 
+E4M3_MAX = 448.0
+
+
+def quantize_e4m3(x: torch.Tensor, scale) -> torch.Tensor:
+    """``x / scale`` in float32 (IEEE division), saturated at ±448 and rounded to nearest even
+    onto the e4m3 grid: what the decode kernel's append stores. ``scale`` broadcasts against x."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _head_scale(scale, kv_heads: int, device) -> torch.Tensor:
+    """A cache scale (None, a float, or a (kv_heads,) tensor) as float32 ``(kv_heads,)``."""
+    if scale is None:
+        scale = 1.0
+    return torch.as_tensor(scale, dtype=torch.float32, device=device).expand(kv_heads).clone()
+
+
+def _append(k_cache, v_cache, k, v, lens, block_table):
+    """Write the new tokens ``k``/``v`` of each sequence at its length, in place."""
+    for b in range(k.shape[0]):
+        pos = torch.arange(lens[b], lens[b] + k.shape[1], device=k.device)
+        if block_table is None:
+            k_cache[b, pos] = k[b]
+            v_cache[b, pos] = v[b]
+        else:
+            page = k_cache.shape[1]
+            pages = block_table[b, pos // page].long()
+            k_cache[pages, pos % page] = k[b]
+            v_cache[pages, pos % page] = v[b]
+
+
 def kvcache_attention_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                           softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                          kv_layout="NHD"):
+                          kv_layout="NHD", k_scale=None, v_scale=None):
     """Decode attention by gathering each sequence's keys and calling the naive reference.
 
     Returns ``(out, lse, k_cache_new, v_cache_new)``: the caches after appending ``k``/``v`` at
     ``cache_seqlens`` (copies; the inputs are not modified). Causal is aligned bottom-right: the
     ``seqlen_q`` queries are the last ``seqlen_q`` positions of each sequence.
+
+    FP8 caches (``float8_e4m3fn``) are read as ``cache · scale`` (``k_scale``/``v_scale``: None,
+    a float, or a ``(kv_heads,)`` tensor); new tokens are quantized by :func:`quantize_e4m3`,
+    appended, and attended as stored. The attention itself runs in q's dtype (float64 in tests).
     """
     ft_split = k_cache.shape[-1] if kv_layout == "FT" else None  # x of the caller's dtype
     if kv_layout == "FT":
         k_cache, v_cache = from_ft_k(k_cache), from_ft_v(v_cache)
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     batch, seqlen_q = q.shape[:2]
     capacity = k_cache.shape[1] if block_table is None else block_table.shape[1] * k_cache.shape[1]
+    n_new = 0 if k is None else k.shape[1]
     if cache_seqlens is None:
-        lens = [capacity - (0 if k is None else k.shape[1])] * batch
+        lens = [capacity - n_new] * batch
     elif isinstance(cache_seqlens, int):
         lens = [cache_seqlens] * batch
     else:
         lens = [int(x) for x in cache_seqlens.tolist()]
+    if fp8:
+        ks = _head_scale(k_scale, k_cache.shape[2], q.device)
+        vs = _head_scale(v_scale, k_cache.shape[2], q.device)
+        if n_new:
+            _append(k_cache, v_cache, quantize_e4m3(k, ks[:, None]), quantize_e4m3(v, vs[:, None]), lens,
+                    block_table)
+        k_read = k_cache.to(q.dtype) * ks.to(q.dtype)[:, None]
+        v_read = v_cache.to(q.dtype) * vs.to(q.dtype)[:, None]
+    else:
+        if n_new:
+            _append(k_cache, v_cache, k, v, lens, block_table)
+        k_read, v_read = k_cache, v_cache
     outs, lses = [], []
     for b in range(batch):
-        n_new = 0 if k is None else k.shape[1]
-        if n_new:
-            pos = torch.arange(lens[b], lens[b] + n_new, device=q.device)
-            if block_table is None:
-                k_cache[b, pos] = k[b]
-                v_cache[b, pos] = v[b]
-            else:
-                page = k_cache.shape[1]
-                pages = block_table[b, pos // page].long()
-                k_cache[pages, pos % page] = k[b]
-                v_cache[pages, pos % page] = v[b]
         total = lens[b] + n_new
-        kb = gather_cache(k_cache, block_table, b, total)
-        vb = gather_cache(v_cache, block_table, b, total)
+        kb = gather_cache(k_read, block_table, b, total)
+        vb = gather_cache(v_read, block_table, b, total)
         o, lse = attention_naive(q[b:b + 1], kb[None], vb[None], softmax_scale, causal, window_size,
                                  softcap, return_lse=True)
         outs.append(o)
