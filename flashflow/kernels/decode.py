@@ -97,6 +97,23 @@ def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_d, valid_n,
 
 
 @triton.jit
+def _ft_k_tile(KC, b, kvh, start_n, end, sk0, sk1, sk2, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+               BLOCK_N: tl.constexpr, FT_X: tl.constexpr):
+    """The K tile ``(BLOCK_N, HEAD_DIM_PAD)`` of keys ``start_n ..`` from the FT layout, loaded as
+    it lies: one row of ``BLOCK_N · FT_X`` contiguous elements per 16-byte channel piece (a warp
+    reads 512 contiguous bytes), then regrouped to (key, channel) on chip."""
+    PIECES: tl.constexpr = HEAD_DIM_PAD // FT_X
+    offs_c = tl.arange(0, PIECES)
+    offs_m = tl.arange(0, BLOCK_N * FT_X)
+    sk2 = tl.multiple_of(sk2, FT_X)
+    base = KC + b.to(tl.int64) * sk0 + kvh * sk1 + start_n * FT_X
+    ptrs = base + offs_c[:, None].to(tl.int64) * sk2 + offs_m[None, :]
+    mask = (offs_c < HEAD_DIM // FT_X)[:, None] & ((start_n + offs_m // FT_X) < end)[None, :]
+    pieces = tl.load(ptrs, mask=mask, other=0.0)
+    return tl.reshape(tl.permute(tl.reshape(pieces, [PIECES, BLOCK_N, FT_X]), (1, 0, 2)), [BLOCK_N, HEAD_DIM_PAD])
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap, window_left,
             window_right, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
@@ -186,7 +203,7 @@ def decode_attention_kernel(
     HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
     MERGE_CHUNK: tl.constexpr = 1, DOT_FP32: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False, FT_PIECES: tl.constexpr = False,
 ):
     if PDL:
         # launched programmatically dependent (sm90+): this grid may start while the previous
@@ -251,7 +268,10 @@ def decode_attention_kernel(
         k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, start_n, page, offs_n, offs_d, valid_n, sk0, sk1, sk2,
                                   sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, page_aligned, BLOCK_N)
         kv_mask = valid_n[:, None] & d_valid[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+        if LAYOUT == 2 and FT_PIECES:
+            k = _ft_k_tile(KC, b, kvh, start_n, end, sk0, sk1, sk2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, FT_X)
+        else:
+            k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
         v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)

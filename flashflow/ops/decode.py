@@ -33,6 +33,7 @@ PDL_DEFAULT = False
 MERGE_DEFAULT = "rows"
 MERGES = ("rows", "wide")
 MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread at 4 warps
+FT_PIECES = True   # FT K tiles loaded as 16-byte-piece rows (kernel's _ft_k_tile), else per key
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
@@ -278,6 +279,7 @@ class DecodePlan:
             BLOCK_R=self.block_r, BLOCK_NEW=max(16, next_pow2(n_new)),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(k_cache.dtype) if layout == 2 else 1, KV_FP8=fp8, SCALE_PER_HEAD=k_per_head is not None,
+            FT_PIECES=FT_PIECES and layout == 2,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, **dot_options(q.dtype), PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
             MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
