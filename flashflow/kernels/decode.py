@@ -97,6 +97,50 @@ def _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_d, valid_n,
 
 
 @triton.jit
+def _split_bounds(cache_len, n_new, seqlen_q, split, window_left, HAS_LEFT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  NUM_SPLITS: tl.constexpr):
+    """``[start, end)``: the cached keys of split ``split`` (whole tiles, from the window's start)."""
+    lo = 0
+    if HAS_LEFT:
+        lo = window_start(cache_len + n_new - seqlen_q, window_left, BLOCK_N)
+    n_blocks = tl.cdiv(tl.maximum(cache_len - lo, 0), BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
+    start = lo + split * per_split * BLOCK_N
+    end = tl.minimum(start + per_split * BLOCK_N, cache_len)
+    return start, end
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """``prefetch.global.L2`` of the line holding each address: no register is written."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tile(KC, VC, BT, b, kvh, tile_start, end, page, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
+                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   LAYOUT: tl.constexpr, FT_X: tl.constexpr, BLOCK_N: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """L2 prefetches of every 128-byte line of the K and V tile of keys ``tile_start ..`` (keys
+    past ``end`` clamped onto the last one: every address lies in the sequence's cache)."""
+    offs_n = tl.minimum(tile_start + tl.arange(0, BLOCK_N), end - 1)
+    LINES: tl.constexpr = HEAD_DIM_PAD // LINE_ELEMS if HEAD_DIM_PAD >= LINE_ELEMS else 1
+    offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)
+    k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_l, offs_n < end, sk0, sk1, sk2,
+                              sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, LAYOUT == 1, BLOCK_N)
+    if LAYOUT == 2:
+        # K's 16-byte pieces of one channel group lie key after key: a line holds 128 / 16 keys
+        PIECES: tl.constexpr = HEAD_DIM // FT_X
+        PER_LINE: tl.constexpr = LINE_ELEMS // FT_X
+        offs_c = tl.arange(0, HEAD_DIM_PAD // FT_X)
+        offs_k = tl.minimum(tile_start + tl.arange(0, BLOCK_N // PER_LINE) * PER_LINE, end - 1)
+        k_ptrs = (KC + b.to(tl.int64) * sk0 + kvh * sk1 + tl.minimum(offs_c, PIECES - 1)[:, None].to(tl.int64) * sk2
+                  + offs_k[None, :] * FT_X)
+    _prefetch_l2(k_ptrs)
+    _prefetch_l2(v_ptrs)
+
+
+@triton.jit
 def _ft_k_tile(KC, b, kvh, start_n, end, sk0, sk1, sk2, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, FT_X: tl.constexpr):
     """The K tile ``(BLOCK_N, HEAD_DIM_PAD)`` of keys ``start_n ..`` from the FT layout, loaded as
@@ -195,7 +239,7 @@ def decode_attention_kernel(
     sq_b, sq_s, sq_h, so_b, so_s, so_h, sl_b, sl_h, sl_s,
     sk0, sk1, sk2, sv0, sv1, sv2, skn_b, skn_s, skn_h, svn_b, svn_s, svn_h, stride_bt,
     seqlen_q, n_new, kv_group, num_kv_heads,
-    qk_scale_log2, softcap, window_left, window_right, k_scale, v_scale,
+    qk_scale_log2, softcap, window_left, window_right, k_scale, v_scale, capacity, num_pages,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_NEW: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
@@ -204,16 +248,35 @@ def decode_attention_kernel(
     PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
     MERGE_CHUNK: tl.constexpr = 1, DOT_FP32: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False, FT_PIECES: tl.constexpr = False,
+    PREFETCH_TILES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
 ):
+    split = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // num_kv_heads
+    kvh = bh % num_kv_heads
+    bt_row = BT + b * stride_bt
+    if PREFETCH_TILES > 0:
+        # ask the L2 for this program's first tiles before anything else, and before
+        # griddepcontrol.wait under PDL (the previous kernel's tail then overlaps the DRAM
+        # latency of this one's start). The bounds come from lengths and pages read before the
+        # wait, which a previous kernel may still be writing: they are clamped into the cache,
+        # and only serve as hints (nothing is loaded into registers; the L2 is where every
+        # SM's writes land, so an early line is not a stale one)
+        hint_len = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), capacity - n_new)
+        p_start, p_end = _split_bounds(hint_len, n_new, seqlen_q, split, window_left, HAS_LEFT, BLOCK_N, NUM_SPLITS)
+        for t in tl.static_range(PREFETCH_TILES):
+            tile = p_start + t * BLOCK_N
+            if tile < p_end:
+                page = 0
+                if LAYOUT == 1:
+                    page = tl.minimum(tl.maximum(tl.load(bt_row + tile // PAGE_SIZE), 0), num_pages - 1)
+                _prefetch_tile(KC, VC, BT, b, kvh, tile, p_end, page, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
+                               HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, LAYOUT, FT_X, BLOCK_N, LINE_ELEMS)
     if PDL:
         # launched programmatically dependent (sm90+): this grid may start while the previous
         # one (which may write q, k/v, cache_seqlens, the block table or the cache) is still
         # running; wait until it has completed and its writes are visible, before any load
         gdc_wait()
-    split = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // num_kv_heads
-    kvh = bh % num_kv_heads
 
     cache_len = tl.load(CACHE_SEQLENS + b)   # tokens already in the cache
     total = cache_len + n_new                # keys after the append
@@ -240,13 +303,7 @@ def decode_attention_kernel(
     diag = total - seqlen_q + row_tok        # last key each row may see (causal, bottom-right)
 
     # this program's slice of the cached keys
-    lo = 0
-    if HAS_LEFT:
-        lo = window_start(total - seqlen_q, window_left, BLOCK_N)
-    n_blocks = tl.cdiv(tl.maximum(cache_len - lo, 0), BLOCK_N)
-    per_split = tl.cdiv(n_blocks, NUM_SPLITS)
-    start = lo + split * per_split * BLOCK_N
-    end = tl.minimum(start + per_split * BLOCK_N, cache_len)
+    start, end = _split_bounds(cache_len, n_new, seqlen_q, split, window_left, HAS_LEFT, BLOCK_N, NUM_SPLITS)
 
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -255,7 +312,6 @@ def decode_attention_kernel(
     # paged, a tile per page or less: the table entry is a scalar read one tile ahead, so a
     # tile's loads wait on no lookup and the entry takes no pipeline stage or shared memory
     page_aligned: tl.constexpr = LAYOUT == 1 and PAGE_SIZE % BLOCK_N == 0
-    bt_row = BT + b * stride_bt
     next_page = 0
     if page_aligned:
         next_page = tl.load(bt_row + start // PAGE_SIZE, mask=start < end, other=0)

@@ -33,6 +33,11 @@ PDL_DEFAULT = False
 MERGE_DEFAULT = "rows"
 MERGES = ("rows", "wide")
 MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread at 4 warps
+# L2 prefetch of each program's first key tiles at its start (before griddepcontrol.wait under
+# PDL), at most PREFETCH_MAX_TILES, within PREFETCH_L2_BYTES over the programs resident at once
+PREFETCH = True
+PREFETCH_MAX_TILES = 8
+PREFETCH_L2_BYTES = 24 * 2**20
 FT_PIECES = True   # FT K tiles loaded as 16-byte-piece rows (kernel's _ft_k_tile), else per key
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
@@ -168,12 +173,13 @@ class DecodePlan:
         self.block_r = max(16, next_pow2(group * seqlen_q))
         self.merge = merge or MERGE_DEFAULT
         self.merge_rows = next_pow2(group * seqlen_q)   # the real rows, to a power of two
-        family = gpu_family(device)
+        family = self.family = gpu_family(device)
         # griddepcontrol exists from sm90; elsewhere (and in the interpreter) launches keep
         # plain stream order whatever was asked
         self.pdl = family == "sm90" and (PDL_DEFAULT if pdl is None else pdl)
         if num_sms is None:
             num_sms = device_num_sms(device)
+        self.num_sms = num_sms
         if not isinstance(num_splits, int) or num_splits < 0:
             raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
         self.config_given = config is not None
@@ -202,6 +208,19 @@ class DecodePlan:
             self.ws_acc = self.ws_ml = self.counters = torch.empty(1, dtype=torch.float32, device=device)
         self._no_lse = torch.empty(1, dtype=torch.float32, device=device)   # never written
         self._full_lens: dict[int, torch.Tensor] = {}   # cache_seqlens=None, built outside capture
+
+    def _prefetch_tiles(self, block_n, layout, page, elem_bytes, kv_heads, batch) -> int:
+        """Key tiles each program asks the L2 for at its start: none under the interpreter or off
+        sm90, nor for pages smaller than a tile; else its slice's first tiles, at most
+        ``PREFETCH_MAX_TILES``, so that the programs resident at once ask for at most
+        ``PREFETCH_L2_BYTES``."""
+        if not (PREFETCH and self.family == "sm90") or (layout == 1 and page % block_n):
+            return 0
+        programs = batch * kv_heads * self.num_splits
+        resident = max(1, min(programs, 2 * self.num_sms))
+        tile_bytes = 2 * block_n * self.head_dim * elem_bytes
+        slice_tiles = cdiv(cdiv(self.max_seqlen_k, self.num_splits), block_n)
+        return max(0, min(PREFETCH_MAX_TILES, slice_tiles, PREFETCH_L2_BYTES // (resident * tile_bytes)))
 
     def config_for(self, page_size: Optional[int]) -> DecodeConfig:
         """The tiles of a launch on a paged cache of ``page_size`` (None: contiguous): the plan's
@@ -264,7 +283,8 @@ class DecodePlan:
         vn = v if v is not None else q
         cfg = self.config_for(page if layout == 1 else None)
         block_n = cfg.BLOCK_N
-        wide = self.merge == "wide" and self.num_splits > 1   # else the merge constants stay 1: one compile
+        wide = self.merge == "wide" and self.num_splits > 1
+        prefetch = self._prefetch_tiles(block_n, layout, page, k_cache.element_size(), kv_heads, batch)   # else the merge constants stay 1: one compile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
             block_table if block_table is not None else cache_seqlens,
@@ -274,12 +294,13 @@ class DecodePlan:
             *sk, *sv, kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
             block_table.stride(0) if block_table is not None else 0,
             seqlen_q, n_new, heads // kv_heads, kv_heads,
-            qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val,
+            qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val, capacity,
+            k_cache.shape[0] if layout == 1 else 1,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
             BLOCK_R=self.block_r, BLOCK_NEW=max(16, next_pow2(n_new)),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(k_cache.dtype) if layout == 2 else 1, KV_FP8=fp8, SCALE_PER_HEAD=k_per_head is not None,
-            FT_PIECES=FT_PIECES and layout == 2,
+            FT_PIECES=FT_PIECES and layout == 2, PREFETCH_TILES=prefetch, LINE_ELEMS=128 // k_cache.element_size(),
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, **dot_options(q.dtype), PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
             MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
