@@ -248,7 +248,7 @@ def decode_attention_kernel(
     PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
     MERGE_CHUNK: tl.constexpr = 1, DOT_FP32: tl.constexpr = False,
     KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False, FT_PIECES: tl.constexpr = False,
-    PREFETCH_TILES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
+    PREFETCH_TILES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, FP8_F16: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -292,6 +292,8 @@ def decode_attention_kernel(
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+    elif FP8_F16:
+        q = q.to(tl.float16)
     if KV_FP8:
         # an e4m3 cache holds K/scale and V/scale: the tiles widen exactly to q's dtype, k's
         # scale joins the score scale and v's multiplies the output once (one pair per program:
