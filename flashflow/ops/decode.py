@@ -38,8 +38,7 @@ MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread a
 PREFETCH = False
 PREFETCH_MAX_TILES = 8
 PREFETCH_L2_BYTES = 24 * 2**20
-FT_PIECES = True
-FP8_F16 = False   # FT K tiles loaded as 16-byte-piece rows (kernel's _ft_k_tile), else per key
+FT_PIECES = True   # FT K tiles loaded as 16-byte-piece rows (kernel's _ft_k_tile), else per key
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
@@ -302,7 +301,6 @@ class DecodePlan:
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(k_cache.dtype) if layout == 2 else 1, KV_FP8=fp8, SCALE_PER_HEAD=k_per_head is not None,
             FT_PIECES=FT_PIECES and layout == 2, PREFETCH_TILES=prefetch, LINE_ELEMS=128 // k_cache.element_size(),
-            FP8_F16=FP8_F16 and fp8 and not dot_options(q.dtype).get("DOT_FP32", False),
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
             RETURN_LSE=return_lse, **dot_options(q.dtype), PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
             MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,

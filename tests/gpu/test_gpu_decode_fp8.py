@@ -140,3 +140,14 @@ def test_fp8_plan_graph_replays_append_steps():
         seqlens += 1
     assert torch.equal(args["k_cache"].float(), k_ref.float())
     assert torch.equal(args["v_cache"].float(), v_ref.float())
+
+
+def test_fp8_cache_bf16_queries_beyond_fp16_range():
+    """With an FP8 cache the dots run in fp16: a bf16 q past fp16's range (|q| ~ 1e5) is brought
+    in by a power-of-two scale folded into the score scale, not overflowed to inf."""
+    args, _ = _inputs([33, 3000], torch.bfloat16, 4096, n_new=1)
+    args["q"] = args["q"] * 1e5 / 64   # scores stay finite under the default softmax scale
+    args["q"][0, 0, 0, 0] = 2.0e5
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    out, lse = flashflow.flash_attn_with_kvcache(**args, return_lse=True)
+    _check(dict(args, k_cache=before[0], v_cache=before[1]), out, lse)
