@@ -8,10 +8,11 @@ is checked against the anchor's (relative error ≤ 1e-2, else it is reported an
 every provider is timed as CUDA-graph replays after a warm-up, in ``--rounds`` interleaved
 rounds (clocks drift with heat: each ratio is taken inside its round, then the median).
 
-Besides config fields, a few plan options vary like fields: ``num_splits``, ``merge``, ``pdl``
-(decode) and ``policy`` (mlp: which kernel and tile order). ``--mask`` times attention with an
-additive mask, from the shipped bias configs; ``--paged`` decode on a paged cache, from the
-page-sized tiles where those ship. The JSON goes to
+Besides config fields, a few plan options vary like fields: ``num_splits`` (decode) and
+``policy`` (mlp: which kernel and tile order). ``--mask`` times attention with an additive mask,
+from the shipped bias configs; ``--paged`` decode on a paged cache, from the page-sized tiles
+where those ship; ``--fp8`` decode on FP8 (e4m3) caches, from their configs (the anchor stays
+SDPA bf16 on the unquantized cache, within ``FP8_CACHE_TOLERANCE``). The JSON goes to
 ``--out/tune-OP-<device>.json``; the table printed last lists the best candidate per shape.
 """
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pathlib import Path
 TOLERANCE = 1e-2
 # FP8 attention is 8-bit on purpose: ~4% relative L2 against exact attention (docs/fp8.md)
 TOLERANCES = {"attention-fp8": 6e-2}
+# an FP8 KV cache against SDPA bf16 on the unquantized one: e4m3's 1/16 steps (docs/decode.md)
+FP8_CACHE_TOLERANCE = 3e-2
 
 # Default axes (field -> values) per op; a value equal to the shipped one is not a candidate.
 AXES = {
@@ -33,13 +36,13 @@ AXES = {
                   "num_stages": (2, 3, 4), "use_tma": (False, True), "warp_specialize": (False, True)},
     "attention-fp8": {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4),
                       "pv_fp32_sum": (False, True)},
-    "decode": {"BLOCK_N": (32, 64, 128), "num_stages": (2, 3, 4, 5), "num_splits": (1, 4, 8, 16, 32),
-               "merge": ("rows", "wide"), "pdl": (False, True)},
+    "decode": {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5),
+               "num_splits": (1, 2, 4, 8, 16, 32)},
     "mlp": {"policy": ("splitk", "seqsplit:8", "multirow:8", "halfrow"),
             "BLOCK_I": (64, 128), "BLOCK_N": (64, 128), "group": (0, 2, 4),
             "BLOCK_N1": (128, 256), "num_stages": (3, 4, 5), "use_tma": (False, True)},
 }
-PLAN_OPTIONS = {"attention": (), "attention-fp8": ("qk_format",), "decode": ("num_splits", "merge", "pdl"), "mlp": ("policy",)}
+PLAN_OPTIONS = {"attention": (), "attention-fp8": ("qk_format",), "decode": ("num_splits",), "mlp": ("policy",)}
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 
 
@@ -258,6 +261,12 @@ def _attention_fp8_case(s, args) -> Case:
     return Case(s.label, s.as_dict(), anchor, make, s.flops, 4, dataclasses.asdict(base))
 
 
+def _tolerance(args) -> float:
+    if args.op == "decode" and getattr(args, "fp8", False):
+        return FP8_CACHE_TOLERANCE
+    return TOLERANCES.get(args.op, TOLERANCE)
+
+
 def _decode_shapes(args):
     from flashflow.bench.decode import decode_shapes
 
@@ -290,13 +299,26 @@ def _decode_case(shape, args) -> Case:
     anchor = cycling(lambda i: anchors[i], copies)
     anchor.backend = anchors[0].backend
     table = None
+    fp8 = getattr(args, "fp8", False)
+    scales = {}
+    if fp8:
+        from flashflow.ops.decode import quantize_kv_cache
+        kc, ks = quantize_kv_cache(kc)
+        vc, vs = quantize_kv_cache(vc)
+        scales = {"k_scale": ks, "v_scale": vs}
+        nbytes = kv_bytes(b, s, hk, d, 1)
+        copies = rotation(nbytes, torch.cuda.get_device_properties(0).L2_cache_size)
+    kv_dtype = kc.dtype if fp8 else None
     if paged:
-        kc, vc, table = paged_copy(kc, vc, PAGE_SIZE, generator=g)
+        # pages of bytes: an FP8 tensor is copied as uint8 (index_put has no FP8 kernel)
+        kb, vb, table = paged_copy(kc.view(torch.uint8) if fp8 else kc, vc.view(torch.uint8) if fp8 else vc,
+                                   PAGE_SIZE, generator=g)
+        kc, vc = (kb.view(torch.float8_e4m3fn), vb.view(torch.float8_e4m3fn)) if fp8 else (kb, vb)
     caches = clones(kc, vc)
-    shipped = DecodePlan(b, h, hk, d, s, device="cuda")
+    shipped = DecodePlan(b, h, hk, d, s, device="cuda", kv_dtype=kv_dtype)
     # a paged cache may ship page-sized tiles: candidates start from what this launch runs
     base = shipped.config_for(PAGE_SIZE if paged else None)
-    plan_opts = {"num_splits": shipped.num_splits, "merge": shipped.merge, "pdl": shipped.pdl}
+    plan_opts = {"num_splits": shipped.num_splits}
 
     def make(ov):
         plan = shipped
@@ -306,12 +328,14 @@ def _decode_case(shape, args) -> Case:
             cfg = replace_fields(base, ov, PLAN_OPTIONS["decode"])
             opts = {**plan_opts, **{k: v for k, v in ov.items() if k in plan_opts}}
             try:
-                plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, **opts)
+                plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, kv_dtype=kv_dtype, **opts)
             except ValueError as e:
                 raise NotApplicable(str(e)) from e
-        return cycling(lambda i: lambda: plan.run(q, *caches[i], cache_seqlens=lens, block_table=table), copies)
-    label = f"b{b} s{s} h{h}/{hk} d{d}{' paged' if paged else ''}"
-    info = {"batch": b, "seqlen": s, "heads": h, "kv_heads": hk, "head_dim": d, "paged": paged, "copies": copies}
+        return cycling(lambda i: lambda: plan.run(q, *caches[i], cache_seqlens=lens, block_table=table, **scales),
+                       copies)
+    label = f"b{b} s{s} h{h}/{hk} d{d}{' paged' if paged else ''}{' fp8' if fp8 else ''}"
+    info = {"batch": b, "seqlen": s, "heads": h, "kv_heads": hk, "head_dim": d, "paged": paged, "fp8": fp8,
+            "copies": copies}
     return Case(label, info, anchor, make, nbytes, 16, {**dataclasses.asdict(base), **plan_opts})
 
 
@@ -497,6 +521,7 @@ def add_parser(subparsers) -> None:
                    help="attention: an additive float mask (SDPA's attn_mask) on the non-causal shapes; "
                         "sweeps the bias configs")
     p.add_argument("--paged", action="store_true", help="decode: also 64-token pages behind a shuffled table")
+    p.add_argument("--fp8", action="store_true", help="decode: FP8 (e4m3) caches with per-head scales")
     p.add_argument("--models", default="", help="mlp: comma list of the mlp suite's FFNs (none: all)")
     p.add_argument("--tokens", type=_int_list, default=(), metavar="M,M",
                    help="mlp: token counts (none: the mlp suite's)")
@@ -547,12 +572,11 @@ def main(args: argparse.Namespace) -> int:
     with progress(len(shapes) * args.rounds * (len(cands) + 1), f"tune {args.op}") as bar:
         for shape in shapes:
             case = case_of(shape, args)
-            rows.append(tune_case(case, cands, args.rounds, args.warmup, args.rep, bar,
-                                  TOLERANCES.get(args.op, TOLERANCE)))
+            rows.append(tune_case(case, cands, args.rounds, args.warmup, args.rep, bar, _tolerance(args)))
             del case   # its tensors, before the next shape allocates
             torch.cuda.empty_cache()
     result = {"suite": f"tune-{args.op}", **env, "dtype": "bfloat16", "unit": UNITS[args.op],
-              "tolerance": TOLERANCES.get(args.op, TOLERANCE), "candidates": cands, "rows": rows,
+              "tolerance": _tolerance(args), "candidates": cands, "rows": rows,
               "timing": {"rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
                          "return_mode": "median", "cuda_graph": True}}
     path = runner.write_result(result, args.out)

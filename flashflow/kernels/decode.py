@@ -16,29 +16,23 @@ The counter bump is an ``acq_rel`` atomic after a CTA barrier: the barrier order
 workspace stores before the releasing atomic; the acquire orders the merging program's loads
 after the other programs' releases (loads use ``.cg`` so no stale L1 line is read).
 
-``WIDE_MERGE`` (the plan's ``merge="wide"``): the last program merges over a (split, row, dim)
-tile of the real rows instead of the attention tile's row layout, so its loads issue in one
-round rather than a few splits at a time (:func:`_merge_wide`).
-
 New tokens (``k``/``v`` given) are attended from the inputs directly by the last split and written
 into the cache by that same program: nothing in the launch reads those cache rows, so there is
 no race between the append and the attention.
 
-``PDL`` (sm90+, the launch made programmatically dependent): the grid's launch and placement
-overlap the previous kernel's tail; ``griddepcontrol.wait`` comes before the first load, so
-what the op reads is what stream order gives. Each program releases its dependents once its
-K/V stream is done, so a following PDL launch (the next layer's projection, or the next decode
-step) overlaps this grid's merge and exit.
-
 ``KV_FP8``: the caches are ``float8_e4m3fn`` holding ``K / k_scale`` and ``V / v_scale``
 (per tensor: the float arguments; ``SCALE_PER_HEAD``: one float32 per KV head at
-``K_SCALE``/``V_SCALE``). The tiles widen exactly to q's dtype for the tensor cores; a program owns
-one KV head, so ``k_scale`` joins the score scale and ``v_scale`` multiplies its accumulator once.
+``K_SCALE``/``V_SCALE``). The tiles widen exactly to fp16 for the tensor cores (one conversion
+instruction per pair; widening to bf16 takes several, and ran 1.3-1.6x slower on the H100), q
+with them after a power-of-two scale where it exceeds fp16's range; a program owns one KV head,
+so ``k_scale`` joins the score scale and ``v_scale`` multiplies its accumulator once.
 The append quantizes the new K/V with :func:`flashflow.kernels.quant.round_e4m3` (nearest even,
 saturating at ±448) and attends them as stored. Bytes read halve.
 
 Cache layouts (``LAYOUT``): 0 contiguous ``(b, s, hk, d)``; 1 paged ``(blocks, page, hk, d)``
-through ``block_table``; 2 FasterTransformer: K ``(b, hk, d/x, s, x)``, V ``(b, hk, s, d)``.
+through ``block_table``; 2 FasterTransformer: K ``(b, hk, d/x, s, x)``, V ``(b, hk, s, d)``. An FT K
+tile is loaded as it lies (:func:`_ft_k_tile`: one row of ``BLOCK_N · x`` contiguous elements per
+16-byte channel piece, regrouped on chip); loaded key by key it ran at 0.84-0.88x of contiguous.
 
 Bytes: every program reads its K/V slice once: ``2 · batch · kv_heads · seqlen · d · 2`` bytes
 in bf16, the floor of the whole op; FLOPs (4 · heads · seqlen · d per token) are negligible.
@@ -48,7 +42,6 @@ The softmax, its merge and the key mask are the prefill kernel's (:mod:`flashflo
 """
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashflow.kernels.mask import key_allowed, window_start
 from flashflow.kernels.quant import round_e4m3
@@ -111,36 +104,6 @@ def _split_bounds(cache_len, n_new, seqlen_q, split, window_left, HAS_LEFT: tl.c
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """``prefetch.global.L2`` of the line holding each address: no register is written."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tile(KC, VC, BT, b, kvh, tile_start, end, page, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
-                   HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   LAYOUT: tl.constexpr, FT_X: tl.constexpr, BLOCK_N: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """L2 prefetches of every 128-byte line of the K and V tile of keys ``tile_start ..`` (keys
-    past ``end`` clamped onto the last one: every address lies in the sequence's cache)."""
-    offs_n = tl.minimum(tile_start + tl.arange(0, BLOCK_N), end - 1)
-    LINES: tl.constexpr = HEAD_DIM_PAD // LINE_ELEMS if HEAD_DIM_PAD >= LINE_ELEMS else 1
-    offs_l = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, HEAD_DIM - 1)
-    k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, tile_start, page, offs_n, offs_l, offs_n < end, sk0, sk1, sk2,
-                              sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, LAYOUT == 1, BLOCK_N)
-    if LAYOUT == 2:
-        # K's 16-byte pieces of one channel group lie key after key: a line holds 128 / 16 keys
-        PIECES: tl.constexpr = HEAD_DIM // FT_X
-        PER_LINE: tl.constexpr = LINE_ELEMS // FT_X
-        offs_c = tl.arange(0, HEAD_DIM_PAD // FT_X)
-        offs_k = tl.minimum(tile_start + tl.arange(0, BLOCK_N // PER_LINE) * PER_LINE, end - 1)
-        k_ptrs = (KC + b.to(tl.int64) * sk0 + kvh * sk1 + tl.minimum(offs_c, PIECES - 1)[:, None].to(tl.int64) * sk2
-                  + offs_k[None, :] * FT_X)
-    _prefetch_l2(k_ptrs)
-    _prefetch_l2(v_ptrs)
-
-
-@triton.jit
 def _ft_k_tile(KC, b, kvh, start_n, end, sk0, sk1, sk2, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
                BLOCK_N: tl.constexpr, FT_X: tl.constexpr):
     """The K tile ``(BLOCK_N, HEAD_DIM_PAD)`` of keys ``start_n ..`` from the FT layout, loaded as
@@ -186,98 +149,24 @@ def _store_rows(O, LSE, acc, l_i, m_i, b, row_head, row_tok, row_valid, offs_d, 
 
 
 @triton.jit
-def _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, so_s, so_h, sl_b, sl_h, sl_s,
-                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                NUM_SPLITS: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_CHUNK: tl.constexpr,
-                RETURN_LSE: tl.constexpr):
-    """The last arriver's merge over a (split, row, dim) tile: every thread loads real partials.
-
-    In the row layout of the attention tile (``BLOCK_R`` ≥ 16 rows, GQA 32/8 fills 4), only the
-    threads that own real rows load, and each split's partial costs a dependent L2 round trip
-    once the registers run out (at 16 splits the sm90 build issued them two or three at a time).
-    Here the real rows only (``MERGE_ROWS``, the next power of two of group × seqlen_q) of
-    ``MERGE_CHUNK`` splits are one tensor, spread over all threads: a chunk's loads (maxima,
-    sums and partials) issue together. The plan makes one chunk of every split where they hold
-    at most 8192 values (64 registers a thread at 4 warps; 1 × 8k GQA: 16 splits × 4 rows ×
-    128, one round of loads), else chunks of 2048 values, rescaled online from one to the next.
-    """
-    offs_r = tl.arange(0, MERGE_ROWS)
-    row_tok = offs_r // kv_group
-    row_head = kvh * kv_group + offs_r % kv_group
-    row_valid = row_tok < seqlen_q
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_c = tl.arange(0, MERGE_CHUNK)
-    m_tot = tl.full([MERGE_ROWS], float("-inf"), dtype=tl.float32)
-    l_tot = tl.zeros([MERGE_ROWS], dtype=tl.float32)
-    acc_tot = tl.zeros([MERGE_ROWS, HEAD_DIM_PAD], dtype=tl.float32)
-    # one pass, online: a chunk's maxima, sums and partials are loaded together (no round trip
-    # for the maxima first) and what came before is rescaled to the new maximum
-    for c in tl.static_range(0, NUM_SPLITS, MERGE_CHUNK):
-        piece = first + c + offs_c
-        rs_mask = ((c + offs_c) < NUM_SPLITS)[:, None] & row_valid[None, :]
-        m_c = tl.load(WS_ML + piece[:, None] * (2 * BLOCK_R) + offs_r[None, :], mask=rs_mask,
-                      other=float("-inf"), cache_modifier=".cg")
-        l_c = tl.load(WS_ML + piece[:, None] * (2 * BLOCK_R) + BLOCK_R + offs_r[None, :], mask=rs_mask,
-                      other=0.0, cache_modifier=".cg")
-        part = tl.load(WS_ACC + piece[:, None, None] * (BLOCK_R * HEAD_DIM_PAD)
-                       + offs_r[None, :, None] * HEAD_DIM_PAD + offs_d[None, None, :],
-                       mask=rs_mask[:, :, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m_tot, tl.max(m_c, 0))
-        m_shift = shift_of(m_new)
-        alpha = tl.math.exp2(m_tot - m_shift)
-        w = tl.math.exp2(m_c - m_shift[None, :])
-        l_tot = l_tot * alpha + tl.sum(w * l_c, 0)
-        acc_tot = acc_tot * alpha[:, None] + tl.sum(w[:, :, None] * part, 0)
-        m_tot = m_new
-    _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
-                so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
-
-
-@triton.jit
 def decode_attention_kernel(
     Q, KC, VC, KNEW, VNEW, O, LSE, CACHE_SEQLENS, BT, WS_ACC, WS_ML, COUNTERS, K_SCALE, V_SCALE,
     sq_b, sq_s, sq_h, so_b, so_s, so_h, sl_b, sl_h, sl_s,
     sk0, sk1, sk2, sv0, sv1, sv2, skn_b, skn_s, skn_h, svn_b, svn_s, svn_h, stride_bt,
     seqlen_q, n_new, kv_group, num_kv_heads,
-    qk_scale_log2, softcap, window_left, window_right, k_scale, v_scale, capacity, num_pages,
+    qk_scale_log2, softcap, window_left, window_right, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_NEW: tl.constexpr, NUM_SPLITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, FT_X: tl.constexpr,
     HAS_NEW: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr = False, WIDE_MERGE: tl.constexpr = False, MERGE_ROWS: tl.constexpr = 1,
-    MERGE_CHUNK: tl.constexpr = 1, DOT_FP32: tl.constexpr = False,
-    KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False, FT_PIECES: tl.constexpr = False,
-    PREFETCH_TILES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64,
+    DOT_FP32: tl.constexpr = False, KV_FP8: tl.constexpr = False, SCALE_PER_HEAD: tl.constexpr = False,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // num_kv_heads
     kvh = bh % num_kv_heads
     bt_row = BT + b * stride_bt
-    if PREFETCH_TILES > 0:
-        # ask the L2 for this program's first tiles before anything else, and before
-        # griddepcontrol.wait under PDL (the previous kernel's tail then overlaps the DRAM
-        # latency of this one's start). The bounds come from lengths and pages read before the
-        # wait, which a previous kernel may still be writing: they are clamped into the cache,
-        # and only serve as hints (nothing is loaded into registers; the L2 is where every
-        # SM's writes land, so an early line is not a stale one)
-        hint_len = tl.minimum(tl.maximum(tl.load(CACHE_SEQLENS + b), 0), capacity - n_new)
-        p_start, p_end = _split_bounds(hint_len, n_new, seqlen_q, split, window_left, HAS_LEFT, BLOCK_N, NUM_SPLITS)
-        for t in tl.static_range(PREFETCH_TILES):
-            tile = p_start + t * BLOCK_N
-            if tile < p_end:
-                page = 0
-                if LAYOUT == 1:
-                    page = tl.minimum(tl.maximum(tl.load(bt_row + tile // PAGE_SIZE), 0), num_pages - 1)
-                _prefetch_tile(KC, VC, BT, b, kvh, tile, p_end, page, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
-                               HEAD_DIM, HEAD_DIM_PAD, PAGE_SIZE, LAYOUT, FT_X, BLOCK_N, LINE_ELEMS)
-    if PDL:
-        # launched programmatically dependent (sm90+): this grid may start while the previous
-        # one (which may write q, k/v, cache_seqlens, the block table or the cache) is still
-        # running; wait until it has completed and its writes are visible, before any load
-        gdc_wait()
-
     cache_len = tl.load(CACHE_SEQLENS + b)   # tokens already in the cache
     total = cache_len + n_new                # keys after the append
 
@@ -333,7 +222,7 @@ def decode_attention_kernel(
         k_ptrs, v_ptrs = _kv_ptrs(KC, VC, BT, b, kvh, start_n, page, offs_n, offs_d, valid_n, sk0, sk1, sk2,
                                   sv0, sv1, sv2, stride_bt, PAGE_SIZE, LAYOUT, FT_X, page_aligned, BLOCK_N)
         kv_mask = valid_n[:, None] & d_valid[None, :]
-        if LAYOUT == 2 and FT_PIECES:
+        if LAYOUT == 2:
             k = _ft_k_tile(KC, b, kvh, start_n, end, sk0, sk1, sk2, HEAD_DIM, HEAD_DIM_PAD, BLOCK_N, FT_X)
         else:
             k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
@@ -346,12 +235,6 @@ def decode_attention_kernel(
             v = v.to(q.dtype)
         acc, l_i, m_i = _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softcap,
                                 window_left, window_right, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, DOT_PRECISION)
-    if PDL:
-        # this program's stream is done: once every program got here (or exited), a dependent
-        # launch may place its programs; they wait in griddepcontrol.wait until this grid has
-        # completed (append and merge included), so the trigger's place affects only timing
-        gdc_launch_dependents()
-
     if HAS_NEW:
         if split == NUM_SPLITS - 1:
             # the new tokens: attend them from the inputs, and append them to the cache
@@ -400,15 +283,10 @@ def decode_attention_kernel(
         arrived = tl.atomic_add(COUNTERS + bh, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
             first = bh.to(tl.int64) * NUM_SPLITS
-            if WIDE_MERGE:
-                _merge_wide(O, LSE, WS_ACC, WS_ML, first, b, kvh, kv_group, seqlen_q, so_b, so_s, so_h,
-                            sl_b, sl_h, sl_s, HEAD_DIM, HEAD_DIM_PAD, BLOCK_R, NUM_SPLITS, MERGE_ROWS,
-                            MERGE_CHUNK, RETURN_LSE)
-            else:
-                acc_tot, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, bh.to(tl.int64), offs_r, offs_d, row_valid, BLOCK_R,
-                                                       HEAD_DIM_PAD, NUM_SPLITS, True, ".cg")
-                _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
-                            so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
+            acc_tot, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, bh.to(tl.int64), offs_r, offs_d, row_valid, BLOCK_R,
+                                                   HEAD_DIM_PAD, NUM_SPLITS, True, ".cg")
+            _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,
+                        so_b, so_s, so_h, sl_b, sl_h, sl_s, HEAD_DIM, RETURN_LSE)
             tl.atomic_xchg(COUNTERS + bh, 0)  # ready for the next launch / graph replay
 
 

@@ -25,25 +25,10 @@ from flashflow.ops.validate import (check_head_dim, check_heads, check_no_grad, 
 from flashflow.tuning.decode import DecodeConfig, decode_config
 
 KV_LAYOUTS = ("NHD", "FT")
-# programmatic dependent launch when a plan leaves ``pdl`` unset: off, plain stream order
-PDL_DEFAULT = False
-# how the last program of a split (sequence, KV head) merges the partials: "rows" in the attention
-# tile's row layout, or "wide" over a (split, row, dim) tile that spreads the real rows' loads
-# over every thread so they issue in one round (see the kernel's _merge_wide)
-MERGE_DEFAULT = "rows"
-MERGES = ("rows", "wide")
-MERGE_CHUNK_VALUES = 8192   # values of one merge chunk: 64 registers a thread at 4 warps
-# L2 prefetch of each program's first key tiles at its start (before griddepcontrol.wait under
-# PDL), at most PREFETCH_MAX_TILES, within PREFETCH_L2_BYTES over the programs resident at once
-PREFETCH = False
-PREFETCH_MAX_TILES = 8
-PREFETCH_L2_BYTES = 24 * 2**20
-FT_PIECES = True   # FT K tiles loaded as 16-byte-piece rows (kernel's _ft_k_tile), else per key
-MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
-
-
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
+KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_CACHE_DTYPE)
+MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 
 
 def _ft_x(dtype: torch.dtype) -> int:
@@ -67,17 +52,29 @@ def check_kv_scale(name: str, scale, kv_heads: int, device) -> tuple[float, Opti
 
 
 def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
-                         max_splits: int = 32) -> int:
+                         max_splits: int = 32, kv_fp8: bool = False) -> int:
     """About one program per SM, each with >= 2 key blocks; no split once the (sequence, KV
     head) pairs alone fill three quarters of the SMs.
 
     One program per (sequence, KV head) leaves most SMs idle at small batch (8 programs for one
     sequence of Llama-3-8B on 132 SMs); splitting the sequence fills them. More splits than SMs
     only add partials to merge: on the H100 1×8k ran best at 16 splits, not 32.
+
+    An FP8 cache (``kv_fp8``) costs a program more work per byte (the tiles are widened on
+    chip), so it takes about two programs per SM, at most 16 splits, and no split from 1.5
+    programs per SM on: on the H100 8 × 8k GQA ran best at 4-6 splits (1.67x cuDNN bf16
+    against 1.35x at 2), 16 × 16k at 2 (1.83x against 1.29x unsplit), 32 × 4k unsplit.
     """
-    if batch_kv_heads == 0 or 4 * batch_kv_heads >= 3 * num_sms:
+    if batch_kv_heads == 0:
         return 1
     n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
+    if kv_fp8:
+        if 2 * batch_kv_heads >= 3 * num_sms:
+            return 1
+        want = max(1, round(2 * num_sms / batch_kv_heads))
+        return max(1, min(want, n_blocks // 2, 16))
+    if 4 * batch_kv_heads >= 3 * num_sms:
+        return 1
     want = max(1, num_sms // batch_kv_heads)
     return max(1, min(want, n_blocks // 2, max_splits))
 
@@ -146,18 +143,17 @@ class DecodePlan:
 
     Build it once per (batch, heads, kv_heads, head_dim, capacity, seqlen_q) and call
     :meth:`run` every decode step, also inside CUDA-graph capture: the workspace is fixed and
-    the merge counters are reset by the kernel itself.
+    the merge counters are reset by the kernel itself. ``kv_dtype``: the caches' dtype where it
+    is ``torch.float8_e4m3fn`` (an FP8 cache takes more splits and its own tiles; a plan runs
+    the kind of cache it was made for); None or a 16/32-bit dtype otherwise.
     """
 
     def __init__(self, batch: int, heads: int, kv_heads: int, head_dim: int, max_seqlen_k: int, *,
                  seqlen_q: int = 1, device="cuda", num_splits: int = 0, num_sms: Optional[int] = None,
-                 config: Optional[DecodeConfig] = None, pdl: Optional[bool] = None,
-                 merge: Optional[str] = None):
+                 config: Optional[DecodeConfig] = None, kv_dtype: Optional[torch.dtype] = None):
         device = torch.device(device)
-        if pdl is not None and not isinstance(pdl, bool):
-            raise TypeError(f"pdl must be True, False or None (the default), got {pdl!r}")
-        if merge is not None and merge not in MERGES:
-            raise ValueError(f"merge must be one of {MERGES} or None (the default), got {merge!r}")
+        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
+            raise TypeError(f"kv_dtype must be None (q's dtype) or one of {KV_DTYPES}, got {kv_dtype!r}")
         for name, value, least in (("batch", batch, 0), ("seqlen_q", seqlen_q, 0), ("max_seqlen_k", max_seqlen_k, 0)):
             if not isinstance(value, int) or value < least:
                 raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
@@ -171,33 +167,20 @@ class DecodePlan:
         self.seqlen_q, self.max_seqlen_k = seqlen_q, max_seqlen_k
         self.head_dim_pad = _head_dim_pad(head_dim)
         self.block_r = max(16, next_pow2(group * seqlen_q))
-        self.merge = merge or MERGE_DEFAULT
-        self.merge_rows = next_pow2(group * seqlen_q)   # the real rows, to a power of two
-        family = self.family = gpu_family(device)
-        # griddepcontrol exists from sm90; elsewhere (and in the interpreter) launches keep
-        # plain stream order whatever was asked
-        self.pdl = family == "sm90" and (PDL_DEFAULT if pdl is None else pdl)
+        self.kv_fp8 = kv_dtype == FP8_CACHE_DTYPE
+        family = gpu_family(device)
         if num_sms is None:
             num_sms = device_num_sms(device)
-        self.num_sms = num_sms
         if not isinstance(num_splits, int) or num_splits < 0:
             raise ValueError(f"num_splits must be an int >= 0 (0 = heuristic), got {num_splits!r}")
         self.config_given = config is not None
         # the tiles for a contiguous cache; a paged one may take page-sized tiles (config_for)
         self._lookup = dict(family=family, head_dim_pad=self.head_dim_pad, programs=batch * kv_heads,
                             num_sms=num_sms, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
-        self.config = config or decode_config(**self._lookup)
+        self.config = config or decode_config(**self._lookup, kv_fp8=self.kv_fp8)
         self._page_configs: dict[int, DecodeConfig] = {}
         self.num_splits = num_splits or num_splits_heuristic(batch * kv_heads, max_seqlen_k, num_sms,
-                                                             self.config.BLOCK_N)
-        # "wide": every split in one chunk where it holds <= 8192 values (one round of loads,
-        # 64 registers a thread at 4 warps: 1 × 8k GQA is 16 × 4 × 128); else chunks of 2048
-        # values, as ptxas keeps several chunks' loads in flight (8192-value chunks took the
-        # kernel to 228-255 registers where 2048 kept it near the row merge's; sm90 build)
-        row_values = self.merge_rows * self.head_dim_pad
-        splits_pad = next_pow2(self.num_splits)
-        self.merge_chunk = splits_pad if splits_pad * row_values <= MERGE_CHUNK_VALUES \
-            else max(1, MERGE_CHUNK_VALUES // 4 // row_values)
+                                                             self.config.BLOCK_N, kv_fp8=self.kv_fp8)
         n = batch * kv_heads
         if self.num_splits > 1:
             self.ws_acc = torch.empty((n, self.num_splits, self.block_r, self.head_dim_pad),
@@ -209,19 +192,6 @@ class DecodePlan:
         self._no_lse = torch.empty(1, dtype=torch.float32, device=device)   # never written
         self._full_lens: dict[int, torch.Tensor] = {}   # cache_seqlens=None, built outside capture
 
-    def _prefetch_tiles(self, block_n, layout, page, elem_bytes, kv_heads, batch) -> int:
-        """Key tiles each program asks the L2 for at its start: none under the interpreter or off
-        sm90, nor for pages smaller than a tile; else its slice's first tiles, at most
-        ``PREFETCH_MAX_TILES``, so that the programs resident at once ask for at most
-        ``PREFETCH_L2_BYTES``."""
-        if not (PREFETCH and self.family == "sm90") or (layout == 1 and page % block_n):
-            return 0
-        programs = batch * kv_heads * self.num_splits
-        resident = max(1, min(programs, 2 * self.num_sms))
-        tile_bytes = 2 * block_n * self.head_dim * elem_bytes
-        slice_tiles = cdiv(cdiv(self.max_seqlen_k, self.num_splits), block_n)
-        return max(0, min(PREFETCH_MAX_TILES, slice_tiles, PREFETCH_L2_BYTES // (resident * tile_bytes)))
-
     def config_for(self, page_size: Optional[int]) -> DecodeConfig:
         """The tiles of a launch on a paged cache of ``page_size`` (None: contiguous): the plan's
         ``config`` if one was given, else :func:`flashflow.tuning.decode.decode_config`'s."""
@@ -229,7 +199,8 @@ class DecodePlan:
             return self.config
         cfg = self._page_configs.get(page_size)
         if cfg is None:
-            cfg = self._page_configs[page_size] = decode_config(**self._lookup, page_size=page_size)
+            cfg = self._page_configs[page_size] = decode_config(**self._lookup, page_size=page_size,
+                                                                 kv_fp8=self.kv_fp8)
         return cfg
 
     def run(self, q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
@@ -239,6 +210,9 @@ class DecodePlan:
         _check_decode_inputs(q, k, v, k_cache, v_cache)
         capacity, kv_heads, page, layout = _cache_geometry(q, k_cache, v_cache, block_table, kv_layout)
         fp8 = k_cache.dtype == FP8_CACHE_DTYPE
+        if fp8 != self.kv_fp8:
+            raise ValueError(f"this plan is for {'an FP8' if self.kv_fp8 else 'a 16/32-bit'} cache (kv_dtype); got "
+                             f"{k_cache.dtype} caches: plan with kv_dtype={k_cache.dtype}")
         if not fp8 and (k_scale is not None or v_scale is not None):
             raise ValueError(f"k_scale/v_scale apply to {FP8_CACHE_DTYPE} caches only; this cache is "
                              f"{k_cache.dtype}")
@@ -283,8 +257,6 @@ class DecodePlan:
         vn = v if v is not None else q
         cfg = self.config_for(page if layout == 1 else None)
         block_n = cfg.BLOCK_N
-        wide = self.merge == "wide" and self.num_splits > 1
-        prefetch = self._prefetch_tiles(block_n, layout, page, k_cache.element_size(), kv_heads, batch)   # else the merge constants stay 1: one compile
         decode_attention_kernel[(self.num_splits, batch * kv_heads)](
             q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
             block_table if block_table is not None else cache_seqlens,
@@ -294,16 +266,13 @@ class DecodePlan:
             *sk, *sv, kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
             block_table.stride(0) if block_table is not None else 0,
             seqlen_q, n_new, heads // kv_heads, kv_heads,
-            qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val, capacity,
-            k_cache.shape[0] if layout == 1 else 1,
+            qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val,
             HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
             BLOCK_R=self.block_r, BLOCK_NEW=max(16, next_pow2(n_new)),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(k_cache.dtype) if layout == 2 else 1, KV_FP8=fp8, SCALE_PER_HEAD=k_per_head is not None,
-            FT_PIECES=FT_PIECES and layout == 2, PREFETCH_TILES=prefetch, LINE_ELEMS=128 // k_cache.element_size(),
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-            RETURN_LSE=return_lse, **dot_options(q.dtype), PDL=self.pdl, WIDE_MERGE=wide, MERGE_ROWS=self.merge_rows if wide else 1,
-            MERGE_CHUNK=self.merge_chunk if wide else 1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=self.pdl,
+            RETURN_LSE=return_lse, **dot_options(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return (out, lse) if return_lse else out
 
@@ -313,7 +282,7 @@ _EAGER_PLANS_MAX = 16
 _EAGER_PLANS_LOCK = threading.Lock()
 
 
-def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, num_splits, pdl=None) -> DecodePlan:
+def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, num_splits, kv_dtype) -> DecodePlan:
     """The plan of a call that passed none, kept per (layout, device, stream) for the next call:
     its workspace and counters are reused instead of three allocations and the counters' memset
     per call. Reuse on one stream is ordered, and every launch leaves the counters at zero; an
@@ -322,15 +291,15 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
     cache may drop."""
     if capturing(device):
         return DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
-                          num_splits=num_splits, pdl=pdl)
+                          num_splits=num_splits, kv_dtype=kv_dtype)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    pdl = PDL_DEFAULT if pdl is None else pdl   # None and the default's value share one plan
-    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, pdl, str(device), stream)
+    fp8 = kv_dtype == FP8_CACHE_DTYPE   # the 16/32-bit caches share one plan
+    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, fp8, str(device), stream)
     with _EAGER_PLANS_LOCK:
         plan = _EAGER_PLANS.get(key)
         if plan is None:
             plan = DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
-                              num_splits=num_splits, pdl=pdl)
+                              num_splits=num_splits, kv_dtype=kv_dtype)
             _EAGER_PLANS[key] = plan
             if len(_EAGER_PLANS) > _EAGER_PLANS_MAX:
                 _EAGER_PLANS.popitem(last=False)
@@ -340,10 +309,11 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
 
 
 def plan_decode(batch, heads, kv_heads, head_dim, max_seqlen_k, *, seqlen_q=1, device="cuda", num_splits=0,
-                pdl=None, merge=None):
-    """Plan a decode step (see :class:`DecodePlan`)."""
+                kv_dtype=None):
+    """Plan a decode step (see :class:`DecodePlan`); ``kv_dtype=torch.float8_e4m3fn`` for an FP8
+    cache (its split count and tiles differ)."""
     return DecodePlan(batch, heads, kv_heads, head_dim, max_seqlen_k, seqlen_q=seqlen_q, device=device,
-                      num_splits=num_splits, pdl=pdl, merge=merge)
+                      num_splits=num_splits, kv_dtype=kv_dtype)
 
 
 def _check_decode_inputs(q, k, v, k_cache, v_cache):
@@ -427,8 +397,8 @@ def _check_values(cache_seqlens, n_new, capacity, block_table, num_blocks, page,
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
                             softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
-                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None, pdl=None,
-                            k_scale=None, v_scale=None):
+                            num_splits=0, return_lse=False, kv_layout="NHD", plan=None, k_scale=None,
+                            v_scale=None):
     """Attention of a few query tokens against a KV cache, FlashAttention's ``flash_attn_with_kvcache``.
 
     Args:
@@ -451,9 +421,6 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
             one, the lengths and the pages each sequence uses are checked on the device and read
             back once (skipped while a CUDA graph is captured), and the plan is taken from a
             small cache per (layout, device, stream).
-        pdl: launch programmatically dependent on the previous kernel (sm90+; ignored elsewhere):
-            the grid is placed while that kernel ends and waits for it before its first load.
-            None: ``PDL_DEFAULT``. With ``plan``, the plan's setting is used.
         k_scale, v_scale: the dequantization scales of an FP8 cache (``k_cache``/``v_cache`` in
             ``torch.float8_e4m3fn``, read as ``cache · scale``; q, k, v and the output stay
             float16/bfloat16): a Python float (per tensor) or a float32 tensor ``(kv_heads,)`` (per
@@ -471,7 +438,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, cache_seqlens=N
         if cache_seqlens is not None and not isinstance(cache_seqlens, int):
             _seqlens_tensor(cache_seqlens, batch, 0, q.device)   # its form, before its values are read
         _check_values(cache_seqlens, n_new, capacity, block_table, k_cache.shape[0], page, batch)
-        plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits, pdl)
+        plan = _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, q.device, num_splits,
+                           k_cache.dtype)
     return plan.run(q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
                     softcap, return_lse, kv_layout, k_scale=k_scale, v_scale=v_scale)
 

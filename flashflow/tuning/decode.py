@@ -33,13 +33,14 @@ def shipped_entries(family: Optional[str] = None) -> list[dict]:
 
 @functools.lru_cache(maxsize=None)
 def decode_config(family: str, head_dim_pad: int, *, programs: int = 1, num_sms: int = 1,
-                  max_seqlen_k: int = 0, num_splits: int = 0, page_size: Optional[int] = None) -> DecodeConfig:
+                  max_seqlen_k: int = 0, num_splits: int = 0, page_size: Optional[int] = None,
+                  kv_fp8: bool = False) -> DecodeConfig:
     """The shipped tiles of a decode launch on ``family`` (:func:`flashflow.device.gpu_family`).
 
     ``programs``: (sequence, KV head) pairs; ``num_sms`` of the GPU; ``max_seqlen_k``: the cache
     capacity; ``num_splits``: the split count asked for (0 = the heuristic's); ``page_size``: the
-    page of a paged cache (None: contiguous). The rules (long streams, small pages) and their
-    numbers are ``decode.json``'s (its ``_doc``).
+    page of a paged cache (None: contiguous); ``kv_fp8``: an FP8 cache. The rules (FP8 caches,
+    long streams, small pages) and their numbers are ``decode.json``'s (its ``_doc``).
     """
     if family not in families(TABLE):
         raise ValueError(f"no decode configs for GPU family {family!r}; known: {', '.join(families(TABLE))}")
@@ -49,7 +50,8 @@ def decode_config(family: str, head_dim_pad: int, *, programs: int = 1, num_sms:
     long_stream = (num_splits in (0, 1) and programs > num_sms
                    and max_seqlen_k >= rules["long_stream"]["min_seqlen_k"])
     for entry in rules[family]:
-        if head_dim_pad <= entry["head_dim_max"] and entry.get("long_stream") in (None, long_stream):
+        if head_dim_pad <= entry["head_dim_max"] and entry.get("long_stream") in (None, long_stream) \
+                and entry.get("kv_fp8") in (None, kv_fp8) and programs <= entry.get("programs_max", programs):
             cfg = DecodeConfig(entry["BLOCK_N"], entry["num_warps"], entry["num_stages"])
             break
     else:

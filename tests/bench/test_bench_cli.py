@@ -271,6 +271,45 @@ def test_decode_bench_paged_copy_reads_back_the_cache():
     assert torch.equal(vp[table.long()].reshape(2, 64, 3, 8), v)
 
 
+def test_decode_bench_quick_shapes_hold_the_serving_points_once():
+    from flashflow.bench.decode import decode_shapes
+
+    for quick in (True, False):
+        shapes = decode_shapes(quick)
+        assert len(set(shapes)) == len(shapes)
+        for b, s in ((1, 2048), (1, 8192), (1, 32768), (8, 8192), (16, 16384)):
+            assert (b, s, 32, 8, 128) in shapes, (quick, b, s)
+    assert {(1, 1024, 32, 8, 128), (32, 4096, 32, 8, 128), (1, 8192, 32, 32, 128)} <= set(decode_shapes(True))
+
+
+def test_decode_bench_table_adds_the_append_and_fp8_columns_only_where_rows_have_them():
+    from flashflow.bench.decode import markdown_table
+
+    base = {"batch": 1, "seqlen": 8192, "heads": 32, "kv_heads": 8, "head_dim": 128, "kv_mbytes": 33.6,
+            "num_splits": 16, "cache_copies": 5, "vs_cudnn": 1.2, "pct_ceiling": 60.0, "paged_vs_contig": 0.98,
+            "paged_ordered_vs_contig": 0.99, "graph_us": {"flashflow": 20.0}, "eager_us": {"flashflow": 30.0},
+            "tbs": {"flashflow": 1.7, "flashflow-paged": 1.66, "sdpa-cudnn": 1.4, "sdpa-flash": 1.1}}
+    new = {**base, "splits_fp8": 8, "ft_vs_contig": 0.95, "fp8_vs_cudnn": 2.1, "fp8_rel_err_vs_bf16": 0.0213,
+           "fp8_bytes_ratio": 0.5,
+           "tbs": {**base["tbs"], "flashflow-append": 1.65, "flashflow-paged-append": 1.6,
+                   "flashflow-ft-append": 1.57, "flashflow-fp8-append": 1.5, "flashflow-fp8-paged-append": 1.45,
+                   "flashflow-fp8-ft-append": 1.4}}
+    oom = {k: base[k] for k in ("batch", "seqlen", "heads", "kv_heads", "head_dim", "kv_mbytes")}
+    head = {"read_ceiling_tbs": 3.0, "graph_steps": 16}
+    old = markdown_table({**head, "rows": [base, {**oom, "error": "OOM"}]})
+    assert "append" not in old and len(old.splitlines()) == 6    # an older result: one table, as before
+    lines = markdown_table({**head, "rows": [new, {**oom, "error": "OOM"}, {**base, "batch": 4}]}).splitlines()
+    assert lines[:5] == old.splitlines()[:5] and "OOM" in lines[5]   # the first table is unchanged
+    header = next(i for i, line in enumerate(lines) if "FT+append TB/s" in line)
+    for col in ("append TB/s", "FT ÷ contig", "FP8+append TB/s", "FP8 ÷ cuDNN (speedup)", "FP8 rel err"):
+        assert col in lines[header]
+    assert len(lines) == header + 3                               # only the row that has the providers
+    assert lines[-1] == ("| 1 | 8192 | 32/8 | 16 (8) | 1.65 | 1.60 | 1.57 | 0.95 | 1.50 | 1.45 | 1.40 | 2.10 "
+                         "| 0.0213 |")
+    cells = [len(line.split("|")) for line in lines[header:]]
+    assert len(set(cells)) == 1
+
+
 # ---------------------------------------------------------------------------- the other suites
 
 

@@ -1,7 +1,6 @@
 """Decode attention on the GPU, bf16 and fp16 against float64: contiguous, paged and FT caches,
 in-kernel append, ragged lengths, window, softcap, explicit configs over rows past the end that
-hold NaN, plan/run under CUDA-graph replay, programmatic dependent launches back to back, and the
-wide split merge."""
+hold NaN, plan/run under CUDA-graph replay, and appending steps back to back."""
 import pytest
 import torch
 
@@ -15,10 +14,10 @@ DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, i
 
 
 def _case(lens, heads=32, kv_heads=8, d=128, capacity=4096, seqlen_q=1, n_new=0, page=None, causal=True,
-          window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", config=None, poison=False, merge=None):
+          window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", config=None, poison=False):
     return dict(lens=lens, heads=heads, kv_heads=kv_heads, d=d, capacity=capacity, seqlen_q=seqlen_q,
                 n_new=n_new, page=page, causal=causal, window=window, softcap=softcap, num_splits=num_splits,
-                kv_layout=kv_layout, config=config, poison=poison, merge=merge)
+                kv_layout=kv_layout, config=config, poison=poison)
 
 
 CASES = {
@@ -37,17 +36,14 @@ CASES = {
     # more (sequence, KV head) programs than SMs, long streams: the 128-token-tile config
     "many-programs": _case([4096, 1, 3000, 17] * 5),
     "many-programs-paged": _case([4096, 1, 3000, 17] * 5, page=64),
-    # the wide split merge: one chunk (GQA 4 rows, 16 splits), chunks (16 rows; d 256), MHA,
-    # paged, append, window (empty splits), FT
-    "wide-16splits": _case([1, 17, 4000], num_splits=16, merge="wide"),
-    "wide-13splits": _case([1, 17, 4000], num_splits=13, merge="wide"),
-    "wide-append-sq4": _case([7, 4000], n_new=4, seqlen_q=4, num_splits=16, merge="wide"),
-    "wide-d256": _case([300, 1000], d=256, capacity=1024, num_splits=16, merge="wide"),
-    "wide-softcap-mha": _case([500, 4000], softcap=30.0, kv_heads=32, num_splits=8, merge="wide"),
-    "wide-paged-nan-past-end": _case([4000, 3, 2222], page=64, num_splits=16, merge="wide", poison=True),
-    "wide-paged-append": _case([0, 33, 4000], n_new=1, page=64, num_splits=16, merge="wide"),
-    "wide-window": _case([500, 4000], window=(256, 0), num_splits=16, merge="wide"),
-    "wide-ft-append": _case([50, 3000], kv_layout="FT", n_new=2, seqlen_q=2, num_splits=7, merge="wide"),
+    # split merges: 16 partials of 4 rows, 13, 16 rows (seqlen_q 4), d 256, MHA, paged, windows
+    "16splits": _case([1, 17, 4000], num_splits=16),
+    "13splits": _case([1, 17, 4000], num_splits=13),
+    "16splits-append-sq4": _case([7, 4000], n_new=4, seqlen_q=4, num_splits=16),
+    "16splits-d256": _case([300, 1000], d=256, capacity=1024, num_splits=16),
+    "8splits-softcap-mha": _case([500, 4000], softcap=30.0, kv_heads=32, num_splits=8),
+    "16splits-paged-nan-past-end": _case([4000, 3, 2222], page=64, num_splits=16, poison=True),
+    "16splits-window": _case([500, 4000], window=(256, 0), num_splits=16),
 }
 # explicit configs; paged tiles of one page (table entry read a tile ahead) or over two (rows
 # gathered), over rows past the end that hold NaN
@@ -100,9 +96,9 @@ def test_decode_against_float64(gpu, dtype, name):
         None if v is None else v.double(), seqlens, table, causal=c["causal"], window_size=c["window"],
         softcap=c["softcap"], kv_layout=c["kv_layout"])
     plan = None
-    if c["config"] is not None or c["merge"] is not None:
+    if c["config"] is not None:
         plan = DecodePlan(batch, c["heads"], kv_heads, d, cap, seqlen_q=c["seqlen_q"], num_splits=c["num_splits"],
-                          config=c["config"], merge=c["merge"])
+                          config=c["config"])
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=c["causal"],
         window_size=c["window"], softcap=c["softcap"], num_splits=c["num_splits"], return_lse=True,
@@ -118,10 +114,9 @@ def test_decode_against_float64(gpu, dtype, name):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("merge", [None, "wide"], ids=["default-merge", "wide-merge"])
-def test_plan_graph_replays_match_eager_and_float64(gpu, dtype, merge):
+def test_plan_graph_replays_match_eager_and_float64(gpu, dtype):
     b, h, hk, d, cap = 4, 32, 8, 128, 8192
-    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", merge=merge)
+    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda")
     k_cache = torch.randn(b, cap, hk, d, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
     q = torch.randn(b, 1, h, d, dtype=dtype, device="cuda")
@@ -138,23 +133,18 @@ def test_plan_graph_replays_match_eager_and_float64(gpu, dtype, merge):
     assert (plan.counters == 0).all()   # the merge counters are left reset for the next step
 
 
-PDL = [pytest.param(1, False, None, id="1split-eager"), pytest.param(1, True, None, id="1split-graph"),
-       pytest.param(4, False, None, id="4splits-eager"), pytest.param(4, True, None, id="4splits-graph"),
-       pytest.param(16, False, "wide", id="16splits-wide-eager"),
-       pytest.param(16, True, "wide", id="16splits-wide-graph")]
+BACK_TO_BACK = [pytest.param(1, False, id="1split-eager"), pytest.param(1, True, id="1split-graph"),
+                pytest.param(4, False, id="4splits-eager"), pytest.param(4, True, id="4splits-graph"),
+                pytest.param(16, False, id="16splits-eager"), pytest.param(16, True, id="16splits-graph")]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits, graph, merge", PDL)
-def test_pdl_appending_steps_back_to_back(gpu, dtype, num_splits, graph, merge):
-    """Step i appends a token that step i + 1 attends, launched with nothing between them: a
-    load issued before the step's ``griddepcontrol.wait`` returned would read a key or value
-    still to be appended. Eager, or captured once and replayed (caches reset before each)."""
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm90+")
+@pytest.mark.parametrize("num_splits, graph", BACK_TO_BACK)
+def test_appending_steps_back_to_back(gpu, dtype, num_splits, graph):
+    """Step i appends a token that step i + 1 attends, launched with nothing between them.
+    Eager, or captured once and replayed (caches reset before each)."""
     b, h, hk, d, cap, steps = 3, 32, 8, 128, 4096, 8
-    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", num_splits=num_splits, pdl=True, merge=merge)
-    assert plan.pdl
+    plan = flashflow.plan_decode(b, h, hk, d, cap, device="cuda", num_splits=num_splits)
     k_cache = torch.randn(b, cap, hk, d, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
     k0, v0 = k_cache.clone(), v_cache.clone()

@@ -1,5 +1,5 @@
 """FP8 (e4m3) KV caches on the GPU: contiguous, paged and FT layouts, the quantizing append,
-per-head and per-tensor scales, splits and the wide merge, CUDA-graph replay; float64 of the
+per-head and per-tensor scales, splits, CUDA-graph replay; float64 of the
 dequantized cache as the oracle, and the output beside the bf16 cache's."""
 import pytest
 import torch
@@ -68,7 +68,7 @@ CASES = {
     "paged64-append": dict(lens=[0, 33, 4000], n_new=1, page=64),
     "paged16": dict(lens=[4000, 3, 2222], page=16),
     "ft": dict(lens=[1, 17, 4000], kv_layout="FT"),
-    "ft-append-wide": dict(lens=[50, 3000], kv_layout="FT", n_new=2, seqlen_q=2, num_splits=7, merge="wide"),
+    "ft-append-7splits": dict(lens=[50, 3000], kv_layout="FT", n_new=2, seqlen_q=2, num_splits=7),
     "per-tensor-append": dict(lens=[7, 4000], n_new=1, per_head=False),
     "d64-mha-16splits": dict(lens=[300, 4000], heads=16, kv_heads=16, d=64, num_splits=16),
     "many-programs": dict(lens=[4096, 1, 3000, 17] * 5),
@@ -79,15 +79,10 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_fp8_cache_against_float64(dtype, name):
     case = dict(CASES[name])
-    num_splits, merge = case.pop("num_splits", 0), case.pop("merge", None)
+    num_splits = case.pop("num_splits", 0)
     args, _ = _inputs(dtype=dtype, capacity=4096, **case)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
-    plan = None
-    if merge is not None:
-        q = args["q"]
-        plan = DecodePlan(q.shape[0], q.shape[2], case.get("kv_heads", 8), q.shape[3], 4096,
-                          seqlen_q=q.shape[1], num_splits=num_splits, merge=merge)
-    out, lse = flashflow.flash_attn_with_kvcache(**args, num_splits=num_splits, return_lse=True, plan=plan)
+    out, lse = flashflow.flash_attn_with_kvcache(**args, num_splits=num_splits, return_lse=True)
     # the reference appends to copies of the caches as they were before the call
     args_before = dict(args, k_cache=before[0], v_cache=before[1])
     ref_k, ref_v = _check(args_before, out, lse)
@@ -109,7 +104,7 @@ def test_fp8_plan_graph_replays_append_steps():
     cache at the position the device tensor says; the result is the float64 of the whole run."""
     dtype = torch.bfloat16
     args, _ = _inputs([100, 2000], dtype, 4096, n_new=1)
-    plan = DecodePlan(2, 32, 8, 128, 4096, num_splits=8)
+    plan = DecodePlan(2, 32, 8, 128, 4096, num_splits=8, kv_dtype=torch.float8_e4m3fn)
     start = (args["k_cache"].clone(), args["v_cache"].clone())
     seqlens = args["cache_seqlens"]
     steps = [(torch.randn_like(args["k"]), torch.randn_like(args["v"]), torch.randn_like(args["q"])) for _ in range(3)]

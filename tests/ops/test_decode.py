@@ -33,7 +33,7 @@ def make_cache(batch, capacity, kv_heads, d, page=None, dtype=torch.float16):
 
 def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0, page=None, causal=True,
              window=(-1, -1), softcap=0.0, num_splits=0, kv_layout="NHD", dtype=torch.float16, config=None,
-             poison=False, merge=None):
+             poison=False):
     """``poison``: the cache rows past each sequence's length hold NaN (a reused page may)."""
     batch = len(lens)
     k_cache, v_cache, table = make_cache(batch, capacity, kv_heads, d, page, dtype)
@@ -55,9 +55,8 @@ def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0
         q.double(), k_cache.double(), v_cache.double(), None if k is None else k.double(),
         None if v is None else v.double(), seqlens, table, causal=causal, window_size=window,
         softcap=softcap, kv_layout=kv_layout)
-    plan = None if config is None and merge is None else DecodePlan(
-        batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q, device=DEVICE, num_splits=num_splits, config=config,
-        merge=merge)
+    plan = None if config is None else DecodePlan(
+        batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q, device=DEVICE, num_splits=num_splits, config=config)
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=causal,
         window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True, kv_layout=kv_layout,
@@ -135,30 +134,28 @@ def test_head_dim_80_fp32():
 
 @pytest.mark.parametrize("case", [
     dict(lens=[1, 17, 1000], num_splits=7),                            # GQA 4 rows, splits not a power of two
-    dict(lens=[0, 40, 700], n_new=3, seqlen_q=3, page=32, num_splits=3),   # empty sequence, append, paged
-    dict(lens=[5, 300, 1000], page=16, num_splits=5, seqlen_q=3, config=DecodeConfig(64, 4, 1)),
-    dict(lens=[10, 333], seqlen_q=4, causal=False, num_splits=16),     # 16 rows: chunks of two splits
+    dict(lens=[10, 333], seqlen_q=4, causal=False, num_splits=16),     # 16 rows, 16 partials
     dict(lens=[100, 900], window=(64, 0), num_splits=3, poison=True),  # splits left empty by the window
     dict(lens=[100, 900], softcap=5.0, num_splits=2, seqlen_q=2, kv_layout="FT"),
     dict(lens=[33, 257], heads=6, kv_heads=2, d=80, capacity=512, num_splits=5, dtype=torch.float32),
     dict(lens=[33, 257], heads=4, kv_heads=4, d=256, capacity=512, num_splits=4),   # MHA: 1 row, d 256
 ])
-def test_wide_merge(case):
-    """merge="wide": the last arriver merges over a (split, row, dim) tile of the real rows only,
-    in chunks of splits where they do not fit one (multi-chunk: 16 rows × 16 splits)."""
-    run_case(**case, merge="wide")
+def test_split_merges(case):
+    run_case(**case)
 
 
-def test_merge_option_checked():
-    with pytest.raises(ValueError, match="merge must be one of"):
-        DecodePlan(1, 4, 2, 32, 64, device=DEVICE, merge="tree")
-    from flashflow.ops.decode import MERGE_DEFAULT
-    assert DecodePlan(1, 4, 2, 32, 64, device=DEVICE).merge == MERGE_DEFAULT
-    # one chunk where every split fits 8192 values; chunks of 2048 values otherwise
-    assert DecodePlan(1, 32, 8, 128, 8192, device=DEVICE, num_splits=16, merge="wide").merge_chunk == 16
-    assert DecodePlan(1, 32, 8, 128, 8192, seqlen_q=4, device=DEVICE, num_splits=16,
-                      merge="wide").merge_chunk == 1
-    assert DecodePlan(1, 32, 8, 256, 8192, device=DEVICE, num_splits=16, merge="wide").merge_chunk == 2
+def test_plan_kv_dtype():
+    """A plan is made for 16/32-bit caches (kv_dtype None) or FP8 ones: the other kind is refused
+    by name, and the FP8 plan takes its own split count."""
+    with pytest.raises(TypeError, match="kv_dtype must be None"):
+        DecodePlan(1, 4, 2, 32, 64, device=DEVICE, kv_dtype=torch.int8)
+    q = torch.randn(1, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(1, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="this plan is for an FP8 cache"):
+        DecodePlan(1, 4, 2, 32, 64, device=DEVICE, kv_dtype=torch.float8_e4m3fn).run(q, kc, kc, cache_seqlens=40)
+    with pytest.raises(ValueError, match="this plan is for a 16/32-bit cache"):
+        DecodePlan(1, 4, 2, 32, 64, device=DEVICE).run(q, kc.to(torch.float8_e4m3fn), kc.to(torch.float8_e4m3fn),
+                                                       cache_seqlens=40)
 
 
 def test_plan_reused_across_steps_and_counters_reset():
@@ -185,6 +182,11 @@ def test_num_splits_heuristic():
     assert 8 * s <= 132 < 8 * (s + 1)
     assert num_splits_heuristic(64 * 8, 4096, 132, 64) == 1   # enough programs already
     assert num_splits_heuristic(8, 64, 132, 64) == 1          # too short to split
+    # an FP8 cache: about two programs per SM, at most 16 splits, none from 1.5 per SM on
+    assert num_splits_heuristic(8, 8192, 132, 128, kv_fp8=True) == 16
+    assert num_splits_heuristic(64, 8192, 132, 64, kv_fp8=True) == 4
+    assert num_splits_heuristic(128, 16384, 132, 64, kv_fp8=True) == 2
+    assert num_splits_heuristic(256, 4096, 132, 64, kv_fp8=True) == 1
 
 
 def test_merge_attention_states():
@@ -328,27 +330,6 @@ def test_bad_seqlens_form_named_before_values_are_read(bad):
     lens = {"shape": torch.tensor([3, 4, 5], dtype=torch.int32, device=DEVICE), "list": [3, 4], "float": 3.0}[bad]
     with pytest.raises(TypeError, match=r"cache_seqlens must be an int or an int32 tensor of shape \(2,\)"):
         flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, block_table=table)
-
-
-def test_pdl_option():
-    """``pdl`` is checked, kept by the plan, and off where there is no griddepcontrol (the
-    interpreter, pre-sm90); with it asked the result is unchanged. (That sm90 compiles the wait
-    and the trigger, and marks the launch, is tests/tuning/test_offline.py's check.)"""
-    with pytest.raises(TypeError, match="pdl must be True, False or None"):
-        DecodePlan(1, 4, 2, 32, 64, device=DEVICE, pdl="yes")
-    q = torch.randn(1, 1, 4, 32, dtype=torch.float16, device=DEVICE)
-    kc = torch.randn(1, 64, 2, 32, dtype=torch.float16, device=DEVICE)
-    vc = torch.randn_like(kc)
-    with pytest.raises(TypeError, match="pdl must be"):
-        flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40, pdl=1)
-    plan = DecodePlan(1, 4, 2, 32, 64, device=DEVICE, pdl=True, num_splits=2)
-    expect = DEVICE == "cuda" and torch.cuda.get_device_capability()[0] >= 9
-    assert plan.pdl is expect
-    ref, _, _, _ = kvcache_attention_ref(q.double(), kc.double(), vc.double(), None, None,
-                                         torch.tensor([40], dtype=torch.int32, device=DEVICE))
-    for out in (plan.run(q, kc, vc, cache_seqlens=40),
-                flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=40, pdl=True)):
-        assert rel(out, ref) < TOL
 
 
 # --- bf16, grad, scale, empty batches ------------------------------------------------------------

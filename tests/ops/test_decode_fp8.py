@@ -30,7 +30,7 @@ def realistic(shape, dtype, gen, outlier_heads=True):
 
 
 def fp8_case(lens, heads=8, kv_heads=2, d=64, capacity=512, seqlen_q=1, n_new=0, page=None, kv_layout="NHD",
-             scale="head", num_splits=0, dtype=torch.float16, merge=None, config=None, softcap=0.0,
+             scale="head", num_splits=0, dtype=torch.float16, config=None, softcap=0.0,
              window=(-1, -1), big_new=False):
     """``scale``: "head" (quantize_kv_cache's per-head amax scales), "tensor" (one float), or
     "one" (no scale passed: 1.0, values already in e4m3's range)."""
@@ -71,9 +71,9 @@ def fp8_case(lens, heads=8, kv_heads=2, d=64, capacity=512, seqlen_q=1, n_new=0,
         q.double(), k_cache, v_cache, None if k is None else k.double(), None if v is None else v.double(),
         seqlens, table, causal=True, window_size=window, softcap=softcap, kv_layout=kv_layout,
         k_scale=k_scale, v_scale=v_scale)
-    plan = None if merge is None and config is None else DecodePlan(
+    plan = None if config is None else DecodePlan(
         batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q, device=DEVICE, num_splits=num_splits,
-        merge=merge, config=config)
+        config=config, kv_dtype=torch.float8_e4m3fn)
     out = torch.full_like(q, float("nan"))
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, num_splits=num_splits,
@@ -115,9 +115,9 @@ def test_fp8_per_tensor_scales(scale):
     fp8_case([33, 257], scale=scale, num_splits=2, n_new=1)
 
 
-def test_fp8_bf16_queries_gqa_wide_merge_softcap_window():
-    # bf16 queries widen the e4m3 tiles to bf16 (fp32 dots under the interpreter)
-    fp8_case([100, 450], heads=6, kv_heads=2, d=80, dtype=torch.bfloat16, num_splits=4, merge="wide",
+def test_fp8_bf16_queries_gqa_splits_softcap_window():
+    # bf16 queries: the e4m3 tiles and q go to fp16 on a GPU (fp32 dots under the interpreter)
+    fp8_case([100, 450], heads=6, kv_heads=2, d=80, dtype=torch.bfloat16, num_splits=4,
              softcap=5.0, seqlen_q=2)
     fp8_case([100, 450], heads=4, kv_heads=4, d=128, num_splits=3, window=(64, 0),
              config=DecodeConfig(32, 4, 1))

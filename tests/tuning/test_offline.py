@@ -33,34 +33,26 @@ CHILD = textwrap.dedent("""
     with pretend_cuda_capability():
         rs = compile_offline(lambda: flash_attn_with_kvcache(q, kc, kc, cache_seqlens=4000, num_splits=4))
     out["decode"] = [[r.name, r.registers, r.shared, r.num_stages] for r in rs]
-    # programmatic dependent launch: the instructions and the launch option, only when asked
-    from flashflow.tuning.offline import offline_target
-    for pdl in (None, False, True):
+    # the FT layout and an FP8 cache (all three layouts): they compile for sm90 unspilled, and
+    # the FT K tile is loaded as 16-byte pieces (cp.async of 16 bytes)
+    from flashflow.ops.decode import quantize_kv_cache
+    from flashflow.reference.decode import to_ft_k, to_ft_v
+    from flashflow.tuning.offline import offline_target, resources_of
+    kb = torch.zeros(1, 4096, 8, 128, dtype=torch.bfloat16)
+    k8, s8 = quantize_kv_cache(kb)
+    qb = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16)
+    table = torch.arange(64, dtype=torch.int32).view(1, 64)
+    for name, (kc, vc, layout, bt, scale) in {
+            "ft": (to_ft_k(kb), to_ft_v(kb), "FT", None, None),
+            "fp8": (k8, k8, "NHD", None, s8),
+            "fp8 paged": (k8.view(64, 64, 8, 128), k8.view(64, 64, 8, 128), "NHD", table, s8),
+            "fp8 ft": (to_ft_k(k8), to_ft_v(k8), "FT", None, s8)}.items():
         with pretend_cuda_capability(), offline_target() as ks:
-            flash_attn_with_kvcache(q, kc, kc, cache_seqlens=4000, num_splits=4, pdl=pdl)
+            flash_attn_with_kvcache(qb, kc, vc, qb[:, :, :8], qb[:, :, :8], cache_seqlens=4000, block_table=bt,
+                                    kv_layout=layout, k_scale=scale, v_scale=scale)
+        r = resources_of(ks[0])
         ptx = ks[0].asm["ptx"]
-        out[f"pdl={pdl}"] = ["griddepcontrol.wait" in ptx, "griddepcontrol.launch_dependents" in ptx,
-                             bool(ks[0].metadata.launch_pdl)]
-    # the decode merge: the "wide" (split, row, dim) merge against the row merge at 1 x 8k GQA
-    # (16 splits) and head_dim 256; and where the merge's loads issue: the wide merge's all
-    # before the first multiply-add after the releasing atomic (one round to L2); the row
-    # merge's are interleaved with the math, a few splits at a time (38 of 128 before it when
-    # this was written)
-    import re
-    from flashflow.ops.decode import DecodePlan
-    from flashflow.tuning.offline import resources_of
-    for d in (128, 256):
-        q = torch.empty(1, 1, 32, d, dtype=torch.bfloat16)
-        kc = torch.empty(1, 8192, 8, d, dtype=torch.bfloat16)
-        for merge in ("rows", "wide"):
-            with pretend_cuda_capability(), offline_target() as ks:
-                DecodePlan(1, 32, 8, d, 8192, device="cpu", merge=merge).run(q, kc, kc, cache_seqlens=8192)
-            r = resources_of(ks[0])
-            sass = ks[0].asm["sass"]   # Triton disassembles the cubin with its cuobjdump
-            tail = sass[sass.index("ATOMG"):]
-            loads = len(re.findall(r"\\bLDG\\b", tail))
-            before_math = len(re.findall(r"\\bLDG\\b", tail[:tail.index("FFMA")]))
-            out[f"merge {merge} d{d}"] = [r.registers, r.spill_bytes, loads, before_math]
+        out[f"decode {name}"] = [r.registers, r.spill_bytes, "cp.async.cg.shared.global" in ptx and ", 0x10," in ptx]
     # the grouped split-K FFN kernel: it must compile for sm90, unspilled, small enough for two
     # programs per SM, as the ungrouped decode kernel runs
     import dataclasses
@@ -98,16 +90,9 @@ def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
     assert got["ptr3"] == [247, 0, 147456, 8, 3]
     (name, regs, shared, stages), = got["decode"]    # the sm90 config: 3 stages, not the interpreter's 1
     assert name == "decode_attention_kernel" and 0 < regs <= 255 and shared > 0 and stages == 3
-    from flashflow.ops.decode import PDL_DEFAULT
-    assert got["pdl=True"] == [True, True, True]
-    assert got["pdl=False"] == [False, False, False]
-    assert got["pdl=None"] == [PDL_DEFAULT] * 3
-    rows, wide = got["merge rows d128"], got["merge wide d128"]
-    assert wide[1] == 0 and wide[0] <= rows[0]
-    assert wide[3] == wide[2] > 0          # every merge load in one round
-    assert rows[3] < rows[2]               # the row merge's are not: what "wide" fixes
-    rows, wide = got["merge rows d256"], got["merge wide d256"]
-    assert wide[1] == 0 and wide[0] < rows[0]   # 153 against 255 registers when this was written
+    for name in ("ft", "fp8", "fp8 paged", "fp8 ft"):
+        regs, spill, vector16 = got[f"decode {name}"]
+        assert regs <= 255 and spill == 0 and vector16, (name, got[f"decode {name}"])
     (name, regs, spill, shared, warps), (cast, *_) = got["grouped"]
     assert name == "mlp_splitk_grouped_kernel" and cast == "mlp_splitk_cast_kernel"
     assert spill == 0 and 2 * regs * warps * 32 <= 65536 and 2 * (shared + 1024) <= 228 * 1024
