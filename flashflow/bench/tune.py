@@ -543,6 +543,9 @@ def _validate(args):
         raise ValueError(f"--models must be a comma list of {', '.join(known)}, got {', '.join(bad)}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    for flag in ("paged", "fp8"):
+        if getattr(args, flag, False) and args.op != "decode":
+            raise ValueError(f"--{flag} applies to decode only, not {args.op}")
     return candidates(parse_vary(args.vary, args.op), args.product)
 
 
@@ -575,7 +578,8 @@ def main(args: argparse.Namespace) -> int:
             rows.append(tune_case(case, cands, args.rounds, args.warmup, args.rep, bar, _tolerance(args)))
             del case   # its tensors, before the next shape allocates
             torch.cuda.empty_cache()
-    result = {"suite": f"tune-{args.op}", **env, "dtype": "bfloat16", "unit": UNITS[args.op],
+    suite = f"tune-{args.op}" + ("-fp8" if args.op == "decode" and getattr(args, "fp8", False) else "")
+    result = {"suite": suite, **env, "dtype": "bfloat16", "unit": UNITS[args.op],
               "tolerance": _tolerance(args), "candidates": cands, "rows": rows,
               "timing": {"rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
                          "return_mode": "median", "cuda_graph": True}}

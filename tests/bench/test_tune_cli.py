@@ -75,6 +75,8 @@ def test_a_candidate_replaces_fields_of_the_shipped_config():
     (["mlp", "--vary", "nope=1"], "mlp has no field 'nope'"),
     (["mlp", "--models", "gpt5"], "--models must be a comma list of"),
     (["decode", "--rounds", "0"], "--rounds must be >= 1"),
+    (["attention", "--fp8"], "--fp8 applies to decode only"),
+    (["mlp", "--paged"], "--paged applies to decode only"),
 ])
 def test_bad_options_are_argparse_errors_naming_the_value(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
