@@ -27,8 +27,9 @@ from pathlib import Path
 TOLERANCE = 1e-2
 # FP8 attention is 8-bit on purpose: ~4% relative L2 against exact attention (docs/fp8.md)
 TOLERANCES = {"attention-fp8": 6e-2}
-# an FP8 KV cache against SDPA bf16 on the unquantized one: e4m3's 1/16 steps (docs/decode.md)
-FP8_CACHE_TOLERANCE = 3e-2
+# an FP8 KV cache against SDPA bf16 on the unquantized one: e4m3's three mantissa bits put
+# Gaussian caches 3.6-3.9% from the bf16 result (docs/decode.md)
+FP8_CACHE_TOLERANCE = 5e-2
 
 # Default axes (field -> values) per op; a value equal to the shipped one is not a candidate.
 AXES = {
