@@ -61,9 +61,11 @@ def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, b
     only add partials to merge: on the H100 1×8k ran best at 16 splits, not 32.
 
     An FP8 cache (``kv_fp8``) costs a program more work per byte (the tiles are widened on
-    chip), so it takes about two programs per SM, at most 16 splits, and no split from 1.5
-    programs per SM on: on the H100 8 × 8k GQA ran best at 4-6 splits (1.67x cuDNN bf16
-    against 1.35x at 2), 16 × 16k at 2 (1.83x against 1.29x unsplit), 32 × 4k unsplit.
+    chip), so it takes about two programs per SM, at most 16 splits, down to one key block a
+    split, and no split from 1.5 programs per SM on: on the H100 8 × 8k GQA ran best at 4-6
+    splits (1.67x cuDNN bf16 against 1.35x at 2), 16 × 16k at 2 (1.83x against 1.29x
+    unsplit), 32 × 4k unsplit, 1 × 1k and 1 × 2k at 8 and 16 (one block each: 9-20% faster
+    than 4 and 8).
     """
     if batch_kv_heads == 0:
         return 1
@@ -72,7 +74,7 @@ def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, b
         if 2 * batch_kv_heads >= 3 * num_sms:
             return 1
         want = max(1, round(2 * num_sms / batch_kv_heads))
-        return max(1, min(want, n_blocks // 2, 16))
+        return max(1, min(want, n_blocks, 16))
     if 4 * batch_kv_heads >= 3 * num_sms:
         return 1
     want = max(1, num_sms // batch_kv_heads)

@@ -182,8 +182,10 @@ def test_num_splits_heuristic():
     assert 8 * s <= 132 < 8 * (s + 1)
     assert num_splits_heuristic(64 * 8, 4096, 132, 64) == 1   # enough programs already
     assert num_splits_heuristic(8, 64, 132, 64) == 1          # too short to split
-    # an FP8 cache: about two programs per SM, at most 16 splits, none from 1.5 per SM on
+    # an FP8 cache: about two programs per SM, at most 16 splits, down to one block a split,
+    # none from 1.5 programs per SM on
     assert num_splits_heuristic(8, 8192, 132, 128, kv_fp8=True) == 16
+    assert num_splits_heuristic(8, 1024, 132, 128, kv_fp8=True) == 8
     assert num_splits_heuristic(64, 8192, 132, 64, kv_fp8=True) == 4
     assert num_splits_heuristic(128, 16384, 132, 64, kv_fp8=True) == 2
     assert num_splits_heuristic(256, 4096, 132, 64, kv_fp8=True) == 1
