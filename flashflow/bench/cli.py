@@ -114,6 +114,9 @@ def print_result(result: dict, markdown: bool = False) -> None:
         from flashflow.bench.decode import markdown_table
 
         print(markdown_table(result))
+    elif suite == "train":
+        from flashflow.bench.train import markdown_table
+        print(markdown_table(result))
     elif suite == "mlp":
         from flashflow.bench import mlp_suite
 

@@ -185,6 +185,10 @@ RUNNERS: dict[str, Runner] = {
     "decode": Runner("flashflow.bench.decode",
                      "times decode attention against SDPA's cuDNN and FLASH backends",
                      frozenset({"quick", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 25, "rep": 100}),
+    "train": Runner("flashflow.bench.train",
+                    "times attention forward + backward against SDPA's cuDNN and FLASH backends (TFLOP/s, "
+                    "peak memory, gradients against FLASH's)",
+                    frozenset({"quick", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 25, "rep": 100}),
     "mlp": Runner("flashflow.bench.mlp_suite",
                   "times the fused FFN's policies against cuBLAS",
                   frozenset({"quick", "providers", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 5, "rep": 20}),

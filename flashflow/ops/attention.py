@@ -20,6 +20,7 @@ import triton
 from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_sms
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
+from flashflow.ops.attention_bwd import attention_bwd_op
 from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
 from flashflow.ops.validate import (check_key_padding_mask, check_no_grad, check_qkv, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
@@ -339,6 +340,34 @@ def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
     return out, q.new_empty(lse_shape, dtype=torch.float32)
 
 
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, bias, bias_keys, cu_seqlens_q, _, _, _, softmax_scale, has_left, window_left, has_right, window_right,
+     softcap, _, _, *rest) = inputs
+    key_padding = rest[0] if rest else False
+    out, lse = output
+    # the entry points that take gradients (flash_attn_func) pass dense q/k/v, an LSE, and at
+    # most a key-padding prefix; the others refuse inputs that require grad before the call
+    ctx.supported = cu_seqlens_q is None and (bias is None or key_padding) and lse.numel() > 0
+    ctx.save_for_backward(q, k, v, out, lse, bias if key_padding else None)
+    ctx.args = (softmax_scale, has_left, window_left, has_right, window_right, softcap)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    if not ctx.supported:
+        raise NotImplementedError("flashflow's attention backward covers flash_attn_func (dense q/k/v, causal, "
+                                  "window, softcap, GQA, key-padding mask); not varlen or an additive mask yet")
+    q, k, v, out, lse, key_padding = ctx.saved_tensors
+    need_dq = ctx.needs_input_grad[0]
+    need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+    dq, dk, dv = attention_bwd_op(q, k, v, out, lse, dout, dlse, key_padding, *ctx.args, need_dq, need_dkv)
+    grads = [dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
+             dv if ctx.needs_input_grad[2] else None]
+    return (*grads, *([None] * (len(ctx.needs_input_grad) - 3)))
+
+
+_attention_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
 def _attention_fwd(*args):
     """The registered op while torch.compile traces (so the graph holds one opaque node); a
     direct call otherwise: the dispatcher's Python layers cost more host time than a small
@@ -360,7 +389,7 @@ def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
 
 
 def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, *, key_padding_mask=None):
+                    return_lse=False, *, key_padding_mask=None, deterministic=False):
     """Exact attention, FlashAttention layout.
 
     Args:
@@ -377,13 +406,21 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             sequence pass the text mask alone (``P`` = text length): only the key blocks of the
             first ``P`` keys pay for the mask, the rest run the unmasked loop. Combines with
             ``causal`` / ``window_size``.
+        deterministic: FlashAttention's flag for run-to-run identical gradients. flashflow's
+            backward always is (no atomics: each gradient block has one program), so both values
+            give the same bits.
+
+    Differentiable: where q, k or v requires grad, the backward recomputes the probabilities
+    from the saved log-sum-exp (memory O(seqlen)); a gradient not required is not computed
+    (frozen K/V: no dK/dV launch). Also under ``torch.compile`` (custom ops with an autograd
+    formula).
+
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)``. Rows with no allowed key give 0
         (and lse = -inf).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 4, "(batch, seqlen, heads, head_dim)")
-    check_no_grad("flash_attn_func", q=q, k=k, v=v)
     check_qkv(q, k, v, head_axis=2)
     if k.shape[0] != q.shape[0] or v.shape[0] != q.shape[0]:
         raise ValueError(f"q, k, v must share batch, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
@@ -396,9 +433,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         bias_keys = bias.shape[-1]
         if bias_keys == 0:   # the mask covers no key
             bias = None
-    out, lse = _attention_fwd(q, k, v, bias, bias_keys, None, None, 0, 0, scale,
-                              *_window_args(causal, window_size), check_softcap(softcap),
-                              bool(return_lse), bool(causal), bias is not None)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    args = (q, k, v, bias, bias_keys, None, None, 0, 0, scale, *_window_args(causal, window_size),
+            check_softcap(softcap))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        # through the registered op, whose autograd formula is the backward kernels; the LSE
+        # is what the backward recomputes the probabilities from
+        out, lse = _attention_fwd_op(*args, True, bool(causal), bias is not None)
+    else:
+        out, lse = _attention_fwd(*args, bool(return_lse), bool(causal), bias is not None)
     return (out, lse) if return_lse else out
 
 

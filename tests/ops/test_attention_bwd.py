@@ -1,0 +1,133 @@
+"""Attention backward (flash_attn_func through autograd), Triton's interpreter, against autograd
+through the float64 reference: dQ, dK, dV for each feature, small odd shapes."""
+import pytest
+import torch
+
+import flashflow
+from flashflow.device import interpreting
+from flashflow.reference import full_key_padding
+from flashflow.reference.attention import attention_naive
+
+pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
+                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
+TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
+
+
+def rel(a, r):
+    return ((a.double() - r).norm() / r.norm()).item()
+
+
+def grads(b=2, sq=37, sk=45, h=4, hk=2, d=32, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float16,
+          kpm_len=None, need=(True, True, True), with_lse=False, seed=0):
+    """(flashflow's grads, float64 reference grads) of a random loss through the attention."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, n, d, generator=g).to(dtype).to(DEVICE)
+               for s, n in ((sq, h), (sk, hk), (sk, hk)))
+    do = torch.randn(b, sq, h, d, generator=g).to(dtype).to(DEVICE)
+    dl = torch.randn(b, h, sq, generator=g).to(DEVICE)
+    kpm = None
+    if kpm_len is not None:
+        kpm = torch.rand(b, kpm_len, generator=g).to(DEVICE) > 0.4
+    ins = [t.clone().requires_grad_(n) for t, n in zip((q, k, v), need)]
+    res = flashflow.flash_attn_func(*ins, causal=causal, window_size=window, softcap=softcap, key_padding_mask=kpm,
+                                    return_lse=with_lse)
+    refs = [t.detach().double().requires_grad_(n) for t, n in zip((q, k, v), need)]
+    full = None if kpm is None else full_key_padding(kpm, sk)
+    ref = attention_naive(*refs, None, causal, window, softcap, key_padding_mask=full, return_lse=with_lse)
+    if with_lse:
+        out, lse = res
+        ref_out, ref_lse = ref
+        fin = torch.isfinite(ref_lse)
+        loss = (out.float() * do.float()).sum() + (torch.where(fin, lse, 0) * dl).sum()
+        ref_loss = (ref_out * do.double()).sum() + (torch.where(fin, ref_lse, 0) * dl.double()).sum()
+    else:
+        loss, ref_loss = (res.float() * do.float()).sum(), (ref * do.double()).sum()
+    loss.backward()
+    ref_loss.backward()
+    return [t.grad for t in ins], [t.grad for t in refs]
+
+
+def check(dtype=torch.float16, **kw):
+    got, want = grads(dtype=dtype, **kw)
+    for name, a, r in zip(("dq", "dk", "dv"), got, want):
+        if r is None:
+            assert a is None, name
+            continue
+        assert a is not None and a.dtype == dtype and torch.isfinite(a).all(), name
+        assert rel(a, r) < TOL[dtype], (name, rel(a, r))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("sq,sk", [(37, 45), (45, 37), (1, 29), (50, 50)])
+def test_dense_and_causal(causal, sq, sk):
+    check(sq=sq, sk=sk, causal=causal)   # sq > sk causal: the first rows see no key
+
+
+@pytest.mark.parametrize("window", [(8, 0), (5, 7), (-1, 3), (10, -1)])
+def test_sliding_window(window):
+    check(window=window)
+
+
+def test_softcap():
+    check(softcap=5.0, causal=True)
+    check(softcap=2.0)
+
+
+@pytest.mark.parametrize("h,hk", [(4, 4), (6, 1), (6, 2)])
+def test_gqa_mqa_sum_over_the_group(h, hk):
+    check(h=h, hk=hk, causal=True)
+
+
+def test_key_padding_mask():
+    check(kpm_len=20)
+    check(kpm_len=45, causal=True)
+
+
+@pytest.mark.parametrize("d", [16, 80, 96, 128])
+def test_head_dims(d):
+    check(d=d, sq=21, sk=33, b=1, h=2, hk=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dtypes(dtype):
+    check(dtype=dtype, causal=True)
+
+
+def test_gradient_of_a_returned_lse():
+    check(with_lse=True, causal=True)
+
+
+@pytest.mark.parametrize("need", [(True, False, False), (False, True, True), (False, False, True)])
+def test_only_the_gradients_asked_for(need, monkeypatch):
+    """Frozen K/V (LoRA-style) cost no dK/dV launch; a frozen q no dQ launch."""
+    import flashflow.ops.attention_bwd as bwd
+
+    launched = []
+    for name in ("attention_bwd_dkdv_kernel", "attention_bwd_dq_kernel"):
+        kernel = getattr(bwd, name)
+
+        class Spy:
+            def __getitem__(self, grid, kernel=kernel, name=name):
+                launched.append(name)
+                return kernel[grid]
+        monkeypatch.setattr(bwd, name, Spy())
+    check(need=need, causal=True)
+    assert ("attention_bwd_dq_kernel" in launched) == need[0]
+    assert ("attention_bwd_dkdv_kernel" in launched) == (need[1] or need[2])
+
+
+def test_deterministic_bits_and_its_argument():
+    a, _ = grads(causal=True, h=6, hk=2)
+    b, _ = grads(causal=True, h=6, hk=2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    x = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashflow.flash_attn_func(x, x, x, deterministic="yes")
+
+
+def test_no_grad_calls_stay_on_the_inference_path():
+    x = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16, requires_grad=True)
+    with torch.no_grad():
+        out = flashflow.flash_attn_func(x, x, x)
+    assert not out.requires_grad
