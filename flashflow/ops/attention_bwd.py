@@ -58,18 +58,18 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     kpm_keys = key_padding.shape[1] if key_padding is not None else 0
     common = (seqlen_q, seqlen_k, heads, kv_heads, kpm_keys, softmax_scale, qk_scale_log2, softcap,
               window_left, window_right)
-    meta = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-                HAS_SOFTCAP=softcap > 0, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_KPM=key_padding is not None,
+    meta = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, HAS_SOFTCAP=softcap > 0, HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_KPM=key_padding is not None,
                 **dots, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse.stride())
     kpm_stride = key_padding.stride(0) if key_padding is not None else 0
     if need_dkv:
-        attention_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.BLOCK_N), batch * kv_heads)](
+        attention_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.BLOCK_N1), batch * kv_heads)](
             q, k, v, dout, lse, delta, dk, dv, kpm, *strides, *dk.stride()[:3], *dv.stride()[:3], kpm_stride,
-            *common, **meta)
+            *common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, **meta)
     if need_dq:
-        attention_bwd_dq_kernel[(cdiv(seqlen_q, cfg.BLOCK_M), batch * heads)](
-            q, k, v, dout, lse, delta, dq, kpm, *strides, *dq.stride()[:3], kpm_stride, *common, **meta)
+        attention_bwd_dq_kernel[(cdiv(seqlen_q, cfg.BLOCK_M2), batch * heads)](
+            q, k, v, dout, lse, delta, dq, kpm, *strides, *dq.stride()[:3], kpm_stride, *common,
+            BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, **meta)
     return dq, dk, dv
 
 

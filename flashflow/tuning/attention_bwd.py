@@ -13,8 +13,10 @@ TABLE = "attention_bwd"
 
 @dataclass(frozen=True)
 class AttentionBwdConfig:
-    BLOCK_M: int      # queries of a tile (the dQ program's block)
-    BLOCK_N: int      # keys of a tile (the dK/dV program's block)
+    BLOCK_M1: int     # dK/dV kernel: queries streamed per step
+    BLOCK_N1: int     # dK/dV kernel: the program's block of keys
+    BLOCK_M2: int     # dQ kernel: the program's block of queries
+    BLOCK_N2: int     # dQ kernel: keys streamed per step
     num_warps: int
     num_stages: int
 
