@@ -117,34 +117,30 @@ def attention_bwd_dkdv_kernel(
         hi = tl.minimum(start_n + BLOCK_N - diag_offset + window_left, seqlen_q)
     dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    # one loop over (query head of the group, query block): the software pipeliner sees a
-    # single loop (nested, the 4-warp 3-stage build gave run-to-run different bits on the H100)
-    m_blocks = tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M)
-    for it in range(0, group * m_blocks):
-        g = it // m_blocks
-        start_m = lo + (it % m_blocks) * BLOCK_M
+    for g in range(0, group):
         h = kvh * group + g
         q_base = Q + b * sq_b + h * sq_h
         do_base = DO + b * sdo_b + h * sdo_h
-        offs_m = start_m + offs_mb
-        q_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
-        q = tl.load(q_base + offs_m[:, None] * sq_s + offs_d[None, :], mask=q_mask, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdo_s + offs_d[None, :], mask=q_mask, other=0.0)
-        if DOT_FP32:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
-        row_ok = offs_m < seqlen_q
-        lse = tl.load(LSE + b * sl_b + h * sl_h + offs_m * sl_s, mask=row_ok, other=0.0)
-        delta = tl.load(DELTA + (bkh * group + g).to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
-        p, t = _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
-                      window_left, window_right, kpm, kpm_keys, DOT_PRECISION, HAS_SOFTCAP, HAS_LEFT,
-                      HAS_RIGHT, HAS_KPM)
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-        dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_mb
+            q_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
+            q = tl.load(q_base + offs_m[:, None] * sq_s + offs_d[None, :], mask=q_mask, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdo_s + offs_d[None, :], mask=q_mask, other=0.0)
+            if DOT_FP32:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            row_ok = offs_m < seqlen_q
+            lse = tl.load(LSE + b * sl_b + h * sl_h + offs_m * sl_s, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + (bkh * group + g).to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
+            p, t = _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
+                          window_left, window_right, kpm, kpm_keys, DOT_PRECISION, HAS_SOFTCAP, HAS_LEFT,
+                          HAS_RIGHT, HAS_KPM)
+            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
+            dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
     dk = dk * softmax_scale
     tl.store(DK + b * sdk_b + kvh * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=kv_mask)
