@@ -484,7 +484,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
-    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (inference forward).
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``; differentiable without
+    ``attn_mask`` (as :func:`flash_attn_func`), inference-only with one.
 
     Layout ``(batch, heads, seqlen, head_dim)`` (3-D ``(heads, seqlen, head_dim)`` also taken).
     ``is_causal`` is aligned top-left as in PyTorch. ``attn_mask`` may be boolean (True = attend)
@@ -501,7 +502,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         squeeze = True
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, 4, "(batch, heads, seqlen, head_dim)")
-    check_no_grad("scaled_dot_product_attention", query=query, key=key, value=value, attn_mask=attn_mask)
+    check_no_grad("scaled_dot_product_attention", attn_mask=attn_mask)
+    if attn_mask is not None:   # no backward through an additive mask yet
+        check_no_grad("scaled_dot_product_attention with attn_mask", query=query, key=key, value=value)
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
@@ -542,7 +545,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     has_right = bool(is_causal)
     right = seqlen_q - seqlen_k if is_causal else 0
     bias_keys = seqlen_k if bias is not None else 0   # attn_mask may bias any key
-    out, _ = _attention_fwd(q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale,
-                               False, 0, has_right, right, 0.0, False, bool(is_causal))
+    args = (q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale, False, 0, has_right, right, 0.0)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, _ = _attention_fwd_op(*args, True, bool(is_causal), False)   # differentiable (no mask)
+    else:
+        out, _ = _attention_fwd(*args, False, bool(is_causal))
     out = out.transpose(1, 2)
     return out[0] if squeeze else out

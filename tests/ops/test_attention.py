@@ -376,21 +376,23 @@ def _grad_cases():
         "flash_attn_func": lambda q, k, v: flashflow.flash_attn_func(q, k, v),
         "flash_attn_varlen_func": lambda q, k, v: flashflow.flash_attn_varlen_func(
             q[0], k[0], v[0], cu, cu, 8, 8),
-        "scaled_dot_product_attention": lambda q, k, v: flashflow.scaled_dot_product_attention(q, k, v),
+        "sdpa_with_mask": lambda q, k, v: flashflow.scaled_dot_product_attention(
+            q, k, v, attn_mask=torch.ones(2, 2, dtype=torch.bool, device=DEVICE)),
     }, x, xv
 
 
-@pytest.mark.parametrize("entry", ["flash_attn_varlen_func", "scaled_dot_product_attention"])
+@pytest.mark.parametrize("entry", ["flash_attn_varlen_func", "sdpa_with_mask"])
 @pytest.mark.parametrize("which", [0, 1, 2])
 def test_inputs_requiring_grad_are_refused(entry, which):
-    # no backward for these entries yet (flash_attn_func has one: tests/ops/test_attention_bwd.py):
-    # an input that requires grad would come back detached, its gradient silently wrong; under
-    # no_grad / inference_mode the call is fine
+    # no backward for these yet (flash_attn_func and unmasked SDPA have one:
+    # tests/ops/test_attention_bwd.py): an input that requires grad would come back detached,
+    # its gradient silently wrong; under no_grad / inference_mode the call is fine
     fns, x, _ = _grad_cases()
     args = [x.clone(), x.clone(), x.clone()]
     args[which].requires_grad_(True)
-    name = {"scaled_dot_product_attention": ("query", "key", "value")}.get(entry, ("q", "k", "v"))[which]
-    with pytest.raises(ValueError, match=rf"{entry}: {name} requires grad.*no backward"):
+    name = {"sdpa_with_mask": ("query", "key", "value")}.get(entry, ("q", "k", "v"))[which]
+    op = {"sdpa_with_mask": "scaled_dot_product_attention with attn_mask"}.get(entry, entry)
+    with pytest.raises(ValueError, match=rf"{op}: {name} requires grad.*no backward"):
         fns[entry](*args)
     with torch.no_grad():
         fns[entry](*args)
