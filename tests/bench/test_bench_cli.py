@@ -313,8 +313,23 @@ def test_decode_bench_table_adds_the_append_and_fp8_columns_only_where_rows_have
 # ---------------------------------------------------------------------------- the other suites
 
 
+def test_train_suite_shapes_flops_and_table():
+    from flashflow.bench import train
+
+    shapes = train.train_shapes(quick=True)
+    assert (2, 16, 8192, 128, False) in shapes and (2, 16, 8192, 128, True) in shapes   # the shape
+    assert train.fwd_flops(2, 16, 8192, 128, True) * 2 == train.fwd_flops(2, 16, 8192, 128, False)
+    row = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128, "causal": True,
+           "ms": {"flashflow": 9.69}, "tflops": {"flashflow": 199.0, "sdpa-cudnn": 492.0},
+           "peak_mib": {"flashflow": 259.0}, "rel_err": {"flashflow": [1.3e-3, 1.4e-3, 3.1e-4]},
+           "vs_cudnn": 0.40, "notes": {"sdpa-flash": "RuntimeError: refused"}}
+    line = train.markdown_table({"rows": [row]}).splitlines()[-1]
+    assert line == ("| 2 | 16 | 8192 | 128 | yes | 199 | 492 | — | 0.40 | — | 9.69 | 259 / — / — "
+                    "| 1.3e-03, 1.4e-03, 3.1e-04 |")
+
+
 @no_gpu
-@pytest.mark.parametrize("suite", ["decode", "mlp", "memory", "dataflow"])
+@pytest.mark.parametrize("suite", ["decode", "train", "mlp", "memory", "dataflow"])
 def test_gpu_only_suite_without_gpu_is_a_one_line_error(suite, capfd):
     assert cli.main(["bench", "--suite", suite]) == 2
     out, err = capfd.readouterr()
