@@ -75,6 +75,29 @@ def _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen
 
 
 @triton.jit
+def _load_tiles(A, B, base_a, base_b, stride_a, stride_b, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
+                DOT_FP32: tl.constexpr):
+    """Two ``(rows, head_dim)`` tiles over the same rows (K and V, or Q and dO), zero past the
+    end, widened to fp32 under ``DOT_FP32``; and their mask."""
+    mask = rows_mask(offs_rows, n_rows, offs_d, HEAD_DIM)
+    a = tl.load(A + base_a + offs_rows[:, None] * stride_a + offs_d[None, :], mask=mask, other=0.0)
+    b = tl.load(B + base_b + offs_rows[:, None] * stride_b + offs_d[None, :], mask=mask, other=0.0)
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b, mask
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, lse_base, sl_s, delta_row, offs_m, seqlen_q):
+    """The rows' log-sum-exp (from the forward) and δ."""
+    row_ok = offs_m < seqlen_q
+    lse = tl.load(LSE + lse_base + offs_m * sl_s, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + delta_row * seqlen_q + offs_m, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
 def attention_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV, KPM,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
@@ -96,12 +119,8 @@ def attention_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_mb = tl.arange(0, BLOCK_M)
-    kv_mask = rows_mask(offs_n, seqlen_k, offs_d, HEAD_DIM)
-    k = tl.load(K + b * sk_b + kvh * sk_h + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + b * sv_b + kvh * sv_h + offs_n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k, v, kv_mask = _load_tiles(K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, offs_n, seqlen_k,
+                                offs_d, HEAD_DIM, DOT_FP32)
     k_t = tl.trans(k)
     v_t = tl.trans(v)
     kpm = KPM + b * skpm_b
@@ -119,19 +138,12 @@ def attention_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
     for g in range(0, group):
         h = kvh * group + g
-        q_base = Q + b * sq_b + h * sq_h
-        do_base = DO + b * sdo_b + h * sdo_h
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_mb
-            q_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
-            q = tl.load(q_base + offs_m[:, None] * sq_s + offs_d[None, :], mask=q_mask, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * sdo_s + offs_d[None, :], mask=q_mask, other=0.0)
-            if DOT_FP32:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            row_ok = offs_m < seqlen_q
-            lse = tl.load(LSE + b * sl_b + h * sl_h + offs_m * sl_s, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + (bkh * group + g).to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
+            q, do, _rows = _load_tiles(Q, DO, b * sq_b + h * sq_h, b * sdo_b + h * sdo_h, sq_s, sdo_s, offs_m, seqlen_q,
+                                   offs_d, HEAD_DIM, DOT_FP32)
+            lse, delta = _row_stats(LSE, DELTA, b * sl_b + h * sl_h, sl_s, (bkh * group + g).to(tl.int64), offs_m,
+                                    seqlen_q)
             p, t = _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
                           window_left, window_right, kpm, kpm_keys, DOT_PRECISION, HAS_SOFTCAP, HAS_LEFT,
                           HAS_RIGHT, HAS_KPM)
@@ -169,31 +181,20 @@ def attention_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     offs_nb = tl.arange(0, BLOCK_N)
-    q_mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
-    q = tl.load(Q + b * sq_b + h * sq_h + offs_m[:, None] * sq_s + offs_d[None, :], mask=q_mask, other=0.0)
-    do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_s + offs_d[None, :], mask=q_mask, other=0.0)
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    row_ok = offs_m < seqlen_q
-    lse = tl.load(LSE + b * sl_b + h * sl_h + offs_m * sl_s, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + bh.to(tl.int64) * seqlen_q + offs_m, mask=row_ok, other=0.0)
+    q, do, q_mask = _load_tiles(Q, DO, b * sq_b + h * sq_h, b * sdo_b + h * sdo_h, sq_s, sdo_s, offs_m, seqlen_q,
+                                offs_d, HEAD_DIM, DOT_FP32)
+    lse, delta = _row_stats(LSE, DELTA, b * sl_b + h * sl_h, sl_s, bh.to(tl.int64), offs_m, seqlen_q)
     diag_offset = seqlen_k - seqlen_q
     m_last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    lo, hi, _, _ = key_blocks(start_m, m_last, diag_offset, seqlen_k, window_left, window_right, 0, BLOCK_N,
+    lo, hi, _full_lo, _full_hi = key_blocks(start_m, m_last, diag_offset, seqlen_k, window_left, window_right, 0, BLOCK_N,
                               HAS_LEFT, HAS_RIGHT, False)
     kpm = KPM + b * skpm_b
-    k_base = K + b * sk_b + kvh * sk_h
-    v_base = V + b * sv_b + kvh * sv_h
+    kv_off_k = b * sk_b + kvh * sk_h
+    kv_off_v = b * sv_b + kvh * sv_h
     dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
-        kv_mask = rows_mask(offs_n, seqlen_k, offs_d, HEAD_DIM)
-        k = tl.load(k_base + offs_n[:, None] * sk_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * sv_s + offs_d[None, :], mask=kv_mask, other=0.0)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v, _keys = _load_tiles(K, V, kv_off_k, kv_off_v, sk_s, sv_s, offs_n, seqlen_k, offs_d, HEAD_DIM, DOT_FP32)
         p, t = _probs(q, tl.trans(k), offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
                       window_left, window_right, kpm, kpm_keys, DOT_PRECISION, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
                       HAS_KPM)
