@@ -3,9 +3,11 @@
 A candidate is the shipped config with some fields replaced (``--vary FIELD=V1,V2``, repeated;
 by default one field at a time over the op's axes below, ``--product`` for every combination).
 ``shipped`` is the op as it ships (its own config lookup); the anchor is SDPA on cuDNN for
-attention and decode, torch (cuBLAS) captured in a CUDA graph for mlp. Every candidate's output
+attention, attention-bwd (forward + backward) and decode, torch (cuBLAS) captured in a CUDA graph
+for mlp. Every candidate's output
 is checked against the anchor's (relative error ≤ 1e-2, else it is reported and not timed);
-every provider is timed as CUDA-graph replays after a warm-up, in ``--rounds`` interleaved
+every provider is timed as CUDA-graph replays after a warm-up (attention-bwd eagerly: autograd;
+its candidates must also repeat their gradients bit for bit), in ``--rounds`` interleaved
 rounds (clocks drift with heat: each ratio is taken inside its round, then the median).
 
 Besides config fields, a few plan options vary like fields: ``num_splits`` (decode) and
@@ -37,13 +39,15 @@ AXES = {
                   "num_stages": (2, 3, 4), "use_tma": (False, True), "warp_specialize": (False, True)},
     "attention-fp8": {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4),
                       "pv_fp32_sum": (False, True)},
+    "attention-bwd": {"BLOCK_M1": (32, 64), "BLOCK_N1": (64, 128), "num_warps1": (4, 8), "num_stages1": (2, 3, 4),
+                      "BLOCK_M2": (64, 128), "BLOCK_N2": (32, 64), "num_warps2": (4, 8), "num_stages2": (2, 3, 4)},
     "decode": {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5),
                "num_splits": (1, 2, 4, 8, 16, 32)},
     "mlp": {"policy": ("splitk", "seqsplit:8", "multirow:8", "halfrow"),
             "BLOCK_I": (64, 128), "BLOCK_N": (64, 128), "group": (0, 2, 4),
             "BLOCK_N1": (128, 256), "num_stages": (3, 4, 5), "use_tma": (False, True)},
 }
-PLAN_OPTIONS = {"attention": (), "attention-fp8": ("qk_format",), "decode": ("num_splits",), "mlp": ("policy",)}
+PLAN_OPTIONS = {"attention": (), "attention-bwd": (), "attention-fp8": ("qk_format",), "decode": ("num_splits",), "mlp": ("policy",)}
 NO_GPU = "needs a CUDA GPU (torch.cuda.is_available() is False)"
 
 
@@ -74,6 +78,10 @@ def config_classes(op: str) -> tuple:
         from flashflow.tuning.attention import AttentionConfig
 
         return (AttentionConfig,)
+    if op == "attention-bwd":
+        from flashflow.tuning.attention_bwd import AttentionBwdConfig
+
+        return (AttentionBwdConfig,)
     if op == "attention-fp8":
         from flashflow.tuning.attention_fp8 import AttentionFp8Config
 
@@ -158,8 +166,9 @@ class Case:
     anchor: object     # zero-argument callable, the reference output and the time to beat
     make: object       # overrides -> zero-argument callable (NotApplicable if it does not exist)
     work: float        # FLOP or bytes: work / seconds is the metric
-    steps: int         # calls per CUDA graph
+    steps: int         # calls per CUDA graph (0: timed eagerly, do_bench on the call itself)
     shipped: dict      # the shipped config's fields and plan options
+    repeat_check: int = 0   # > 0: a candidate must give the same bits this many times over
 
 
 def _sdpa_anchor(qt, kt, vt, causal, gqa=False, mask=None):
@@ -227,6 +236,68 @@ def _attention_case(s, args) -> Case:
     info = {**s.as_dict(), "mask": mask is not None}
     return Case(s.label + (" mask" if mask is not None else ""), info, anchor, make, s.flops, 4,
                 dataclasses.asdict(base))
+
+
+def _attention_bwd_shapes(args):
+    from flashflow.bench.train import train_shapes
+
+    if args.mask:
+        raise ValueError("--mask applies to the forward's bias configs, not to attention-bwd")
+    return [s for s in train_shapes(args.quick) if not args.head_dims or s[3] in args.head_dims]
+
+
+def _attention_bwd_case(shape, args) -> Case:
+    """Forward + backward (the training step's attention) against SDPA on cuDNN, each call
+    returning the three gradients flattened; candidates replace the backward's config (the
+    forward ships as is) and must give identical bits over three runs (deterministic)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    import flashflow
+    from flashflow.bench.train import fwd_flops
+    from flashflow.device import gpu_family
+    from flashflow.ops.attention import attention_forward
+    from flashflow.ops.attention_bwd import attention_backward
+    from flashflow.ops.common import head_dim_pad
+    from flashflow.tuning.attention_bwd import attention_bwd_config
+
+    b, h, s, d, causal = shape
+    q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    qt, kt, vt = (t.detach().transpose(1, 2).clone().requires_grad_() for t in (q, k, v))
+    dot = do.transpose(1, 2)
+    scale = d ** -0.5
+
+    def flat(gs, transpose=False):
+        return torch.cat([(g.transpose(1, 2) if transpose else g).reshape(-1) for g in gs])
+
+    def anchor():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+        return flat(torch.autograd.grad(out, (qt, kt, vt), dot), transpose=True)
+    anchor.backend = "sdpa-cudnn"
+    base = attention_bwd_config(head_dim_pad(d), gpu_family(q.device))
+
+    def make(ov):
+        if not ov:
+            def shipped():
+                out = flashflow.flash_attn_func(*leaves, causal=causal)
+                return flat(torch.autograd.grad(out, leaves, do))
+            return shipped
+        if _same_as_shipped(base, ov, {}):
+            raise NotApplicable("the shipped config")
+        cfg = replace_fields(base, ov)
+
+        def run():
+            out, lse = attention_forward(q, k, v, softmax_scale=scale, window_right=0 if causal else None,
+                                         return_lse=True, heavy_first=causal)
+            return flat(attention_backward(q, k, v, out, lse, do, None, scale, False, 0, causal, 0, 0.0,
+                                           config=cfg))
+        return run
+    info = {"batch": b, "heads": h, "seqlen": s, "head_dim": d, "causal": causal}
+    label = f"b{b} h{h} s{s} d{d}" + (" causal" if causal else "")
+    return Case(label, info, anchor, make, 3.5 * fwd_flops(b, h, s, d, causal), 0, dataclasses.asdict(base),
+                repeat_check=3)
 
 
 def _attention_fp8_shapes(args):
@@ -397,11 +468,11 @@ def _mlp_shipped(kernel, x, w2, act):
 
 
 # op -> (its shapes from the parsed arguments, the case of one shape)
-OPS = {"attention": (_attention_shapes, _attention_case),
+OPS = {"attention": (_attention_shapes, _attention_case), "attention-bwd": (_attention_bwd_shapes, _attention_bwd_case),
        "attention-fp8": (_attention_fp8_shapes, _attention_fp8_case), "decode": (_decode_shapes, _decode_case),
        "mlp": (_mlp_shapes, _mlp_case)}
-UNITS = {"attention": "TFLOP/s", "attention-fp8": "TFLOP/s", "decode": "TB/s", "mlp": "TB/s"}
-ANCHORS = {"attention": "sdpa", "attention-fp8": "sdpa", "decode": "sdpa", "mlp": "torch+graph"}
+UNITS = {"attention": "TFLOP/s", "attention-bwd": "TFLOP/s", "attention-fp8": "TFLOP/s", "decode": "TB/s", "mlp": "TB/s"}
+ANCHORS = {"attention": "sdpa", "attention-bwd": "sdpa", "attention-fp8": "sdpa", "decode": "sdpa", "mlp": "torch+graph"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,7 +490,7 @@ def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar,
     """One shape: check every candidate against the anchor, then time them all, interleaved."""
     import torch
 
-    from flashflow.bench.decode import graph_time_ms
+    from flashflow.bench.decode import _eager_time_ms, graph_time_ms
 
     ref = case.anchor()
     fns = {"anchor": case.anchor}
@@ -428,7 +499,12 @@ def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar,
     for name, ov in cands.items():
         try:
             fn = case.make(ov)
-            err = _rel(fn(), ref)
+            out = fn()
+            err = _rel(out, ref)
+            if case.repeat_check and not all(torch.equal(out, fn()) for _ in range(case.repeat_check - 1)):
+                row["candidates"][name] = {"overrides": ov, "rel_err": err,
+                                           "error": f"run-to-run different over {case.repeat_check} runs"}
+                continue
         except NotApplicable as e:
             row["skipped"][name] = str(e)
             continue
@@ -447,7 +523,9 @@ def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar,
         order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]   # rotate who runs first
         for name in order:
             try:
-                samples[name].append(graph_time_ms(fns[name], case.steps, warmup, rep) * 1e3)
+                timer = (lambda f: graph_time_ms(f, case.steps, warmup, rep)) if case.steps else \
+                    (lambda f: _eager_time_ms(f, warmup, rep))
+                samples[name].append(timer(fns[name]) * 1e3)
             except Exception as e:  # noqa: BLE001
                 samples[name].append(None)
                 row["candidates"].setdefault(name, {})["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -583,7 +661,7 @@ def main(args: argparse.Namespace) -> int:
     result = {"suite": suite, **env, "dtype": "bfloat16", "unit": UNITS[args.op],
               "tolerance": _tolerance(args), "candidates": cands, "rows": rows,
               "timing": {"rounds": args.rounds, "warmup_ms": args.warmup, "rep_ms": args.rep,
-                         "return_mode": "median", "cuda_graph": True}}
+                         "return_mode": "median", "cuda_graph": args.op != "attention-bwd"}}
     path = runner.write_result(result, args.out)
     print(table(rows, UNITS[args.op], ANCHORS[args.op]))
     print(f"\nresults: {path}")

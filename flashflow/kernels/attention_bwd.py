@@ -1,8 +1,8 @@
 """Flash attention backward: Triton kernels (FlashAttention-2's recomputation).
 
-The forward keeps no probabilities, only each row's log-sum-exp. The backward recomputes a
-``BLOCK_M × BLOCK_N`` tile of them at a time, ``P = exp(S − lse)``, in the base-2 domain of the
-forward (:mod:`flashflow.kernels.softmax`), and never writes an S×S buffer:
+The forward keeps no probabilities, only each row's log-sum-exp. The backward recomputes a tile
+of them at a time, ``P = exp(S − lse)``, in the base-2 domain of the forward
+(:mod:`flashflow.kernels.softmax`), and never writes an S×S buffer:
 
     δ_i  = rowsum(dO_i ∘ O_i) − dlse_i                        (:func:`attention_bwd_delta_kernel`)
     dV_j = Σ_i P_ij dO_i,   dS_ij = P_ij (dO_i·V_j − δ_i)
@@ -12,28 +12,42 @@ forward (:mod:`flashflow.kernels.softmax`), and never writes an S×S buffer:
 with ``dS' = dS`` or, under a softcap ``c`` (``S = c·tanh(x·scale/c)``), ``dS' = dS·(1 − (S/c)²)``.
 ``dlse`` is the gradient reaching a returned log-sum-exp (0 when it is not used).
 
-Deterministic by construction: a dK/dV program owns one block of keys of one KV head and loops
-over every query head of its group (GQA/MQA: the group's sum happens in registers, in a fixed
-order), a dQ program owns one block of queries; no atomics, so the gradients are identical
-from run to run. Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (causal
-bottom-right, window), plus an optional key-padding prefix as in the forward.
+Tiles
+-----
+A dK/dV program owns ``BLOCK_N`` keys of one KV head and works on the *transposed* score tile
+``Sᵀ = K·Qᵀ`` (``BLOCK_N × BLOCK_M``): ``Pᵀ`` and ``dSᵀ`` are then already the left operands of
+``dV += Pᵀ·dO`` and ``dK += dSᵀ·Q``, straight from the accumulator's registers, and no register
+tile is ever transposed (only loaded ones, which costs a shared-memory descriptor). A dQ program
+owns ``BLOCK_M`` queries and works on ``S = Q·Kᵀ``.
 
-``DOT_FP32`` as in the forward (bf16 under the interpreter only).
+Each program's range is cut in three loops as in the forward (:func:`flashflow.kernels.mask.split_range`):
+masked blocks, an unmasked hot loop where every row sees every key of the tile (no index
+arithmetic at all), masked blocks. Non-causal attention over whole blocks runs only the hot loop.
+Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (causal bottom-right, window), plus
+a key-padding prefix or an additive score bias (SDPA's ``attn_mask``) as in the forward.
+
+Deterministic by construction: a dK/dV program loops over every query head of its group (GQA/MQA:
+the group's sum happens in registers, in a fixed order), a dQ program owns its rows; no atomics,
+so the gradients are identical from run to run.
+
+Varlen (``IS_VARLEN``): the batch index picks a packed sequence through ``cu_seqlens``; programs
+past its end do nothing. ``DOT_FP32`` as in the forward (bf16 under the interpreter only).
 """
 import triton
 import triton.language as tl
 
-from flashflow.kernels.mask import key_allowed, key_blocks, rows_mask
+from flashflow.kernels.mask import key_allowed, key_blocks, query_blocks, rows_mask, split_range
 from flashflow.kernels.softmax import LOG2E_C
 
 
 @triton.jit
 def attention_bwd_delta_kernel(O, DO, DLSE, DELTA, seqlen_q, heads,
-                               so_b, so_s, so_h, sdo_b, sdo_s, sdo_h, sdl_b, sdl_h, sdl_s,
+                               so_b, so_s, so_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                HAS_DLSE: tl.constexpr):
-    """δ = rowsum(dO ∘ O) − dlse in fp32, ``DELTA[(b·heads + h)·seqlen_q + i]``. Grid
-    ``(cdiv(seqlen_q, BLOCK_M), batch · heads)``; reads O and dO once."""
+    """δ = rowsum(dO ∘ O) − dlse in fp32, laid out as the LSE (strides ``sl_*``, shared by
+    ``DLSE`` and ``DELTA``). Grid ``(cdiv(seqlen_q, BLOCK_M), batch · heads)``; a varlen batch
+    is one sequence of all its tokens here (δ is per row)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
@@ -44,18 +58,63 @@ def attention_bwd_delta_kernel(O, DO, DLSE, DELTA, seqlen_q, heads,
     o = tl.load(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_s + offs_d[None, :], mask=mask, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row = b * sl_b + h * sl_h + offs_m * sl_s
     if HAS_DLSE:
-        delta -= tl.load(DLSE + b * sdl_b + h * sdl_h + offs_m * sdl_s, mask=offs_m < seqlen_q, other=0.0)
-    tl.store(DELTA + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+        delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
+    tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
-def _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
-           window_left, window_right, KPM, kpm_keys, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr):
-    """``(P, tanh)``: the tile's probabilities recomputed from the row log-sum-exps (0 where a key
-    is not allowed), and under a softcap the tile's ``tanh`` (for its derivative)."""
-    s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
+def _seq_range(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """``(q_start, k_start, seqlen_q, seqlen_k)`` of batch entry ``b``: 0 and the dense lengths,
+    or a packed sequence's offsets and lengths."""
+    if IS_VARLEN:
+        q_start = tl.load(CU_Q + b)
+        seqlen_q = tl.load(CU_Q + b + 1) - q_start
+        k_start = tl.load(CU_K + b)
+        seqlen_k = tl.load(CU_K + b + 1) - k_start
+        q_start = q_start.to(tl.int64)
+        k_start = k_start.to(tl.int64)
+    else:
+        q_start = 0
+        k_start = 0
+    return q_start, k_start, seqlen_q, seqlen_k
+
+
+@triton.jit
+def _load_tiles(A, B, stride_a, stride_b, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Two ``(rows, head_dim)`` tiles over the same rows (K and V, or Q and dO), zero past the
+    end, widened to fp32 under ``DOT_FP32``; and their mask."""
+    mask = rows_mask(offs_rows, n_rows, offs_d, HEAD_DIM)
+    a = tl.load(A + offs_rows[:, None] * stride_a + offs_d[None, :], mask=mask, other=0.0)
+    b = tl.load(B + offs_rows[:, None] * stride_b + offs_d[None, :], mask=mask, other=0.0)
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return a, b, mask
+
+
+@triton.jit
+def _row_stats(LSE, DELTA, sl_s, offs_m, seqlen_q):
+    """The rows' log-sum-exp in base 2 (from the forward) and δ; ``LSE``/``DELTA`` point at the
+    (sequence, head)'s first row. A row that saw no key (lse = -inf) gets +inf, so every
+    probability of it is 0 rather than exp2(+inf)."""
+    row_ok = offs_m < seqlen_q
+    lse = tl.load(LSE + offs_m * sl_s, mask=row_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+    delta = tl.load(DELTA + offs_m * sl_s, mask=row_ok, other=0.0)
+    return lse, delta
+
+
+@triton.jit
+def _probs(s, q_idx, k_idx, lse2, bias_ptrs, qk_scale_log2, softcap, seqlen_q, seqlen_k, bias_end, diag_offset,
+           window_left, window_right, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr,
+           HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr):
+    """``(P, tanh)`` of a tile of raw scores ``s`` in either orientation: ``q_idx``/``k_idx``/``lse2``
+    are broadcast to it (``[M, 1]``/``[1, N]``/``[M, 1]`` or the transposes). ``P`` is recomputed
+    from the base-2 row log-sum-exps; unmasked tiles compute no index at all, masked ones zero
+    what a row may not see and add the bias (``bias_ptrs`` of the tile's shape; a key-padding
+    mask's pointers broadcast over the keys only). Under a softcap, ``tanh`` for its derivative."""
     t = s
     if HAS_SOFTCAP:
         t = s * qk_scale_log2
@@ -64,145 +123,191 @@ def _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen
         s = t * (softcap * LOG2E_C)
     else:
         s = s * qk_scale_log2
-    allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n, offs_m[:, None] + diag_offset, window_left,
-                          window_right, HAS_LEFT, HAS_RIGHT) & (offs_m < seqlen_q)[:, None]
-    if HAS_KPM:
-        keep = tl.load(KPM + offs_n, mask=offs_n < kpm_keys, other=1)
-        allowed &= (keep != 0)[None, :]
-    # a row with no allowed key has lse = -inf: every entry of it is masked, none is exp2(+inf)
-    p = tl.where(allowed, tl.math.exp2(s - lse[:, None] * LOG2E_C), 0.0)
+    if MASKED:
+        allowed = key_allowed((k_idx < seqlen_k) & (q_idx < seqlen_q), k_idx, q_idx + diag_offset, window_left,
+                              window_right, HAS_LEFT, HAS_RIGHT)
+        if HAS_BIAS and KEY_PADDING:
+            keep = tl.load(bias_ptrs, mask=k_idx < bias_end, other=1)
+            allowed &= keep != 0
+        if HAS_BIAS and not KEY_PADDING:
+            bias = tl.load(bias_ptrs, mask=(k_idx < bias_end) & (q_idx < seqlen_q), other=0.0)
+            s += bias.to(tl.float32) * LOG2E_C
+        p = tl.where(allowed, tl.math.exp2(s - lse2), 0.0)
+    else:
+        p = tl.math.exp2(s - lse2)
     return p, t
 
 
 @triton.jit
-def _load_tiles(A, B, base_a, base_b, stride_a, stride_b, offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr,
-                DOT_FP32: tl.constexpr):
-    """Two ``(rows, head_dim)`` tiles over the same rows (K and V, or Q and dO), zero past the
-    end, widened to fp32 under ``DOT_FP32``; and their mask."""
-    mask = rows_mask(offs_rows, n_rows, offs_d, HEAD_DIM)
-    a = tl.load(A + base_a + offs_rows[:, None] * stride_a + offs_d[None, :], mask=mask, other=0.0)
-    b = tl.load(B + base_b + offs_rows[:, None] * stride_b + offs_d[None, :], mask=mask, other=0.0)
-    if DOT_FP32:
-        a = a.to(tl.float32)
-        b = b.to(tl.float32)
-    return a, b, mask
-
-
-@triton.jit
-def _row_stats(LSE, DELTA, lse_base, sl_s, delta_row, offs_m, seqlen_q):
-    """The rows' log-sum-exp (from the forward) and δ."""
-    row_ok = offs_m < seqlen_q
-    lse = tl.load(LSE + lse_base + offs_m * sl_s, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + delta_row * seqlen_q + offs_m, mask=row_ok, other=0.0)
-    return lse, delta
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, bias_ptrs, lo, hi, offs_n, offs_d, sq_s, sdo_s, sl_s, sb_m,
+               seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """dK, dV of the program's keys over the query blocks ``[lo, hi)`` of one head, on ``Sᵀ``."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_mb
+        q, do, _rows = _load_tiles(Q, DO, sq_s, sdo_s, offs_m, seqlen_q, offs_d, HEAD_DIM, DOT_FP32)
+        lse2, delta = _row_stats(LSE, DELTA, sl_s, offs_m, seqlen_q)
+        s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
+        b_ptrs = bias_ptrs
+        if HAS_BIAS and not KEY_PADDING:
+            b_ptrs = bias_ptrs + offs_m[None, :] * sb_m
+        p, t = _probs(s, offs_m[None, :], offs_n[:, None], lse2[None, :], b_ptrs, qk_scale_log2, softcap, seqlen_q,
+                      seqlen_k, bias_end, diag_offset, window_left, window_right, MASKED, HAS_SOFTCAP, HAS_LEFT,
+                      HAS_RIGHT, HAS_BIAS, KEY_PADDING)
+        dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
+        dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        ds = p * (dp - delta[None, :])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, KPM,
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, CU_Q, CU_K,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
-    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h, skpm_b,
-    seqlen_q, seqlen_k, heads, kv_heads, kpm_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
+    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h, sb_b, sb_h, sb_m, sb_n,
+    seqlen_q, seqlen_k, heads, kv_heads, bias_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
 ):
     """dK and dV of one ``BLOCK_N`` block of keys of one KV head. Grid
-    ``(cdiv(seqlen_k, BLOCK_N), batch · kv_heads)``; the query blocks that may see the keys are
-    streamed for every query head of the group."""
+    ``(cdiv(seqlen_k, BLOCK_N), batch · kv_heads)`` (varlen: the longest sequence's keys); the
+    query blocks that may see the keys are streamed for every query head of the group."""
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)
     b = (bkh // kv_heads).to(tl.int64)
     kvh = bkh % kv_heads
     group = heads // kv_heads
+    q_start, k_start, seqlen_q, seqlen_k = _seq_range(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
     start_n = pid_n * BLOCK_N
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_mb = tl.arange(0, BLOCK_M)
-    k, v, kv_mask = _load_tiles(K, V, b * sk_b + kvh * sk_h, b * sv_b + kvh * sv_h, sk_s, sv_s, offs_n, seqlen_k,
-                                offs_d, HEAD_DIM, DOT_FP32)
-    k_t = tl.trans(k)
-    v_t = tl.trans(v)
-    kpm = KPM + b * skpm_b
-    diag_offset = seqlen_k - seqlen_q
-    # the query rows that may see a key of this block: i + diag_offset + right >= start_n (causal
-    # side) and i + diag_offset - left <= the block's last key (window side)
-    lo = 0
-    hi = seqlen_q
-    if HAS_RIGHT:
-        lo = tl.maximum(start_n - diag_offset - window_right, 0)
-        lo = (lo // BLOCK_M) * BLOCK_M
-    if HAS_LEFT:
-        hi = tl.minimum(start_n + BLOCK_N - diag_offset + window_left, seqlen_q)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
-    for g in range(0, group):
-        h = kvh * group + g
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + offs_mb
-            q, do, _rows = _load_tiles(Q, DO, b * sq_b + h * sq_h, b * sdo_b + h * sdo_h, sq_s, sdo_s, offs_m, seqlen_q,
-                                   offs_d, HEAD_DIM, DOT_FP32)
-            lse, delta = _row_stats(LSE, DELTA, b * sl_b + h * sl_h, sl_s, (bkh * group + g).to(tl.int64), offs_m,
-                                    seqlen_q)
-            p, t = _probs(q, k_t, offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
-                          window_left, window_right, kpm, kpm_keys, DOT_PRECISION, HAS_SOFTCAP, HAS_LEFT,
-                          HAS_RIGHT, HAS_KPM)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=DOT_PRECISION)
-            dp = tl.dot(do, v_t, input_precision=DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - t * t)
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=DOT_PRECISION)
-    dk = dk * softmax_scale
-    tl.store(DK + b * sdk_b + kvh * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :], dk.to(DK.dtype.element_ty),
-             mask=kv_mask)
-    tl.store(DV + b * sdv_b + kvh * sdv_h + offs_n[:, None] * sdv_s + offs_d[None, :], dv.to(DV.dtype.element_ty),
-             mask=kv_mask)
+    if start_n < seqlen_k:
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        k, v, kv_mask = _load_tiles(K + b * sk_b + k_start * sk_s + kvh * sk_h, V + b * sv_b + k_start * sv_s + kvh * sv_h,
+                                    sk_s, sv_s, offs_n, seqlen_k, offs_d, HEAD_DIM, DOT_FP32)
+        diag_offset = seqlen_k - seqlen_q
+        n_last = tl.minimum(start_n + BLOCK_N, seqlen_k) - 1
+        lo, hi, full_lo, full_hi = query_blocks(start_n, n_last, diag_offset, seqlen_q, window_left, window_right,
+                                                BLOCK_M, HAS_LEFT, HAS_RIGHT)
+        bias_end = seqlen_k
+        if HAS_BIAS:
+            bias_end = tl.minimum(seqlen_k, bias_keys)
+            if start_n < bias_end:   # a biased key block: every query block loads the bias
+                full_hi = 0
+        mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
+        dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
+        for g in range(0, group):
+            h = (kvh * group + g).to(tl.int64)
+            q_ptr = Q + b * sq_b + q_start * sq_s + h * sq_h
+            do_ptr = DO + b * sdo_b + q_start * sdo_s + h * sdo_h
+            lse_ptr = LSE + b * sl_b + h * sl_h + q_start * sl_s
+            delta_ptr = DELTA + b * sl_b + h * sl_h + q_start * sl_s
+            bias_ptrs = BIAS + b * sb_b + offs_n[:, None] * sb_n
+            if HAS_BIAS and not KEY_PADDING:
+                bias_ptrs += h * sb_h
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, lo, mid_lo, offs_n, offs_d,
+                                sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
+                                window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, True, HAS_SOFTCAP,
+                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, mid_lo, mid_hi, offs_n,
+                                offs_d, sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset,
+                                window_left, window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, False,
+                                HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, mid_hi, hi, offs_n, offs_d,
+                                sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
+                                window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, True, HAS_SOFTCAP,
+                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+        dk = dk * softmax_scale
+        tl.store(DK + b * sdk_b + k_start * sdk_s + kvh * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :],
+                 dk.to(DK.dtype.element_ty), mask=kv_mask)
+        tl.store(DV + b * sdv_b + k_start * sdv_s + kvh * sdv_h + offs_n[:, None] * sdv_s + offs_d[None, :],
+                 dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, KPM,
-    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
-    sdq_b, sdq_s, sdq_h, skpm_b,
-    seqlen_q, seqlen_k, heads, kv_heads, kpm_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_KPM: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
-):
-    """dQ of one ``BLOCK_M`` block of queries of one head. Grid ``(cdiv(seqlen_q, BLOCK_M),
-    batch · heads)``; the key blocks the rows may see are streamed (the forward's key range)."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = bh % heads
-    kvh = h // (heads // kv_heads)
-    start_m = pid_m * BLOCK_M
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
+def _dq_loop(dq, q, do, lse2, delta, K, V, bias_ptrs, lo, hi, offs_m, offs_d, sk_s, sv_s, sb_n,
+             seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """dQ of the program's rows over the key blocks ``[lo, hi)``, on ``S``."""
     offs_nb = tl.arange(0, BLOCK_N)
-    q, do, q_mask = _load_tiles(Q, DO, b * sq_b + h * sq_h, b * sdo_b + h * sdo_h, sq_s, sdo_s, offs_m, seqlen_q,
-                                offs_d, HEAD_DIM, DOT_FP32)
-    lse, delta = _row_stats(LSE, DELTA, b * sl_b + h * sl_h, sl_s, bh.to(tl.int64), offs_m, seqlen_q)
-    diag_offset = seqlen_k - seqlen_q
-    m_last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
-    lo, hi, _full_lo, _full_hi = key_blocks(start_m, m_last, diag_offset, seqlen_k, window_left, window_right, 0, BLOCK_N,
-                              HAS_LEFT, HAS_RIGHT, False)
-    kpm = KPM + b * skpm_b
-    kv_off_k = b * sk_b + kvh * sk_h
-    kv_off_v = b * sv_b + kvh * sv_h
-    dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
-        k, v, _keys = _load_tiles(K, V, kv_off_k, kv_off_v, sk_s, sv_s, offs_n, seqlen_k, offs_d, HEAD_DIM, DOT_FP32)
-        p, t = _probs(q, tl.trans(k), offs_m, offs_n, lse, qk_scale_log2, softcap, seqlen_q, seqlen_k, diag_offset,
-                      window_left, window_right, kpm, kpm_keys, DOT_PRECISION, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT,
-                      HAS_KPM)
+        k, v, _keys = _load_tiles(K, V, sk_s, sv_s, offs_n, seqlen_k, offs_d, HEAD_DIM, DOT_FP32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p, t = _probs(s, offs_m[:, None], offs_n[None, :], lse2[:, None], bias_ptrs + offs_n[None, :] * sb_n,
+                      qk_scale_log2, softcap, seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right,
+                      MASKED, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=DOT_PRECISION)
-    dq = dq * softmax_scale
-    tl.store(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :], dq.to(DQ.dtype.element_ty),
-             mask=q_mask)
+    return dq
+
+
+@triton.jit
+def attention_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ, BIAS, CU_Q, CU_K,
+    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
+    sdq_b, sdq_s, sdq_h, sb_b, sb_h, sb_m, sb_n,
+    seqlen_q, seqlen_k, heads, kv_heads, bias_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
+):
+    """dQ of one ``BLOCK_M`` block of queries of one head. Grid ``(cdiv(seqlen_q, BLOCK_M),
+    batch · heads)``; the key blocks the rows may see are streamed (the forward's key range and
+    loops, :func:`flashflow.kernels.mask.key_blocks`)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
+    kvh = h // (heads // kv_heads)
+    q_start, k_start, seqlen_q, seqlen_k = _seq_range(CU_Q, CU_K, b, seqlen_q, seqlen_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m < seqlen_q:
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        q, do, q_mask = _load_tiles(Q + b * sq_b + q_start * sq_s + h * sq_h, DO + b * sdo_b + q_start * sdo_s + h * sdo_h,
+                                    sq_s, sdo_s, offs_m, seqlen_q, offs_d, HEAD_DIM, DOT_FP32)
+        row0 = b * sl_b + h * sl_h + q_start * sl_s
+        lse2, delta = _row_stats(LSE + row0, DELTA + row0, sl_s, offs_m, seqlen_q)
+        diag_offset = seqlen_k - seqlen_q
+        m_last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+        lo, hi, full_lo, full_hi = key_blocks(start_m, m_last, diag_offset, seqlen_k, window_left, window_right,
+                                              bias_keys, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS)
+        mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
+        bias_end = seqlen_k
+        if HAS_BIAS:
+            bias_end = tl.minimum(seqlen_k, bias_keys)
+        bias_ptrs = BIAS + b * sb_b
+        if HAS_BIAS and not KEY_PADDING:
+            bias_ptrs += h * sb_h + offs_m[:, None] * sb_m
+        k_ptr = K + b * sk_b + k_start * sk_s + kvh * sk_h
+        v_ptr = V + b * sv_b + k_start * sv_s + kvh * sv_h
+        dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
+        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, lo, mid_lo, offs_m, offs_d, sk_s, sv_s, sb_n,
+                      seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+                      HEAD_DIM, BLOCK_N, True, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
+                      DOT_PRECISION, DOT_FP32)
+        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, mid_lo, mid_hi, offs_m, offs_d, sk_s, sv_s,
+                      sb_n, seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2,
+                      softcap, HEAD_DIM, BLOCK_N, False, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
+                      DOT_PRECISION, DOT_FP32)
+        # past full_lo: past every biased key block (key_blocks), so no bias here
+        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, mid_hi, hi, offs_m, offs_d, sk_s, sv_s, sb_n,
+                      seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+                      HEAD_DIM, BLOCK_N, True, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, False, KEY_PADDING,
+                      DOT_PRECISION, DOT_FP32)
+        dq = dq * softmax_scale
+        tl.store(DQ + b * sdq_b + q_start * sdq_s + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :],
+                 dq.to(DQ.dtype.element_ty), mask=q_mask)

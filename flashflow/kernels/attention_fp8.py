@@ -34,7 +34,7 @@ fp32 on exactly the same values. On a GPU it is off and compiles to nothing.
 import triton
 import triton.language as tl
 
-from flashflow.kernels.mask import key_allowed, key_blocks
+from flashflow.kernels.mask import key_allowed, key_blocks, split_range
 from flashflow.kernels.quant import E4M3_MAX, round_e4m3
 from flashflow.kernels.softmax import log_sum_exp, normalize, shift_of
 
@@ -81,7 +81,7 @@ def _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, hi, KD, VD, KS, KPM, k_row0, v_r
         if MASKED:
             offs_n = start_n + offs_nb
             s = qk * row_scale[:, None] - offset[:, None]
-            allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n, offs_m[:, None] + diag_offset, 0, 0,
+            allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n[None, :], offs_m[:, None] + diag_offset, 0, 0,
                                   False, CAUSAL)
             if HAS_KPM:
                 keep = tl.load(KPM + offs_n, mask=offs_n < kpm_keys, other=1)
@@ -148,8 +148,7 @@ def attention_fp8_fwd_kernel(
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
     lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, 0, 0, kpm_keys, BLOCK_N,
                                           False, CAUSAL, HAS_KPM)
-    mid_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
-    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -47,7 +47,7 @@ is off and compiles to nothing.
 import triton
 import triton.language as tl
 
-from flashflow.kernels.mask import key_allowed, key_blocks, rows_mask
+from flashflow.kernels.mask import key_allowed, key_blocks, split_range, rows_mask
 from flashflow.kernels.softmax import (LOG2E_C, log_sum_exp, merge_partials, normalize, online_softmax,
                                        online_softmax_scaled, softcap_scores)
 
@@ -68,7 +68,7 @@ def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, se
     if HAS_BIAS and not KEY_PADDING:
         b = tl.load(bias_ptrs, mask=offs_n[None, :] < bias_end, other=0.0).to(tl.float32)
         s += b * LOG2E_C
-    allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n, offs_m[:, None] + diag_offset, window_left,
+    allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n[None, :], offs_m[:, None] + diag_offset, window_left,
                           window_right, HAS_LEFT, HAS_RIGHT)
     if HAS_BIAS and KEY_PADDING:
         keep = tl.load(bias_ptrs, mask=offs_n < bias_end, other=1)
@@ -241,8 +241,7 @@ def attention_fwd_kernel(
         chunk = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), TAIL_SPLITS) * BLOCK_N
         lo = tl.where(is_piece, tl.maximum(lo, split * chunk), lo)
         hi = tl.where(is_piece, tl.minimum(hi, split * chunk + chunk), hi)
-    mid_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
-    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -128,7 +128,7 @@ def _attend(acc, l_i, m_i, q, k, v, offs_n, valid_n, diag, qk_scale_log2, softca
         s = softcap_scores(s, qk_scale_log2, softcap)
     else:
         s = s * qk_scale_log2
-    allowed = key_allowed(valid_n[None, :], offs_n, diag[:, None], window_left, window_right, HAS_LEFT, HAS_RIGHT)
+    allowed = key_allowed(valid_n[None, :], offs_n[None, :], diag[:, None], window_left, window_right, HAS_LEFT, HAS_RIGHT)
     s = tl.where(allowed, s, float("-inf"))
     p, alpha, l_i, m_new = online_softmax(s, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)

@@ -21,15 +21,17 @@ def rows_mask(offs_rows, n_rows, offs_d, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
-def key_allowed(in_seq, offs_n, diag, window_left, window_right,
+def key_allowed(in_seq, keys, diag, window_left, window_right,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """``(rows, keys)`` mask of the keys each row may see: ``in_seq`` (``[1, keys]``) marks the
-    keys that exist, ``diag`` (``[rows, 1]``) is each row's diagonal key."""
+    """Mask of the keys each row may see, in whichever orientation the tile is: ``keys`` holds
+    the key indices and ``diag`` each row's diagonal key, broadcast against each other (``[1, keys]``
+    and ``[rows, 1]`` for a score tile, ``[keys, 1]`` and ``[1, rows]`` for its transpose);
+    ``in_seq`` marks the keys (and rows) that exist."""
     allowed = in_seq
     if HAS_RIGHT:
-        allowed &= offs_n[None, :] <= diag + window_right
+        allowed &= keys <= diag + window_right
     if HAS_LEFT:
-        allowed &= offs_n[None, :] >= diag - window_left
+        allowed &= keys >= diag - window_left
     return allowed
 
 
@@ -65,3 +67,34 @@ def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right
     if HAS_BIAS:
         full_lo = tl.maximum(full_lo, tl.cdiv(bias_keys, BLOCK_N) * BLOCK_N)
     return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def query_blocks(n_start, n_last, diag_offset, seqlen_q, window_left, window_right, BLOCK_M: tl.constexpr,
+                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """The transpose of :func:`key_blocks`: query range ``[lo, hi)`` whose rows may see one of the
+    keys ``n_start..n_last``, and the part ``[full_lo, full_hi)`` (whole ``BLOCK_M`` blocks, none
+    past ``seqlen_q``) where every row sees every one of them. Row ``i`` sees key ``j`` iff
+    ``j − diag_offset − right <= i <= j − diag_offset + left``."""
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = (seqlen_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        lo = tl.maximum(n_start - diag_offset - window_right, 0)
+        lo = (lo // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(n_last - diag_offset - window_right, 0), BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(n_last - diag_offset + window_left + 1, seqlen_q)
+        full_hi = tl.minimum(full_hi, (tl.maximum(n_start - diag_offset + window_left + 1, 0) // BLOCK_M) * BLOCK_M)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def split_range(lo, hi, full_lo, full_hi):
+    """``(mid_lo, mid_hi)``: ``[lo, hi)`` cut into three loops, masked ``[lo, mid_lo)``, unmasked
+    ``[mid_lo, mid_hi)``, masked ``[mid_hi, hi)``; ``full_lo``/``full_hi`` from :func:`key_blocks`
+    or :func:`query_blocks` (block multiples, possibly empty or outside ``[lo, hi)``)."""
+    mid_lo = tl.minimum(tl.maximum(full_lo, lo), tl.maximum(hi, lo))
+    mid_hi = tl.maximum(tl.minimum(full_hi, hi), mid_lo)
+    return mid_lo, mid_hi

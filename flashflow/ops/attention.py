@@ -341,25 +341,27 @@ def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    (q, k, v, bias, bias_keys, cu_seqlens_q, _, _, _, softmax_scale, has_left, window_left, has_right, window_right,
-     softcap, _, _, *rest) = inputs
+    (q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, has_left,
+     window_left, has_right, window_right, softcap, _, _, *rest) = inputs
     key_padding = rest[0] if rest else False
     out, lse = output
-    # the entry points that take gradients (flash_attn_func) pass dense q/k/v, an LSE, and at
-    # most a key-padding prefix; the others refuse inputs that require grad before the call
-    ctx.supported = cu_seqlens_q is None and (bias is None or key_padding) and lse.numel() > 0
-    ctx.save_for_backward(q, k, v, out, lse, bias if key_padding else None)
-    ctx.args = (softmax_scale, has_left, window_left, has_right, window_right, softcap)
+    # the entry points that take gradients ask for the LSE, which the backward recomputes from
+    ctx.supported = lse.numel() > 0 or q.numel() == 0
+    ctx.save_for_backward(q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = (bias_keys, bool(key_padding), max_seqlen_q, max_seqlen_k, softmax_scale, has_left, window_left,
+                has_right, window_right, softcap)
 
 
 def _fwd_backward(ctx, dout, dlse):
     if not ctx.supported:
-        raise NotImplementedError("flashflow's attention backward covers flash_attn_func (dense q/k/v, causal, "
-                                  "window, softcap, GQA, key-padding mask); not varlen or an additive mask yet")
-    q, k, v, out, lse, key_padding = ctx.saved_tensors
+        raise NotImplementedError("flashflow's attention backward needs the forward's log-sum-exp: call the op "
+                                  "with return_lse=True (the public entry points do when an input requires grad)")
+    q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    bias_keys, key_padding, max_seqlen_q, max_seqlen_k, *rest = ctx.args
     need_dq = ctx.needs_input_grad[0]
     need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    dq, dk, dv = attention_bwd_op(q, k, v, out, lse, dout, dlse, key_padding, *ctx.args, need_dq, need_dkv)
+    dq, dk, dv = attention_bwd_op(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q,
+                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
     grads = [dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
              dv if ctx.needs_input_grad[2] else None]
     return (*grads, *([None] * (len(ctx.needs_input_grad) - 3)))
@@ -454,10 +456,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     q ``(total_q, heads, head_dim)``, k/v ``(total_k, kv_heads, head_dim)``; sequence ``b`` is
     ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``. ``cu_seqlens_*`` are int32 ``(batch + 1,)``.
     Returns out ``(total_q, heads, head_dim)`` and, with ``return_lse``, lse ``(heads, total_q)``.
+    Differentiable as :func:`flash_attn_func` (per-sequence gradients, no cross-sequence terms).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
-    check_no_grad("flash_attn_varlen_func", q=q, k=k, v=v)
     check_qkv(q, k, v, head_axis=1)
     if k.shape[0] != v.shape[0]:
         raise ValueError(f"k and v must share total_k, got {k.shape[0]} and {v.shape[0]}")
@@ -475,17 +477,20 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
         raise ValueError(f"max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}, {max_seqlen_k}")
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, lse = _attention_fwd(q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
-                              int(max_seqlen_q), int(max_seqlen_k), scale,
-                              *_window_args(causal, window_size), check_softcap(softcap),
-                              bool(return_lse), bool(causal))
+    args = (q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
+            int(max_seqlen_k), scale, *_window_args(causal, window_size), check_softcap(softcap))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        out, lse = _attention_fwd_op(*args, True, bool(causal))   # differentiable: keeps the LSE
+    else:
+        out, lse = _attention_fwd(*args, bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                                  scale=None, enable_gqa=False):
-    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``; differentiable without
-    ``attn_mask`` (as :func:`flash_attn_func`), inference-only with one.
+    """Drop-in for ``torch.nn.functional.scaled_dot_product_attention``, differentiable in query,
+    key and value as :func:`flash_attn_func` (with or without ``attn_mask``; a mask that requires
+    grad is refused: no gradient flows to it).
 
     Layout ``(batch, heads, seqlen, head_dim)`` (3-D ``(heads, seqlen, head_dim)`` also taken).
     ``is_causal`` is aligned top-left as in PyTorch. ``attn_mask`` may be boolean (True = attend)
@@ -493,7 +498,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     a fully masked row gives 0, not NaN.
     """
     if dropout_p != 0.0:
-        raise ValueError(f"dropout_p must be 0.0 (flashflow attention is inference-only), got {dropout_p}")
+        raise ValueError(f"dropout_p must be 0.0 (flashflow attention has no dropout), got {dropout_p}")
     squeeze = False
     if isinstance(query, torch.Tensor) and query.dim() == 3:
         query, key, value = query[None], key[None] if key.dim() == 3 else key, value[None] if value.dim() == 3 else value
@@ -503,8 +508,6 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     for name, t in (("query", query), ("key", key), ("value", value)):
         check_tensor(name, t, 4, "(batch, heads, seqlen, head_dim)")
     check_no_grad("scaled_dot_product_attention", attn_mask=attn_mask)
-    if attn_mask is not None:   # no backward through an additive mask yet
-        check_no_grad("scaled_dot_product_attention with attn_mask", query=query, key=key, value=value)
     if not enable_gqa and key.shape[1] != query.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads but key has {key.shape[1]}; "
                          "pass enable_gqa=True for grouped-query attention")
@@ -547,7 +550,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     bias_keys = seqlen_k if bias is not None else 0   # attn_mask may bias any key
     args = (q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale, False, 0, has_right, right, 0.0)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, _ = _attention_fwd_op(*args, True, bool(is_causal), False)   # differentiable (no mask)
+        out, _ = _attention_fwd_op(*args, True, bool(is_causal), False)   # differentiable (no grad to the mask)
     else:
         out, _ = _attention_fwd(*args, False, bool(is_causal))
     out = out.transpose(1, 2)

@@ -15,10 +15,12 @@ TABLE = "attention_bwd"
 class AttentionBwdConfig:
     BLOCK_M1: int     # dK/dV kernel: queries streamed per step
     BLOCK_N1: int     # dK/dV kernel: the program's block of keys
+    num_warps1: int
+    num_stages1: int
     BLOCK_M2: int     # dQ kernel: the program's block of queries
     BLOCK_N2: int     # dQ kernel: keys streamed per step
-    num_warps: int
-    num_stages: int
+    num_warps2: int
+    num_stages2: int
 
     def replace(self, **kw) -> "AttentionBwdConfig":
         return replace(self, **kw)

@@ -32,7 +32,7 @@ def test_help_shows_defaults_and_every_op(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines at the terminal width
     assert "(default: 3)" in out and "(default: bench/results)" in out
-    assert "{attention,attention-fp8,decode,mlp}" in out
+    assert "{attention,attention-bwd,attention-fp8,decode,mlp}" in out
 
 
 def test_vary_values_are_typed_and_fields_checked():
@@ -164,3 +164,37 @@ def test_attention_fp8_axes_are_its_config_fields_and_the_qk_format():
     assert tune.replace_fields(base, {"qk_format": "fp8"}, tune.PLAN_OPTIONS["attention-fp8"]) == base
     assert tune.replace_fields(base, {"BLOCK_N": 64}, tune.PLAN_OPTIONS["attention-fp8"]).BLOCK_N == 64
     assert tune.TOLERANCES["attention-fp8"] > tune.TOLERANCE
+
+
+def test_a_backward_case_times_eagerly_and_refuses_run_to_run_different_gradients(monkeypatch):
+    """attention-bwd: steps = 0 times the call itself (autograd, no CUDA graph); with
+    repeat_check a candidate whose bits change between runs is reported, not timed."""
+    from flashflow.bench import decode
+
+    ref = torch.ones(8)
+    calls = {"n": 0}
+
+    def racy():
+        calls["n"] += 1
+        return ref + calls["n"] * 1e-6   # within tolerance, never the same bits twice
+
+    steady = lambda: ref.clone()  # noqa: E731
+    speed = {id(steady): 4.0, id(racy): 1.0}
+
+    def eager(fn, warmup, rep):
+        return speed.get(id(fn), 10.0) / 1e3
+
+    monkeypatch.setattr(decode, "_eager_time_ms", eager)
+    monkeypatch.setattr(decode, "graph_time_ms", lambda *a: pytest.fail("attention-bwd is timed eagerly"))
+
+    def make(ov):
+        return {(): steady, (("BLOCK_M1", 32),): racy}[tuple(ov.items())]
+    case = tune.Case("s", {}, lambda: ref, make, work=1e6, steps=0, shipped={}, repeat_check=3)
+
+    class Bar:
+        def update(self, n=1):
+            pass
+    row = tune.tune_case(case, tune.candidates({"BLOCK_M1": (32,)}), rounds=2, warmup=1, rep=1, bar=Bar())
+    assert row["candidates"]["BLOCK_M1=32"]["error"] == "run-to-run different over 3 runs"
+    assert row["best"] == "shipped" and row["candidates"]["shipped"]["us"] == 4.0
+    assert set(tune.AXES["attention-bwd"]) <= set(tune.tunable("attention-bwd"))

@@ -368,36 +368,6 @@ def test_bf16_softcap_window_tail_split_varlen_sdpa():
     assert rel(out, sdpa_ref(qs, ks, vs, attn_mask=mask)) < TOL[torch.bfloat16]
 
 
-def _grad_cases():
-    x = rand(1, 8, 2, 32)
-    xv = rand(8, 2, 32)
-    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
-    return {
-        "flash_attn_func": lambda q, k, v: flashflow.flash_attn_func(q, k, v),
-        "flash_attn_varlen_func": lambda q, k, v: flashflow.flash_attn_varlen_func(
-            q[0], k[0], v[0], cu, cu, 8, 8),
-        "sdpa_with_mask": lambda q, k, v: flashflow.scaled_dot_product_attention(
-            q, k, v, attn_mask=torch.ones(2, 2, dtype=torch.bool, device=DEVICE)),
-    }, x, xv
-
-
-@pytest.mark.parametrize("entry", ["flash_attn_varlen_func", "sdpa_with_mask"])
-@pytest.mark.parametrize("which", [0, 1, 2])
-def test_inputs_requiring_grad_are_refused(entry, which):
-    # no backward for these yet (flash_attn_func and unmasked SDPA have one:
-    # tests/ops/test_attention_bwd.py): an input that requires grad would come back detached,
-    # its gradient silently wrong; under no_grad / inference_mode the call is fine
-    fns, x, _ = _grad_cases()
-    args = [x.clone(), x.clone(), x.clone()]
-    args[which].requires_grad_(True)
-    name = {"sdpa_with_mask": ("query", "key", "value")}.get(entry, ("q", "k", "v"))[which]
-    op = {"sdpa_with_mask": "scaled_dot_product_attention with attn_mask"}.get(entry, entry)
-    with pytest.raises(ValueError, match=rf"{op}: {name} requires grad.*no backward"):
-        fns[entry](*args)
-    with torch.no_grad():
-        fns[entry](*args)
-
-
 def test_sdpa_mask_requiring_grad_is_refused():
     q = rand(1, 2, 8, 32, dtype=torch.float32)
     bias = torch.zeros(8, 8, device=DEVICE, requires_grad=True)

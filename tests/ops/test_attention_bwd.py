@@ -152,3 +152,72 @@ def test_sdpa_entry_without_a_mask(is_causal, sq, sk):
     ref.backward(do.double())
     for a, r in zip(ins, refs):
         assert rel(a.grad, torch.nan_to_num(r.grad)) < TOL[torch.float16]
+
+
+def _loss_grads(fn, ins, do):
+    (fn(*ins) * do).sum().backward()
+    return [t.grad for t in ins]
+
+
+@pytest.mark.parametrize("causal,window", [(False, (-1, -1)), (True, (-1, -1)), (False, (6, 2))])
+def test_varlen(causal, window):
+    """flash_attn_varlen_func: packed ragged sequences (one empty, q and k lengths apart), GQA,
+    against the float64 reference run per sequence; no gradient crosses sequences."""
+    from flashflow.reference.attention import attention_varlen_naive
+    g = torch.Generator().manual_seed(3)
+    lq, lk = [17, 0, 33, 5], [23, 4, 33, 1]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+                  for x in (lq, lk))
+    q = torch.randn(sum(lq), 4, 32, generator=g).half().to(DEVICE)
+    k, v = (torch.randn(sum(lk), 2, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    do = torch.randn(sum(lq), 4, 32, generator=g).half().to(DEVICE)
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = _loss_grads(lambda *a: flashflow.flash_attn_varlen_func(*a, cu_q, cu_k, max(lq), max(lk), causal=causal,
+                                                                  window_size=window), ins, do)
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    want = _loss_grads(lambda *a: attention_varlen_naive(*a, cu_q, cu_k, causal=causal, window_size=window), refs,
+                       do.double())
+    for name, a, r in zip(("dq", "dk", "dv"), got, want):
+        assert torch.isfinite(a).all() and rel(a, r) < TOL[torch.float16], (name, rel(a, r))
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive", "bool_with_empty_rows"])
+def test_sdpa_entry_with_a_mask(kind):
+    """scaled_dot_product_attention with attn_mask (boolean or additive float, broadcast over
+    heads): gradients of query, key, value against torch's SDPA in float64; a row whose keys
+    are all masked gives 0 and zero gradients (torch: NaN)."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 29, 32, generator=g).half().to(DEVICE)
+    k, v = (torch.randn(2, 4, 37, 32, generator=g).half().to(DEVICE) for _ in range(2))
+    do = torch.randn(2, 4, 29, 32, generator=g).half().to(DEVICE)
+    if kind == "additive":
+        mask = (torch.randn(2, 1, 29, 37, generator=g) * 2).to(DEVICE)
+    else:
+        mask = (torch.rand(2, 1, 29, 37, generator=g) > 0.3).to(DEVICE)
+        if kind == "bool_with_empty_rows":
+            mask[:, :, 3] = False
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    got = _loss_grads(lambda *a: flashflow.scaled_dot_product_attention(*a, attn_mask=mask), ins, do)
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_mask = mask if mask.dtype == torch.bool else mask.double()
+    want = _loss_grads(lambda *a: torch.nan_to_num(torch.nn.functional.scaled_dot_product_attention(
+        *a, attn_mask=ref_mask)), refs, do.double())
+    for name, a, r in zip(("dq", "dk", "dv"), got, want):
+        r = torch.nan_to_num(r)
+        assert torch.isfinite(a).all() and rel(a, r) < TOL[torch.float16], (name, rel(a, r))
+    if kind == "bool_with_empty_rows":
+        assert (got[0][:, :, 3] == 0).all()
+
+
+@pytest.mark.parametrize("tiles", [(16, 32, 4, 1, 32, 16, 4, 1), (32, 16, 4, 1, 16, 32, 4, 1)])
+@pytest.mark.parametrize("case", [dict(causal=True), dict(window=(9, 3)), dict(kpm_len=20, causal=True),
+                                  dict(sq=45, sk=37, causal=True, softcap=5.0)])
+def test_unequal_tiles(tiles, case, monkeypatch):
+    """Query and key tiles of different sizes: the masked / unmasked / masked split of each
+    program's range (mask.query_blocks, mask.key_blocks) must tile it exactly."""
+    import flashflow.ops.attention_bwd as bwd
+    from flashflow.tuning.attention_bwd import AttentionBwdConfig
+
+    cfg = AttentionBwdConfig(*tiles)
+    monkeypatch.setattr(bwd, "attention_bwd_config", lambda *a: cfg)
+    check(**case)
