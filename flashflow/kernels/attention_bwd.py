@@ -265,9 +265,11 @@ def attention_bwd_dq_kernel(
     HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
 ):
     """dQ of one ``BLOCK_M`` block of queries of one head. Grid ``(cdiv(seqlen_q, BLOCK_M),
-    batch · heads)``; the key blocks the rows may see are streamed (the forward's key range and
-    loops, :func:`flashflow.kernels.mask.key_blocks`)."""
+    batch · heads)``, the heaviest blocks first under a causal bound; the key blocks the rows may
+    see are streamed (the forward's key range and loops, :func:`flashflow.kernels.mask.key_blocks`)."""
     pid_m = tl.program_id(0)
+    if HAS_RIGHT:   # causal: the last query blocks see the most keys, so they start first
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
