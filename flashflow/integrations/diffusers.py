@@ -18,7 +18,7 @@
 ``disable(transformer)`` puts the original processor objects and the class's ``forward`` back,
 so the model computes exactly what it computed before ``enable``.
 
-Inference only: flashflow's ops have no backward, so a model in training mode is refused and an
+Inference only: the fused block ops have no backward, so a model in training mode is refused and an
 input that requires grad raises (docs/diffusion.md).
 """
 from __future__ import annotations
@@ -321,7 +321,7 @@ def enable(transformer, attention: str = "bf16"):
     attention = _check_attention(attention)
     blocks = _check_transformer(transformer)
     if transformer.training or any(block.training for block in blocks):
-        raise ValueError("enable() takes a model in eval mode: flashflow's ops are inference-only (no backward); "
+        raise ValueError("enable() takes a model in eval mode: the fused block ops are inference-only (no backward); "
                          "call transformer.eval() first")
     for i, block in enumerate(blocks):
         if not _forward_is_ours(block) and "forward" in block.__dict__:
