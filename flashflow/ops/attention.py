@@ -450,14 +450,17 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           return_lse=False):
+                           return_lse=False, *, deterministic=False):
     """Exact attention over a packed ragged batch (FlashAttention's varlen API).
 
     q ``(total_q, heads, head_dim)``, k/v ``(total_k, kv_heads, head_dim)``; sequence ``b`` is
     ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``. ``cu_seqlens_*`` are int32 ``(batch + 1,)``.
     Returns out ``(total_q, heads, head_dim)`` and, with ``return_lse``, lse ``(heads, total_q)``.
-    Differentiable as :func:`flash_attn_func` (per-sequence gradients, no cross-sequence terms).
+    Differentiable as :func:`flash_attn_func` (per-sequence gradients, no cross-sequence terms;
+    ``deterministic`` as there: always holds).
     """
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
     check_qkv(q, k, v, head_axis=1)

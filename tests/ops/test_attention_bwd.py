@@ -124,6 +124,9 @@ def test_deterministic_bits_and_its_argument():
     x = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         flashflow.flash_attn_func(x, x, x, deterministic="yes")
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, deterministic=1)
 
 
 def test_no_grad_calls_stay_on_the_inference_path():
