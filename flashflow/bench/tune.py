@@ -7,7 +7,7 @@ attention, attention-bwd (forward + backward) and decode, torch (cuBLAS) capture
 for mlp. Every candidate's output
 is checked against the anchor's (relative error ≤ 1e-2, else it is reported and not timed);
 every provider is timed as CUDA-graph replays after a warm-up (attention-bwd eagerly: autograd;
-its candidates must also repeat their gradients bit for bit, but for atomic dQ), in ``--rounds`` interleaved
+its candidates must also repeat their gradients bit for bit), in ``--rounds`` interleaved
 rounds (clocks drift with heat: each ratio is taken inside its round, then the median).
 
 Besides config fields, a few plan options vary like fields: ``num_splits`` (decode) and
@@ -40,8 +40,7 @@ AXES = {
     "attention-fp8": {"BLOCK_M": (64, 128), "BLOCK_N": (64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4),
                       "pv_fp32_sum": (False, True)},
     "attention-bwd": {"BLOCK_M1": (32, 64), "BLOCK_N1": (64, 128), "num_warps1": (4, 8), "num_stages1": (2, 3, 4),
-                      "BLOCK_M2": (64, 128), "BLOCK_N2": (32, 64), "num_warps2": (4, 8), "num_stages2": (2, 3, 4),
-                      "dq_atomic": (False, True)},
+                      "BLOCK_M2": (64, 128), "BLOCK_N2": (32, 64), "num_warps2": (4, 8), "num_stages2": (2, 3, 4)},
     "decode": {"BLOCK_N": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4, 5),
                "num_splits": (1, 2, 4, 8, 16, 32)},
     "mlp": {"policy": ("splitk", "seqsplit:8", "multirow:8", "halfrow"),
@@ -250,8 +249,7 @@ def _attention_bwd_shapes(args):
 def _attention_bwd_case(shape, args) -> Case:
     """Forward + backward (the training step's attention) against SDPA on cuDNN, each call
     returning the three gradients flattened; candidates replace the backward's config (the
-    forward ships as is) and must give identical bits over three runs, unless they take the
-    atomic dQ (``dq_atomic``: what ``deterministic=False`` may run)."""
+    forward ships as is) and must give identical bits over three runs (deterministic)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -295,7 +293,6 @@ def _attention_bwd_case(shape, args) -> Case:
                                          return_lse=True, heavy_first=causal)
             return flat(attention_backward(q, k, v, out, lse, do, None, scale, False, 0, causal, 0, 0.0,
                                            config=cfg))
-        run.repeatable = not cfg.dq_atomic   # atomic dQ: deterministic=False by design
         return run
     info = {"batch": b, "heads": h, "seqlen": s, "head_dim": d, "causal": causal}
     label = f"b{b} h{h} s{s} d{d}" + (" causal" if causal else "")
@@ -504,8 +501,7 @@ def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar,
             fn = case.make(ov)
             out = fn()
             err = _rel(out, ref)
-            if case.repeat_check and getattr(fn, "repeatable", True) and \
-                    not all(torch.equal(out, fn()) for _ in range(case.repeat_check - 1)):
+            if case.repeat_check and not all(torch.equal(out, fn()) for _ in range(case.repeat_check - 1)):
                 row["candidates"][name] = {"overrides": ov, "rel_err": err,
                                            "error": f"run-to-run different over {case.repeat_check} runs"}
                 continue

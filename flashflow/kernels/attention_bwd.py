@@ -139,14 +139,12 @@ def _probs(s, q_idx, k_idx, lse2, bias_ptrs, qk_scale_log2, softcap, seqlen_q, s
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, k_t, Q, DO, LSE, DELTA, DQA, DQD, dqd_row, dqd_col, bias_ptrs, lo, hi, offs_n, offs_d,
-               sq_s, sdo_s, sl_s, sb_m, sqa_d, seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, bias_ptrs, lo, hi, offs_n, offs_d, sq_s, sdo_s, sl_s, sb_m,
+               seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
-    """dK, dV of the program's keys over the query blocks ``[lo, hi)`` of one head, on ``Sᵀ``; with
-    ``ATOMIC_DQ`` also these keys' share of dQ, ``Kᵀ·dSᵀ`` (``head_dim × BLOCK_M``), added into
-    the fp32 ``DQA`` (transposed: rows are head_dim, so the adds run along the queries)."""
+               DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """dK, dV of the program's keys over the query blocks ``[lo, hi)`` of one head, on ``Sᵀ``."""
     offs_mb = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_mb
@@ -165,37 +163,22 @@ def _dkdv_loop(dk, dv, k, v, k_t, Q, DO, LSE, DELTA, DQA, DQD, dqd_row, dqd_col,
         if HAS_SOFTCAP:
             ds = ds * (1.0 - t * t)
         dk += tl.dot(ds.to(q.dtype), q, input_precision=DOT_PRECISION)
-        if ATOMIC_DQ:
-            dq_t = tl.dot(k_t, ds.to(k_t.dtype), input_precision=DOT_PRECISION)
-            if DQ_TMA:
-                # one bulk reduce-add of the tile by the copy engine; columns past the sequence
-                # hold exact zeros (masked loops), rows past head_dim too (Kᵀ is zero there)
-                DQD.atomic_add([dqd_row, dqd_col + start_m], dq_t)
-            else:
-                tl.atomic_add(DQA + offs_d[:, None] * sqa_d + offs_m[None, :], dq_t,
-                              mask=(offs_d[:, None] < HEAD_DIM) & (offs_m[None, :] < seqlen_q), sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, DQA, DQD, BIAS, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, CU_Q, CU_K,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
-    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h, sqa_b, sqa_h, sqa_d, sb_b, sb_h, sb_m, sb_n,
+    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h, sb_b, sb_h, sb_m, sb_n,
     seqlen_q, seqlen_k, heads, kv_heads, bias_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, ATOMIC_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
 ):
     """dK and dV of one ``BLOCK_N`` block of keys of one KV head. Grid
     ``(cdiv(seqlen_k, BLOCK_N), batch · kv_heads)`` (varlen: the longest sequence's keys); the
-    query blocks that may see the keys are streamed for every query head of the group. With
-    ``ATOMIC_DQ`` (FlashAttention-2's scheme: five matrix products instead of seven, not
-    deterministic) the program also adds its share of dQ into ``DQA``, fp32 ``(batch, heads,
-    head_dim, seqlen_q)``, which :func:`attention_bwd_dq_convert_kernel` turns into dQ: element
-    by element, or (``DQ_TMA``) as one bulk reduce-add per tile through the descriptor ``DQD``
-    over its 2-D view ``(batch · heads · head_dim, rows)``."""
+    query blocks that may see the keys are streamed for every query head of the group."""
     pid_n = tl.program_id(0)
     bkh = tl.program_id(1)
     b = (bkh // kv_heads).to(tl.int64)
@@ -215,18 +198,9 @@ def attention_bwd_dkdv_kernel(
         bias_end = seqlen_k
         if HAS_BIAS:
             bias_end = tl.minimum(seqlen_k, bias_keys)
-            full_hi = tl.where(start_n < bias_end, 0, full_hi)   # a biased key block: every step loads the bias
-        if ATOMIC_DQ:
-            # a key past the end could give an inf entry of Pᵀ in the unmasked loop; harmless to
-            # its own dK/dV row (never stored) but not to dQ, which sums over the keys
-            full_hi = tl.where(start_n + BLOCK_N > seqlen_k, 0, full_hi)
+            if start_n < bias_end:   # a biased key block: every query block loads the bias
+                full_hi = 0
         mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
-        k_t = tl.trans(k)
-        if ATOMIC_DQ:   # Kᵀ as a loaded tile (the left operand of Kᵀ·dSᵀ), not a register transpose
-            k_t = tl.load(K + b * sk_b + k_start * sk_s + kvh * sk_h + offs_n[None, :] * sk_s + offs_d[:, None],
-                          mask=(offs_n[None, :] < seqlen_k) & (offs_d[:, None] < HEAD_DIM), other=0.0)
-            if DOT_FP32:
-                k_t = k_t.to(tl.float32)
         dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
         for g in range(0, group):
@@ -238,21 +212,18 @@ def attention_bwd_dkdv_kernel(
             bias_ptrs = BIAS + b * sb_b + offs_n[:, None] * sb_n
             if HAS_BIAS and not KEY_PADDING:
                 bias_ptrs += h * sb_h
-            dqa_ptr = DQA + b * sqa_b + h * sqa_h + q_start
-            dqd_row = ((b * heads + h) * HEAD_DIM).to(tl.int32)
-            dqd_col = q_start.to(tl.int32) if IS_VARLEN else 0
-            dk, dv = _dkdv_loop(dk, dv, k, v, k_t, q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, DQD, dqd_row, dqd_col, bias_ptrs, lo, mid_lo, offs_n, offs_d,
-                                sq_s, sdo_s, sl_s, sb_m, sqa_d, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, lo, mid_lo, offs_n, offs_d,
+                                sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
                                 window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, True, HAS_SOFTCAP,
-                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, DOT_FP32)
-            dk, dv = _dkdv_loop(dk, dv, k, v, k_t, q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, DQD, dqd_row, dqd_col, bias_ptrs, mid_lo, mid_hi, offs_n,
-                                offs_d, sq_s, sdo_s, sl_s, sb_m, sqa_d, seqlen_q, seqlen_k, bias_end, diag_offset,
+                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, mid_lo, mid_hi, offs_n,
+                                offs_d, sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset,
                                 window_left, window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, False,
-                                HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, DOT_FP32)
-            dk, dv = _dkdv_loop(dk, dv, k, v, k_t, q_ptr, do_ptr, lse_ptr, delta_ptr, dqa_ptr, DQD, dqd_row, dqd_col, bias_ptrs, mid_hi, hi, offs_n, offs_d,
-                                sq_s, sdo_s, sl_s, sb_m, sqa_d, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
+                                HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, mid_hi, hi, offs_n, offs_d,
+                                sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
                                 window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, True, HAS_SOFTCAP,
-                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, ATOMIC_DQ, DQ_TMA, DOT_PRECISION, DOT_FP32)
+                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
         dk = dk * softmax_scale
         tl.store(DK + b * sdk_b + k_start * sdk_s + kvh * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -342,21 +313,3 @@ def attention_bwd_dq_kernel(
         dq = dq * softmax_scale
         tl.store(DQ + b * sdq_b + q_start * sdq_s + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=q_mask)
-
-
-@triton.jit
-def attention_bwd_dq_convert_kernel(DQA, DQ, rows, heads, softmax_scale, sqa_b, sqa_h, sqa_d, sdq_b, sdq_s, sdq_h,
-                                    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dQ = scale · the atomically summed fp32 ``DQA`` (``(batch, heads, head_dim, rows)``), cast
-    and transposed back to the rows' layout. Grid ``(cdiv(rows, BLOCK_M), batch · heads)``; a
-    varlen batch is one sequence of all its tokens here."""
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = (bh // heads).to(tl.int64)
-    h = (bh % heads).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = rows_mask(offs_m, rows, offs_d, HEAD_DIM)
-    acc = tl.load(DQA + b * sqa_b + h * sqa_h + offs_d[None, :] * sqa_d + offs_m[:, None], mask=mask, other=0.0)
-    tl.store(DQ + b * sdq_b + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :],
-             (acc * softmax_scale).to(DQ.dtype.element_ty), mask=mask)

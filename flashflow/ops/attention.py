@@ -312,7 +312,7 @@ def _attention_fwd_impl(
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
     has_left: bool, window_left: int, has_right: bool, window_right: int,
-    softcap: float, return_lse: bool, heavy_first: bool, key_padding: bool = False, deterministic: bool = False,
+    softcap: float, return_lse: bool, heavy_first: bool, key_padding: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if cu_seqlens_q is not None:
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
@@ -329,8 +329,7 @@ _attention_fwd_op = torch.library.custom_op("flashflow::attention_fwd", mutates_
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first, key_padding=False,
-      deterministic=False):
+      has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first, key_padding=False):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not return_lse:
         lse_shape = (0,)
@@ -344,15 +343,13 @@ def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 def _fwd_setup_context(ctx, inputs, output):
     (q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, has_left,
      window_left, has_right, window_right, softcap, _, _, *rest) = inputs
-    key_padding = rest[0] if len(rest) > 0 else False
-    deterministic = rest[1] if len(rest) > 1 else False
+    key_padding = rest[0] if rest else False
     out, lse = output
     # the entry points that take gradients ask for the LSE, which the backward recomputes from
     ctx.supported = lse.numel() > 0 or q.numel() == 0
     ctx.save_for_backward(q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k)
     ctx.args = (bias_keys, bool(key_padding), max_seqlen_q, max_seqlen_k, softmax_scale, has_left, window_left,
                 has_right, window_right, softcap)
-    ctx.deterministic = bool(deterministic)
 
 
 def _fwd_backward(ctx, dout, dlse):
@@ -364,8 +361,7 @@ def _fwd_backward(ctx, dout, dlse):
     need_dq = ctx.needs_input_grad[0]
     need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
     dq, dk, dv = attention_bwd_op(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q,
-                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv,
-                                  ctx.deterministic)
+                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
     grads = [dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
              dv if ctx.needs_input_grad[2] else None]
     return (*grads, *([None] * (len(ctx.needs_input_grad) - 3)))
@@ -412,10 +408,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
             sequence pass the text mask alone (``P`` = text length): only the key blocks of the
             first ``P`` keys pay for the mask, the rest run the unmasked loop. Combines with
             ``causal`` / ``window_size``.
-        deterministic: FlashAttention's flag. True: run-to-run identical gradients (dQ from its
-            own pass, no atomics). False (default): where the GPU's config says it is faster
-            (``dq_atomic`` in ``tuning/attention_bwd.json``), dQ is summed with fp32 atomic adds
-            in the dK/dV pass, whose order may change its last bits between runs.
+        deterministic: FlashAttention's flag for run-to-run identical gradients. flashflow's
+            backward always is (no atomics: each gradient block has one program), so both values
+            give the same bits.
 
     Differentiable: where q, k or v requires grad, the backward recomputes the probabilities
     from the saved log-sum-exp (memory O(seqlen)); a gradient not required is not computed
@@ -447,7 +442,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # through the registered op, whose autograd formula is the backward kernels; the LSE
         # is what the backward recomputes the probabilities from
-        out, lse = _attention_fwd_op(*args, True, bool(causal), bias is not None, deterministic)
+        out, lse = _attention_fwd_op(*args, True, bool(causal), bias is not None)
     else:
         out, lse = _attention_fwd(*args, bool(return_lse), bool(causal), bias is not None)
     return (out, lse) if return_lse else out
@@ -462,7 +457,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``. ``cu_seqlens_*`` are int32 ``(batch + 1,)``.
     Returns out ``(total_q, heads, head_dim)`` and, with ``return_lse``, lse ``(heads, total_q)``.
     Differentiable as :func:`flash_attn_func` (per-sequence gradients, no cross-sequence terms;
-    ``deterministic`` as there).
+    ``deterministic`` as there: always holds).
     """
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
@@ -488,7 +483,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     args = (q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
             int(max_seqlen_k), scale, *_window_args(causal, window_size), check_softcap(softcap))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _attention_fwd_op(*args, True, bool(causal), False, deterministic)   # differentiable: keeps the LSE
+        out, lse = _attention_fwd_op(*args, True, bool(causal))   # differentiable: keeps the LSE
     else:
         out, lse = _attention_fwd(*args, bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
@@ -558,8 +553,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     bias_keys = seqlen_k if bias is not None else 0   # attn_mask may bias any key
     args = (q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale, False, 0, has_right, right, 0.0)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        # differentiable (no grad to the mask); deterministic as torch.use_deterministic_algorithms says
-        out, _ = _attention_fwd_op(*args, True, bool(is_causal), False, torch.are_deterministic_algorithms_enabled())
+        out, _ = _attention_fwd_op(*args, True, bool(is_causal), False)   # differentiable (no grad to the mask)
     else:
         out, _ = _attention_fwd(*args, False, bool(is_causal))
     out = out.transpose(1, 2)

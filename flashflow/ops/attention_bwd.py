@@ -11,9 +11,9 @@ from typing import Optional
 
 import torch
 
-from flashflow.device import capability, cdiv, gpu_family, on_gpu
+from flashflow.device import cdiv, gpu_family
 from flashflow.kernels.attention_bwd import (attention_bwd_delta_kernel, attention_bwd_dkdv_kernel,
-                                             attention_bwd_dq_convert_kernel, attention_bwd_dq_kernel)
+                                             attention_bwd_dq_kernel)
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import dot_options, head_dim_pad
 from flashflow.tuning.attention_bwd import AttentionBwdConfig, attention_bwd_config
@@ -29,8 +29,7 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
                        has_right: bool, window_right: int, softcap: float, bias: Optional[torch.Tensor] = None,
                        bias_keys: int = 0, key_padding: bool = False, cu_seqlens_q: Optional[torch.Tensor] = None,
                        cu_seqlens_k: Optional[torch.Tensor] = None, max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-                       need_dq: bool = True, need_dkv: bool = True, deterministic: bool = False,
-                       config: Optional[AttentionBwdConfig] = None):
+                       need_dq: bool = True, need_dkv: bool = True, config: Optional[AttentionBwdConfig] = None):
     """``(dq, dk, dv)`` of attention, with the forward's arguments (:func:`flashflow.ops.attention._portable_forward`).
 
     Dense: q ``(b, sq, h, d)``, k/v ``(b, sk, hk, d)``, lse float32 ``(b, h, sq)``. Varlen
@@ -38,11 +37,7 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     the gradient of a returned lse (its shape) or None. ``bias``: the forward's additive float
     bias over the first ``bias_keys`` keys (a 4-D strided view), or with ``key_padding`` its
     boolean ``(b, P)`` prefix mask; no gradient flows to it. dq is None unless ``need_dq``, dk/dv
-    None unless ``need_dkv``.
-
-    dQ comes from its own pass (deterministic) or, where the config's ``dq_atomic`` says it is
-    faster, ``deterministic`` is False and dK/dV are wanted too, from fp32 atomic adds in the
-    dK/dV pass (FlashAttention-2's scheme; the order of the adds, so the last bits, may vary)."""
+    None unless ``need_dkv``."""
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     dout = _unit_last(dout)
@@ -100,30 +95,12 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
                 HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_BIAS=bias is not None, KEY_PADDING=bool(key_padding),
                 **dots)
     strides = (*q_s, *k_s, *v_s, *do_s, *l_s)
-    atomic_dq = need_dq and need_dkv and cfg.dq_atomic and not deterministic
-    dqa, qa_s, dqd, dq_tma = delta, (0, 0, 0), delta, False
-    if atomic_dq:   # fp32 (batch, heads, head_dim, rows): the atomic adds run along the rows
-        # rows padded to 4 (16-byte rows for the copy engine); the convert pass reads the first
-        dqa = torch.zeros(((1 if varlen else batch), heads, head_dim, cdiv(rows, 4) * 4), dtype=torch.float32,
-                          device=q.device)
-        qa_s = (0 if varlen else dqa.stride(0), dqa.stride(1), dqa.stride(2))   # varlen: one packed batch
-        dq_tma = on_gpu(q.device) and capability(q.device) >= (9, 0)
-        if dq_tma:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            flat = dqa.view(-1, dqa.shape[-1])
-            dqd = TensorDescriptor(flat, list(flat.shape), [flat.stride(0), 1], [d_pad, cfg.BLOCK_M1])
     if need_dkv:
         attention_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.BLOCK_N1), batch * kv_heads)](
-            q, k, v, dout, lse, delta, dk, dv, dqa, dqd, bias_t, cu_q, cu_k, *strides, *dk_s, *dv_s, *qa_s, *b_s,
-            *common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, ATOMIC_DQ=atomic_dq, DQ_TMA=dq_tma,
-            num_warps=cfg.num_warps1,
+            q, k, v, dout, lse, delta, dk, dv, bias_t, cu_q, cu_k, *strides, *dk_s, *dv_s, *b_s,
+            *common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, num_warps=cfg.num_warps1,
             num_stages=cfg.num_stages1, **meta)
-    if atomic_dq:
-        attention_bwd_dq_convert_kernel[(cdiv(rows, DELTA_ROWS), (1 if varlen else batch) * heads)](
-            dqa, dq, rows, heads, softmax_scale, *qa_s, *dq_s, HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
-            BLOCK_M=DELTA_ROWS, num_warps=4)
-    elif need_dq:
+    if need_dq:
         attention_bwd_dq_kernel[(cdiv(seqlen_q, cfg.BLOCK_M2), batch * heads)](
             q, k, v, dout, lse, delta, dq, bias_t, cu_q, cu_k, *strides, *dq_s, *b_s, *common,
             BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **meta)
@@ -135,10 +112,10 @@ def _attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
                         key_padding: bool, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, has_left: bool, window_left: int,
                         has_right: bool, window_right: int, softcap: float, need_dq: bool,
-                        need_dkv: bool, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        need_dkv: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dq, dk, dv = attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale, has_left, window_left, has_right,
                                     window_right, softcap, bias, bias_keys, key_padding, cu_seqlens_q, cu_seqlens_k,
-                                    max_seqlen_q, max_seqlen_k, need_dq, need_dkv, deterministic)
+                                    max_seqlen_q, max_seqlen_k, need_dq, need_dkv)
     # a custom op returns tensors: an empty one stands for a gradient not computed
     return (dq if dq is not None else q.new_empty(0), dk if dk is not None else k.new_empty(0),
             dv if dv is not None else v.new_empty(0))
@@ -149,7 +126,6 @@ attention_bwd_op = torch.library.custom_op("flashflow::attention_bwd", mutates_a
 
 @attention_bwd_op.register_fake
 def _(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-      max_seqlen_k, softmax_scale, has_left, window_left, has_right, window_right, softcap, need_dq, need_dkv,
-      deterministic):
+      max_seqlen_k, softmax_scale, has_left, window_left, has_right, window_right, softcap, need_dq, need_dkv):
     return (torch.empty_like(q) if need_dq else q.new_empty(0), torch.empty_like(k) if need_dkv else k.new_empty(0),
             torch.empty_like(v) if need_dkv else v.new_empty(0))

@@ -21,7 +21,6 @@ class AttentionBwdConfig:
     BLOCK_N2: int     # dQ kernel: keys streamed per step
     num_warps2: int
     num_stages2: int
-    dq_atomic: bool   # deterministic=False: dQ by atomic adds in the dK/dV pass, no dQ pass
 
     def replace(self, **kw) -> "AttentionBwdConfig":
         return replace(self, **kw)

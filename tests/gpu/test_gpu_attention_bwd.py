@@ -38,30 +38,6 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gradients_against_float64(name, dtype):
-    _check_case(name, dtype)
-
-
-def _atomic(monkeypatch):
-    """The shipped tiles with dQ by atomic adds (what deterministic=False runs where it ships)."""
-    import flashflow.ops.attention_bwd as bwd
-
-    real = bwd.attention_bwd_config
-    monkeypatch.setattr(bwd, "attention_bwd_config", lambda *a: real(*a).replace(dq_atomic=True))
-
-
-@pytest.mark.parametrize("name", ["dense", "causal-sq>sk", "window", "gqa-8/2", "key-padding", "d96-odd", "d256"])
-def test_atomic_dq_gradients_against_float64(name, monkeypatch):
-    _atomic(monkeypatch)
-    _check_case(name, torch.bfloat16)
-
-
-def test_atomic_dq_varlen_and_mask(monkeypatch):
-    _atomic(monkeypatch)
-    test_varlen_gradients_against_float64(True)
-    test_sdpa_mask_gradients_against_float64("bool")
-
-
-def _check_case(name, dtype):
     c = dict(b=2, sq=512, sk=512, h=4, hk=4, d=128, causal=False, window=(-1, -1), softcap=0.0, kpm=None)
     c.update(CASES[name])
     q, k, v, do = _inputs(c["b"], c["sq"], c["sk"], c["h"], c["hk"], c["d"], dtype)

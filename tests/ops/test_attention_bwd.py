@@ -124,6 +124,9 @@ def test_deterministic_bits_and_its_argument():
     x = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         flashflow.flash_attn_func(x, x, x, deterministic="yes")
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, deterministic=1)
 
 
 def test_no_grad_calls_stay_on_the_inference_path():
@@ -218,66 +221,6 @@ def test_unequal_tiles(tiles, case, monkeypatch):
     import flashflow.ops.attention_bwd as bwd
     from flashflow.tuning.attention_bwd import AttentionBwdConfig
 
-    cfg = AttentionBwdConfig(*tiles, dq_atomic=False)
+    cfg = AttentionBwdConfig(*tiles)
     monkeypatch.setattr(bwd, "attention_bwd_config", lambda *a: cfg)
     check(**case)
-
-
-
-def _atomic_config(monkeypatch, **tiles):
-    import flashflow.ops.attention_bwd as bwd
-    from flashflow.tuning.attention_bwd import attention_bwd_config
-
-    cfg = attention_bwd_config(64, "interpreter").replace(dq_atomic=True, **tiles)
-    monkeypatch.setattr(bwd, "attention_bwd_config", lambda *a: cfg)
-    return bwd
-
-
-@pytest.mark.parametrize("case", [dict(), dict(causal=True), dict(sq=45, sk=37, causal=True), dict(window=(9, 3)),
-                                  dict(kpm_len=20), dict(softcap=5.0, h=6, hk=2), dict(d=80, sq=21, sk=33),
-                                  dict(dtype=torch.bfloat16, causal=True), dict(with_lse=True)])
-def test_atomic_dq(case, monkeypatch):
-    """deterministic=False with a config that takes atomic dQ: dQ summed in the dK/dV pass (no
-    dQ launch), against float64 for each feature, with unequal tiles and ragged ends."""
-    bwd = _atomic_config(monkeypatch, BLOCK_M1=16, BLOCK_N1=32)
-    launched = []
-    kernel = bwd.attention_bwd_dq_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
-    monkeypatch.setattr(bwd, "attention_bwd_dq_kernel", Spy())
-    check(**case)
-    assert launched == []
-
-
-def test_atomic_dq_varlen_and_sdpa_mask(monkeypatch):
-    _atomic_config(monkeypatch, BLOCK_M1=16, BLOCK_N1=32)
-    test_varlen(True, (-1, -1))
-    test_sdpa_entry_with_a_mask("bool_with_empty_rows")
-
-
-def test_deterministic_true_keeps_the_dq_pass(monkeypatch):
-    """deterministic=True never takes the atomic dQ; nor does a backward with frozen K/V."""
-    bwd = _atomic_config(monkeypatch)
-    launched = []
-    kernel = bwd.attention_bwd_dq_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            return kernel[grid]
-    monkeypatch.setattr(bwd, "attention_bwd_dq_kernel", Spy())
-    x = [torch.randn(1, 20, 2, 16, device=DEVICE, dtype=torch.float16, requires_grad=True) for _ in range(3)]
-    flashflow.flash_attn_func(*x, deterministic=True).sum().backward()
-    assert len(launched) == 1
-    q = x[0].detach().requires_grad_()
-    flashflow.flash_attn_func(q, x[1].detach(), x[2].detach()).sum().backward()
-    assert len(launched) == 2
-    cu = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
-    v = [t.detach()[0].requires_grad_() for t in x]
-    flashflow.flash_attn_varlen_func(*v, cu, cu, 20, 20, deterministic=True).sum().backward()
-    assert len(launched) == 3
-    with pytest.raises(TypeError, match="deterministic must be a bool"):
-        flashflow.flash_attn_varlen_func(*v, cu, cu, 20, 20, deterministic=1)
