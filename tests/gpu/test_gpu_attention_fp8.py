@@ -19,6 +19,7 @@ from flashflow.ops.attention_fp8 import (
 )
 from flashflow.reference import attention_fp8_reference, attention_naive, full_key_padding, stress_qkv
 from flashflow.reference.attention_fp8 import LN2
+from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
 
 pytestmark = pytest.mark.gpu
@@ -134,20 +135,6 @@ def exact_bounds(fmt, kind):
     if fmt == "int8":
         return (0.9985 if kind == "peaked" else 0.999), 0.05
     return (0.99, 0.13) if kind == "peaked" else (0.996, 0.08)
-
-
-def rel_l2(out, ref):
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def rel_l1(out, ref):
-    ref = ref.double()
-    return ((out.double() - ref).abs().sum() / ref.abs().sum()).item()
-
-
-def cosine(out, ref):
-    return torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
 
 
 def check(q, k, v, fmt, causal, kind, kpm=None):

@@ -10,6 +10,8 @@ diffusers = pytest.importorskip("diffusers")
 
 import flashflow.integrations.diffusers as ffd  # noqa: E402
 from flashflow.integrations.diffusers import FlashflowQwenAttnProcessor, disable, enable, is_enabled  # noqa: E402
+from flashflow.reference.metrics import cosine  # noqa: E402
+from flashflow.reference.metrics import rel_l2 as rel  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.float16: 2e-2}
 TXT = 7
@@ -54,15 +56,6 @@ def inputs(images, padded, dtype=torch.float32, batch=2, seed=1):
 def run(model, kwargs):
     with torch.inference_mode():
         return model(**kwargs)[0]
-
-
-def rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
-def cosine(a, b):
-    a, b = a.double().flatten(), b.double().flatten()
-    return (a @ b / (a.norm() * b.norm())).item()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])

@@ -7,15 +7,12 @@ import flashflow
 from flashflow.device import interpreting
 from flashflow.reference import full_key_padding
 from flashflow.reference.attention import attention_naive
+from flashflow.reference.metrics import rel_l2 as rel
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
 DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
-
-
-def rel(a, r):
-    return ((a.double() - r).norm() / r.norm()).item()
 
 
 def grads(b=2, sq=37, sk=45, h=4, hk=2, d=32, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float16,

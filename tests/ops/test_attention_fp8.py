@@ -31,6 +31,7 @@ from flashflow.ops.attention_fp8 import (
 from flashflow.reference import (attention_fp8_reference, attention_naive, full_key_padding,
                                  quantize_qkv_reference, stress_qkv)
 from flashflow.reference.attention_fp8 import LN2
+from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
 
 DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
@@ -135,20 +136,6 @@ def lse_rounding(qz, q, k):
     k_max = qz["k_scale"].amax(dim=-1).repeat_interleave(heads // kv_heads, dim=1)   # (b, h)
     r = qz["q_scale"][:, :, :sq].double() * k_max[..., None].double()
     return 4 * r * LN2 + 1e-5
-
-
-def rel_l2(out, ref):
-    ref = ref.double()
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
-def rel_l1(out, ref):
-    ref = ref.double()
-    return ((out.double() - ref).abs().sum() / ref.abs().sum()).item()
-
-
-def cosine(out, ref):
-    return torch.nn.functional.cosine_similarity(out.double().flatten(), ref.double().flatten(), dim=0).item()
 
 
 # ---------------------------------------------------------------------------------------------
