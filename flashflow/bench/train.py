@@ -18,11 +18,11 @@ import torch
 PROVIDERS = ("flashflow", "sdpa-cudnn", "sdpa-flash")
 
 
-def train_shapes(quick: bool):
-    """(batch, heads, seqlen, head_dim, causal): the issue's 2 x 16 heads x 8k at head_dim 128, and
-    a sweep of lengths."""
+def train_shapes(quick: bool, head_dims=(128,)):
+    """(batch, heads, seqlen, head_dim, causal): 2 x 16 heads x 8k at head_dim 128 (the backward's
+    target shape) and a sweep of lengths, 16k tokens a batch; other head dims on request."""
     seqs = (2048, 8192) if quick else (1024, 2048, 4096, 8192, 16384)
-    return [(max(1, 16384 // s), 16, s, 128, c) for s in seqs for c in (False, True)]
+    return [(max(1, 16384 // s), 16, s, d, c) for d in head_dims for s in seqs for c in (False, True)]
 
 
 def fwd_flops(b, h, s, d, causal):

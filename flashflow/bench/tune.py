@@ -243,7 +243,7 @@ def _attention_bwd_shapes(args):
 
     if args.mask:
         raise ValueError("--mask applies to the forward's bias configs, not to attention-bwd")
-    return [s for s in train_shapes(args.quick) if not args.head_dims or s[3] in args.head_dims]
+    return train_shapes(args.quick, args.head_dims or (128,))
 
 
 def _attention_bwd_case(shape, args) -> Case:
@@ -595,7 +595,8 @@ def add_parser(subparsers) -> None:
                    help="every combination of the --vary values, not one field at a time")
     p.add_argument("--quick", action="store_true", help="the bench suite's quick shapes")
     p.add_argument("--head-dims", type=_int_list, default=(), metavar="D,D",
-                   help="attention: only these head dims (none: all the suite's)")
+                   help="attention: only these head dims (none: all the suite's); attention-bwd: "
+                        "these head dims (none: 128)")
     p.add_argument("--mask", action="store_true",
                    help="attention: an additive float mask (SDPA's attn_mask) on the non-causal shapes; "
                         "sweeps the bias configs")

@@ -319,6 +319,7 @@ def test_train_suite_shapes_flops_and_table():
     shapes = train.train_shapes(quick=True)
     assert (2, 16, 8192, 128, False) in shapes and (2, 16, 8192, 128, True) in shapes   # the shape
     assert train.fwd_flops(2, 16, 8192, 128, True) * 2 == train.fwd_flops(2, 16, 8192, 128, False)
+    assert {s[3] for s in train.train_shapes(quick=True, head_dims=(64, 256))} == {64, 256}
     row = {"batch": 2, "heads": 16, "seqlen": 8192, "head_dim": 128, "causal": True,
            "ms": {"flashflow": 9.69}, "tflops": {"flashflow": 199.0, "sdpa-cudnn": 492.0},
            "peak_mib": {"flashflow": 259.0}, "rel_err": {"flashflow": [1.3e-3, 1.4e-3, 3.1e-4]},
