@@ -20,7 +20,7 @@ import triton
 from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_sms
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.attention_bwd import attention_bwd_op
+from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
 from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
 from flashflow.ops.validate import (check_key_padding_mask, check_no_grad, check_qkv, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
@@ -360,14 +360,40 @@ def _fwd_backward(ctx, dout, dlse):
     bias_keys, key_padding, max_seqlen_q, max_seqlen_k, *rest = ctx.args
     need_dq = ctx.needs_input_grad[0]
     need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    dq, dk, dv = attention_bwd_op(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q,
-                                  cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
+    # the registered backward op while torch.compile traces, a direct call otherwise (as _attention_fwd)
+    bwd = attention_bwd_op if torch.compiler.is_compiling() else attention_bwd_impl
+    dq, dk, dv = bwd(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q, cu_seqlens_k,
+                     max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
     grads = [dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
              dv if ctx.needs_input_grad[2] else None]
     return (*grads, *([None] * (len(ctx.needs_input_grad) - 3)))
 
 
 _attention_fwd_op.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+class _AttentionFunction(torch.autograd.Function):
+    """The same forward and autograd formula as the registered op, for eager calls: the custom
+    op's autograd layers (argument normalisation, redispatch) cost a few hundred microseconds of
+    host time per training step, more than a short step's kernels take on the GPU."""
+
+    @staticmethod
+    def forward(ctx, *args):
+        output = _attention_fwd_impl(*args)
+        _fwd_setup_context(ctx, args, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        return _fwd_backward(ctx, dout, dlse)
+
+
+def _attention_fwd_grad(*args):
+    """Forward that records its backward: the registered op (with its autograd formula) while
+    torch.compile traces, :class:`_AttentionFunction` otherwise."""
+    if torch.compiler.is_compiling():
+        return _attention_fwd_op(*args)
+    return _AttentionFunction.apply(*args)
 
 
 def _attention_fwd(*args):
@@ -442,7 +468,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # through the registered op, whose autograd formula is the backward kernels; the LSE
         # is what the backward recomputes the probabilities from
-        out, lse = _attention_fwd_op(*args, True, bool(causal), bias is not None)
+        out, lse = _attention_fwd_grad(*args, True, bool(causal), bias is not None)
     else:
         out, lse = _attention_fwd(*args, bool(return_lse), bool(causal), bias is not None)
     return (out, lse) if return_lse else out
@@ -483,7 +509,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     args = (q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
             int(max_seqlen_k), scale, *_window_args(causal, window_size), check_softcap(softcap))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, lse = _attention_fwd_op(*args, True, bool(causal))   # differentiable: keeps the LSE
+        out, lse = _attention_fwd_grad(*args, True, bool(causal))   # differentiable: keeps the LSE
     else:
         out, lse = _attention_fwd(*args, bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
@@ -553,7 +579,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     bias_keys = seqlen_k if bias is not None else 0   # attn_mask may bias any key
     args = (q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale, False, 0, has_right, right, 0.0)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, _ = _attention_fwd_op(*args, True, bool(is_causal), False)   # differentiable (no grad to the mask)
+        out, _ = _attention_fwd_grad(*args, True, bool(is_causal), False)   # differentiable (no grad to the mask)
     else:
         out, _ = _attention_fwd(*args, False, bool(is_causal))
     out = out.transpose(1, 2)

@@ -107,7 +107,7 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     return dq, dk, dv
 
 
-def _attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+def attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         dout: torch.Tensor, dlse: Optional[torch.Tensor], bias: Optional[torch.Tensor], bias_keys: int,
                         key_padding: bool, cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
                         max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float, has_left: bool, window_left: int,
@@ -121,7 +121,7 @@ def _attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: 
             dv if dv is not None else v.new_empty(0))
 
 
-attention_bwd_op = torch.library.custom_op("flashflow::attention_bwd", mutates_args=())(_attention_bwd_impl)
+attention_bwd_op = torch.library.custom_op("flashflow::attention_bwd", mutates_args=())(attention_bwd_impl)
 
 
 @attention_bwd_op.register_fake
