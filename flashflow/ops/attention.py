@@ -352,7 +352,7 @@ def _fwd_setup_context(ctx, inputs, output):
                 has_right, window_right, softcap)
 
 
-def _fwd_backward(ctx, dout, dlse):
+def _fwd_backward(ctx, dout, dlse, bwd=attention_bwd_op):
     if not ctx.supported:
         raise NotImplementedError("flashflow's attention backward needs the forward's log-sum-exp: call the op "
                                   "with return_lse=True (the public entry points do when an input requires grad)")
@@ -360,8 +360,6 @@ def _fwd_backward(ctx, dout, dlse):
     bias_keys, key_padding, max_seqlen_q, max_seqlen_k, *rest = ctx.args
     need_dq = ctx.needs_input_grad[0]
     need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    # the registered backward op while torch.compile traces, a direct call otherwise (as _attention_fwd)
-    bwd = attention_bwd_op if torch.compiler.is_compiling() else attention_bwd_impl
     dq, dk, dv = bwd(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q, cu_seqlens_k,
                      max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
     grads = [dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
@@ -385,7 +383,7 @@ class _AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _fwd_backward(ctx, dout, dlse)
+        return _fwd_backward(ctx, dout, dlse, attention_bwd_impl)
 
 
 def _attention_fwd_grad(*args):
