@@ -109,7 +109,7 @@ def graph_time_ms(fn, steps=GRAPH_STEPS, warmup: int = 25, rep: int = 100) -> fl
     return ms
 
 
-def _eager_time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+def eager_time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton
 
     fn()
@@ -302,7 +302,7 @@ def run(args) -> int:
             except Exception as e:  # noqa: BLE001
                 tg = None
                 row["notes"][name] = f"graph capture failed: {type(e).__name__}"
-            te = _eager_time_ms(fn, args.warmup, args.rep)
+            te = eager_time_ms(fn, args.warmup, args.rep)
             row["graph_us"][name] = None if tg is None else tg * 1e3
             row["eager_us"][name] = te * 1e3
             best = ms[name] = tg if tg is not None else te

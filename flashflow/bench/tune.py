@@ -490,7 +490,7 @@ def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar,
     """One shape: check every candidate against the anchor, then time them all, interleaved."""
     import torch
 
-    from flashflow.bench.decode import _eager_time_ms, graph_time_ms
+    from flashflow.bench.decode import eager_time_ms, graph_time_ms
 
     ref = case.anchor()
     fns = {"anchor": case.anchor}
@@ -519,12 +519,14 @@ def tune_case(case: Case, cands: dict, rounds: int, warmup: int, rep: int, bar,
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     samples = {name: [] for name in fns}
+    if case.steps:
+        timer = lambda f: graph_time_ms(f, case.steps, warmup, rep)  # noqa: E731
+    else:
+        timer = lambda f: eager_time_ms(f, warmup, rep)  # noqa: E731
     for r in range(rounds):
         order = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]   # rotate who runs first
         for name in order:
             try:
-                timer = (lambda f: graph_time_ms(f, case.steps, warmup, rep)) if case.steps else \
-                    (lambda f: _eager_time_ms(f, warmup, rep))
                 samples[name].append(timer(fns[name]) * 1e3)
             except Exception as e:  # noqa: BLE001
                 samples[name].append(None)

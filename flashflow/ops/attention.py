@@ -21,7 +21,7 @@ from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
-from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad
+from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad, unit_last_stride
 from flashflow.ops.validate import (check_key_padding_mask, check_no_grad, check_qkv, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
@@ -92,12 +92,6 @@ def pick_config(q: torch.Tensor, causal: bool, bias: bool = False) -> AttentionC
     return attention_config(_head_dim_pad(q.shape[-1]), causal, gpu_family(q.device), bias)
 
 
-def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
-    # The kernels index head_dim with unit stride; anything else is copied (rare: a permuted
-    # head_dim axis). All other strides are passed through untouched.
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 # --------------------------------------------------------------------------------------------
 # dispatch: the first registered forward kernel whose ``supports(q, k, v, **kw)`` accepts the
 # call runs it. The portable Triton kernel (pointer loads on Ampere/Ada, TMA on Hopper) accepts
@@ -148,7 +142,7 @@ def _portable_forward(
     ``bias``, and their blocks run unmasked. ``num_sms`` overrides
     the SM count used for the tail split (:func:`flashflow.device.num_sms` by default).
     """
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
     if varlen:

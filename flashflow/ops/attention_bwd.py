@@ -15,14 +15,10 @@ from flashflow.device import cdiv, gpu_family
 from flashflow.kernels.attention_bwd import (attention_bwd_delta_kernel, attention_bwd_dkdv_kernel,
                                              attention_bwd_dq_kernel)
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import dot_options, head_dim_pad
+from flashflow.ops.common import dot_options, head_dim_pad, unit_last_stride
 from flashflow.tuning.attention_bwd import AttentionBwdConfig, attention_bwd_config
 
 DELTA_ROWS = 64   # rows per program of the δ pass (a streaming row reduction)
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_left: bool, window_left: int,
@@ -40,7 +36,7 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     None unless ``need_dkv``."""
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
-    dout = _unit_last(dout)
+    dout = unit_last_stride(dout)
     dq = torch.empty_like(q) if need_dq else None
     dk = torch.empty_like(k) if need_dkv else None
     dv = torch.empty_like(v) if need_dkv else None

@@ -1,4 +1,4 @@
-"""What the attention launchers (prefill and decode) derive alike from their inputs."""
+"""What the launchers (attention prefill, backward and decode; the FFN) derive alike from their inputs."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +9,12 @@ from flashflow.device import interpreting, next_pow2
 def head_dim_pad(head_dim: int) -> int:
     """head_dim padded to a power of two of at least 16 (the tensor cores' smallest k)."""
     return max(16, next_pow2(head_dim))
+
+
+def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its last axis is not unit-stride: the kernels index the
+    last axis (head_dim, hidden) with unit stride and take every other stride as it is."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def dot_options(dtype: torch.dtype) -> dict:

@@ -47,6 +47,7 @@ from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_TH
                                    mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
 from flashflow.kernels.tile_order import DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, launch_order, parse_order
+from flashflow.ops.common import unit_last_stride
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
@@ -248,10 +249,6 @@ def _check(x, w_gate_up, w_down, activation, op: str = "fused_mlp") -> None:
 def _rows(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _unit_last(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _dot_precision(dtype) -> str:
@@ -486,7 +483,7 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
                          f"x has {m} (use 'auto' or a persistent policy)")
     if workspace is not None:
         _buffer(workspace, 0, x.device)   # the type and device, before anything runs
-    x2, w1, w2 = _rows(x), _unit_last(w_gate_up), _unit_last(w_down)
+    x2, w1, w2 = _rows(x), unit_last_stride(w_gate_up), unit_last_stride(w_down)
     if torch.compiler.is_compiling():
         if workspace is not None:
             raise ValueError("workspace is not supported under torch.compile; pass None")
@@ -535,7 +532,7 @@ def _baseline_inputs(x, w_gate_up, w_down, activation, config, op):
     """Checked (M, hidden) rows and weights in the dtype the kernels compute in, and the config."""
     _check(x, w_gate_up, w_down, activation, op)
     run_as = _interpreter_dtype(x.dtype)
-    x2, w1, w2 = _rows(x).to(run_as), _unit_last(w_gate_up).to(run_as), _unit_last(w_down).to(run_as)
+    x2, w1, w2 = _rows(x).to(run_as), unit_last_stride(w_gate_up).to(run_as), unit_last_stride(w_down).to(run_as)
     return x2, w1, w2, config or persistent_config(activation == "swiglu", x2.device, x2.shape[0], x2.dtype)
 
 

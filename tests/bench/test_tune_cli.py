@@ -184,7 +184,7 @@ def test_a_backward_case_times_eagerly_and_refuses_run_to_run_different_gradient
     def eager(fn, warmup, rep):
         return speed.get(id(fn), 10.0) / 1e3
 
-    monkeypatch.setattr(decode, "_eager_time_ms", eager)
+    monkeypatch.setattr(decode, "eager_time_ms", eager)
     monkeypatch.setattr(decode, "graph_time_ms", lambda *a: pytest.fail("attention-bwd is timed eagerly"))
 
     def make(ov):
