@@ -27,8 +27,8 @@ venv: $(PY)
 # The pinned CPU stack (torch CPU build, triton, numpy, pytest), then the package without deps
 # so pip cannot swap the pinned torch for another build.
 $(TEST_STAMP): requirements-ci.txt pyproject.toml | $(PY)
-	$(PY) -m pip install -q -r requirements-ci.txt
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-cache-dir -r requirements-ci.txt
+	$(PY) -m pip install -q --no-cache-dir --no-deps -e .
 	touch $@
 
 install-test: $(TEST_STAMP)
@@ -45,8 +45,10 @@ ifneq ($(BROWSER),)
 test: $(BROWSER_STAMP)
 test: export FLASHFLOW_BROWSER=1
 endif
+# Triton's and Inductor's caches go into $(VENV) too (by default they land in ~/.triton and /tmp).
 test: $(TEST_STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q tests
+	TRITON_INTERPRET=1 TRITON_HOME=$(abspath $(VENV)) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/torchinductor \
+		$(PY) -m pytest -q -p no:cacheprovider tests
 
 # On a machine with a CUDA GPU: the package with its declared dependencies (the CUDA torch
 # build pip picks there) and the GPU tests.

@@ -22,8 +22,8 @@ from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merg
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
 from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad, unit_last_stride
-from flashflow.ops.validate import (check_key_padding_mask, check_no_grad, check_qkv, check_softcap, check_tensor,
-                                    softmax_scale_or_default, window_bounds)
+from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
+                                    check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
 from flashflow.tuning.attention import AttentionConfig, attention_config
 
@@ -347,6 +347,13 @@ def _fwd_setup_context(ctx, inputs, output):
 
 
 def _fwd_backward(ctx, dout, dlse, bwd=attention_bwd_op):
+    if torch.is_grad_enabled():
+        # autograd enables grad mode inside a backward only for create_graph=True: the kernels'
+        # gradients would come back without a graph, so a second derivative would be silently 0
+        raise NotImplementedError(
+            "flashflow's attention has no double backward: the gradient cannot be differentiated again "
+            "(create_graph=True, e.g. a gradient penalty or a Hessian). Use torch's attention for that step "
+            "(torch.nn.functional.scaled_dot_product_attention with the math backend).")
     if not ctx.supported:
         raise NotImplementedError("flashflow's attention backward needs the forward's log-sum-exp: call the op "
                                   "with return_lse=True (the public entry points do when an input requires grad)")
@@ -453,8 +460,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
         bias_keys = bias.shape[-1]
         if bias_keys == 0:   # the mask covers no key
             bias = None
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    check_flag("deterministic", deterministic)
+    return_lse = check_flag("return_lse", return_lse)
     args = (q, k, v, bias, bias_keys, None, None, 0, 0, scale, *_window_args(causal, window_size),
             check_softcap(softcap))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -477,8 +484,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Differentiable as :func:`flash_attn_func` (per-sequence gradients, no cross-sequence terms;
     ``deterministic`` as there: always holds).
     """
-    if not isinstance(deterministic, bool):
-        raise TypeError(f"deterministic must be a bool, got {deterministic!r}")
+    check_flag("deterministic", deterministic)
+    return_lse = check_flag("return_lse", return_lse)
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 3, "(total_tokens, heads, head_dim)")
     check_qkv(q, k, v, head_axis=1)
@@ -495,8 +502,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), "
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
-    if int(max_seqlen_q) < 0 or int(max_seqlen_k) < 0:
-        raise ValueError(f"max_seqlen_q/max_seqlen_k must be >= 0, got {max_seqlen_q}, {max_seqlen_k}")
+    max_seqlen_q, max_seqlen_k = check_int("max_seqlen_q", max_seqlen_q, 0), check_int("max_seqlen_k", max_seqlen_k, 0)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     args = (q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
             int(max_seqlen_k), scale, *_window_args(causal, window_size), check_softcap(softcap))
@@ -520,6 +526,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p must be 0.0 (flashflow attention has no dropout), got {dropout_p}")
+    is_causal, enable_gqa = check_flag("is_causal", is_causal), check_flag("enable_gqa", enable_gqa)
     squeeze = False
     if isinstance(query, torch.Tensor) and query.dim() == 3:
         query, key, value = query[None], key[None] if key.dim() == 3 else key, value[None] if value.dim() == 3 else value

@@ -36,7 +36,9 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     None unless ``need_dkv``."""
     varlen = cu_seqlens_q is not None
     head_dim = q.shape[-1]
-    dout = unit_last_stride(dout)
+    # the kernels read head_dim with unit stride: the forward took copies of strided q/k/v for
+    # itself, but autograd saved the user's tensors as they were
+    q, k, v, dout = (unit_last_stride(t) for t in (q, k, v, dout))
     dq = torch.empty_like(q) if need_dq else None
     dk = torch.empty_like(k) if need_dkv else None
     dv = torch.empty_like(v) if need_dkv else None

@@ -483,6 +483,10 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
                          f"x has {m} (use 'auto' or a persistent policy)")
     if workspace is not None:
         _buffer(workspace, 0, x.device)   # the type and device, before anything runs
+        if workspace.hidden != x.shape[-1] or m > workspace.max_tokens:
+            raise ValueError(f"workspace was made for hidden={workspace.hidden}, max_tokens={workspace.max_tokens}; "
+                             f"this call has hidden={x.shape[-1]} and {m} tokens: make one with "
+                             f"MlpWorkspace({x.shape[-1]}, max_tokens >= {m})")
     x2, w1, w2 = _rows(x), unit_last_stride(w_gate_up), unit_last_stride(w_down)
     if torch.compiler.is_compiling():
         if workspace is not None:

@@ -3,6 +3,7 @@ argument, what it got and the form expected, before anything is launched."""
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
@@ -22,6 +23,28 @@ def check_no_grad(op: str, **tensors) -> None:
                 f"gradient would be wrong. Call it under torch.no_grad() / torch.inference_mode(), or "
                 f"pass {name}.detach()."
             )
+
+
+def check_flag(name: str, value) -> bool:
+    """A Python bool (or a 0-d bool tensor's value): ``"no"``, ``1`` or ``None`` for a flag are
+    refused rather than read by their truth value."""
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def check_int(name: str, value, least: int | None = None) -> int:
+    """An integer (a Python int, a NumPy integer, anything with ``__index__``; not a bool and not
+    a float such as 1.5 or 2.0), at least ``least`` when given."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {value!r}") from None
+    if least is not None and value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value}")
+    return value
 
 
 def check_scale(name: str, value, positive: bool = True) -> float:
@@ -55,7 +78,11 @@ def check_tensor(name: str, t, rank: int, form: str) -> None:
 
 
 def check_runs_here(name: str, t: torch.Tensor) -> None:
-    """CUDA tensors, or CPU tensors under Triton's interpreter (or standing for a GPU offline)."""
+    """CUDA tensors, or CPU tensors under Triton's interpreter (or standing for a GPU offline);
+    never meta tensors (no data for a kernel to read)."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor (shape only, no data); flashflow's kernels need "
+                         "CUDA tensors (or CPU tensors under TRITON_INTERPRET=1)")
     if not on_gpu(t.device) and not interpreting():
         raise ValueError(
             f"flashflow runs on CUDA tensors; got {name} on {t.device}. "
@@ -97,14 +124,17 @@ def check_heads(heads: int, kv_heads: int, what: str = "kv_heads") -> None:
 def window_bounds(causal, window_size) -> tuple[int, int]:
     """``(left, right)`` key bounds around each row's diagonal from ``causal`` and a
     ``window_size`` pair; -1 = unbounded on that side, causal = right bound 0."""
+    form = f"window_size must be a pair of ints (left, right), got {window_size!r}"
     try:
-        left, right = (int(w) for w in window_size)
+        left, right = window_size
+        left, right = operator.index(left), operator.index(right)   # 1.5 or 2.0 is not a window
     except (TypeError, ValueError):
-        raise TypeError(f"window_size must be a pair of ints (left, right), got {window_size!r}") from None
+        raise TypeError(form) from None
+    if isinstance(window_size[0], bool) or isinstance(window_size[1], bool):
+        raise TypeError(form)
     if left < -1 or right < -1:
         raise ValueError(f"window_size sides must be >= 0, or -1 for unbounded, got {window_size!r}")
-    if causal not in (True, False):
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    causal = check_flag("causal", causal)
     return left, 0 if causal else right
 
 

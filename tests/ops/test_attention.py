@@ -308,6 +308,35 @@ def test_bad_window_and_softcap():
         flashflow.flash_attn_func(x, x, x, softcap=-1.0)
 
 
+def test_flags_and_window_must_be_what_they_say():
+    # "no" is truthy and 1.5 truncates: both used to run silently as something else
+    x = rand(1, 8, 2, 32)
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        flashflow.flash_attn_func(x, x, x, window_size=(1.5, 2))
+    with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+        flashflow.flash_attn_func(x, x, x, window_size=(True, 2))
+    for kw in (dict(return_lse="no"), dict(causal=1), dict(causal="yes"), dict(deterministic=None)):
+        name = next(iter(kw))
+        with pytest.raises(TypeError, match=f"{name} must be True or False"):
+            flashflow.flash_attn_func(x, x, x, **kw)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="return_lse must be True or False"):
+        flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, return_lse="no")
+    with pytest.raises(TypeError, match="max_seqlen_q must be an int"):
+        flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8.5, 8)
+    with pytest.raises(TypeError, match="is_causal must be True or False"):
+        flashflow.scaled_dot_product_attention(x, x, x, is_causal="no")
+    assert flashflow.flash_attn_func(x, x, x, window_size=(torch.tensor(3), 0)).shape == x.shape   # 0-d int tensors: ints
+
+
+def test_meta_tensors_are_refused_by_name():
+    x = torch.empty(1, 8, 2, 32, dtype=torch.float16, device="meta")
+    with pytest.raises(ValueError, match="q is a meta tensor"):
+        flashflow.flash_attn_func(x, x, x)
+    with pytest.raises(ValueError, match="query is a meta tensor|q is a meta tensor"):
+        flashflow.scaled_dot_product_attention(x, x, x)
+
+
 def test_varlen_bad_cu_seqlens():
     q, k = rand(10, 2, 32), rand(12, 2, 32)
     cq = torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE)

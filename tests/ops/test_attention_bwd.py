@@ -221,3 +221,14 @@ def test_unequal_tiles(tiles, case, monkeypatch):
     cfg = AttentionBwdConfig(*tiles)
     monkeypatch.setattr(bwd, "attention_bwd_config", lambda *a: cfg)
     check(**case)
+
+
+def test_double_backward_is_refused():
+    # create_graph=True used to return a gradient with no graph: a gradient penalty through the
+    # attention silently lost its second-order term
+    q, k, v = (torch.randn(1, 9, 2, 16, device=DEVICE).requires_grad_() for _ in range(3))
+    out = flashflow.flash_attn_func(q, k, v)
+    with pytest.raises(NotImplementedError, match="no double backward"):
+        torch.autograd.grad(out.sum(), q, create_graph=True)
+    g, = torch.autograd.grad(flashflow.flash_attn_func(q, k, v).sum(), q)   # first order is unchanged
+    assert torch.isfinite(g).all()

@@ -406,8 +406,12 @@ def test_bad_inputs():
         fused_mlp(x, w1, w2, policy=2)
     with pytest.raises(ValueError, match="'splitk' is the decode kernel"):
         fused_mlp(tokens(65, 48), w1, w2, policy="splitk")
-    with pytest.raises(ValueError, match="workspace holds"):
+    with pytest.raises(ValueError, match=r"workspace was made for hidden=48, max_tokens=4; this call has hidden=48 "
+                                         r"and 64 tokens"):
         fused_mlp(tokens(64, 48), w1, w2, policy="splitk", workspace=MlpWorkspace(48, max_tokens=4, device=DEVICE))
+    # big enough in words, but made for another hidden size: refused, not read as this one's
+    with pytest.raises(ValueError, match=r"workspace was made for hidden=96"):
+        fused_mlp(tokens(4, 48), w1, w2, workspace=MlpWorkspace(96, max_tokens=64, device=DEVICE))
     with pytest.raises(TypeError, match="workspace must be a flashflow MlpWorkspace"):
         fused_mlp(x, w1, w2, workspace=torch.zeros(10000, dtype=torch.int32))
     with pytest.raises(ValueError, match="hidden must be a positive int"):
