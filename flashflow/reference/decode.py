@@ -84,7 +84,7 @@ def _append(k_cache, v_cache, k, v, lens, block_table):
 
 
 def kvcache_attention_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
-                          softmax_scale=None, causal=True, window_size=(-1, -1), softcap=0.0,
+                          softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                           kv_layout="NHD", k_scale=None, v_scale=None):
     """Decode attention by gathering each sequence's keys and calling the naive reference.
 
@@ -95,6 +95,7 @@ def kvcache_attention_ref(q, k_cache, v_cache, k=None, v=None, cache_seqlens=Non
     FP8 caches (``float8_e4m3fn``) are read as ``cache · scale`` (``k_scale``/``v_scale``: None,
     a float, or a ``(kv_heads,)`` tensor); new tokens are quantized by :func:`quantize_e4m3`,
     appended, and attended as stored. The attention itself runs in q's dtype (float64 in tests).
+    ``causal`` is False by default, as in :func:`flashflow.flash_attn_with_kvcache`.
     """
     ft_split = k_cache.shape[-1] if kv_layout == "FT" else None  # x of the caller's dtype
     if kv_layout == "FT":

@@ -101,7 +101,7 @@ def test_decode_against_float64(gpu, dtype, name):
                           config=c["config"])
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=c["causal"],
-        window_size=c["window"], softcap=c["softcap"], num_splits=c["num_splits"], return_lse=True,
+        window_size=c["window"], softcap=c["softcap"], num_splits=c["num_splits"], return_softmax_lse=True,
         kv_layout=c["kv_layout"], plan=plan)
     assert torch.isfinite(out).all()
     assert gpu.rel(out, ref) <= gpu.tol
@@ -175,3 +175,55 @@ def test_appending_steps_back_to_back(gpu, dtype, num_splits, graph):
         assert torch.equal(k_cache.double(), rk) and torch.equal(v_cache.double(), rv), f"round {r}"
     if num_splits > 1:
         assert (plan.counters == 0).all()
+
+
+def laid_out(how, q, k, v):
+    """q, k, v with these values in another memory layout: every other element of a wider buffer
+    (last stride 2), (b, h, s, d) storage seen as (b, s, h, d), one head of q / one sequence of
+    k, v broadcast by ``expand`` (stride 0), or slices of one packed (b, s, h + 2·kv_heads, d)."""
+    if how == "last-stride-2":
+        def wide(t):
+            buf = torch.randn(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+            buf[..., 1::2] = t
+            return buf[..., 1::2]
+        return wide(q), wide(k), wide(v)
+    if how == "transposed":
+        return tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    if how == "expanded":
+        return q[:, :, :1].expand_as(q), k[:1].expand_as(k), v[:1].expand_as(v)
+    b, s, h, d = q.shape
+    hk = k.shape[2]
+    return torch.randn(b, s, h + 2 * hk, d, dtype=q.dtype, device=q.device).split([h, hk, hk], dim=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [None, 64])
+@pytest.mark.parametrize("how", ["last-stride-2", "transposed", "expanded", "packed-qkv"])
+def test_strided_q_k_v_with_append(gpu, dtype, page, how):
+    """q and the appended k/v in the layouts users pass, through the op and through plan.run
+    (into a NaN-filled out): the output and the cache after the append are float64's."""
+    b, h, hk, d, cap, n = 3, 32, 8, 128, 4096, 2
+    if page is None:
+        k_cache, table = torch.randn(b, cap, hk, d, dtype=dtype, device="cuda"), None
+    else:
+        blocks = b * cap // page
+        k_cache = torch.randn(blocks + 5, page, hk, d, dtype=dtype, device="cuda")
+        table = torch.randperm(blocks + 5, device="cuda")[:blocks].reshape(b, cap // page).int()
+    v_cache = torch.randn_like(k_cache)
+    q, k, v = laid_out(how, torch.randn(b, n, h, d, dtype=dtype, device="cuda"),
+                       torch.randn(b, n, hk, d, dtype=dtype, device="cuda"),
+                       torch.randn(b, n, hk, d, dtype=dtype, device="cuda"))
+    seqlens = torch.tensor([0, 1000, cap - n], dtype=torch.int32, device="cuda")
+    ref, _, ref_k, ref_v = kvcache_attention_ref(q.double(), k_cache.double(), v_cache.double(), k.double(),
+                                                 v.double(), seqlens, table, causal=True)
+    plan = flashflow.plan_decode(b, h, hk, d, cap, seqlen_q=n, device="cuda", num_splits=4)
+    for step in ("op", "plan"):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        if step == "op":
+            out = flashflow.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                                    causal=True)
+        else:
+            out = plan.run(q, kc, vc, k, v, seqlens, table, causal=True, out=gpu.nan_like(q))
+        torch.cuda.synchronize()
+        assert gpu.rel(out, ref) <= gpu.tol, step
+        assert torch.equal(kc.double(), ref_k) and torch.equal(vc.double(), ref_v), step

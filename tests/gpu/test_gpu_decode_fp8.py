@@ -82,7 +82,8 @@ def test_fp8_cache_against_float64(dtype, name):
     num_splits = case.pop("num_splits", 0)
     args, _ = _inputs(dtype=dtype, capacity=4096, **case)
     before = (args["k_cache"].clone(), args["v_cache"].clone())
-    out, lse = flashflow.flash_attn_with_kvcache(**args, num_splits=num_splits, return_lse=True)
+    out, lse = flashflow.flash_attn_with_kvcache(**args, num_splits=num_splits, causal=True,
+                                                 return_softmax_lse=True)
     # the reference appends to copies of the caches as they were before the call
     args_before = dict(args, k_cache=before[0], v_cache=before[1])
     ref_k, ref_v = _check(args_before, out, lse)
@@ -144,5 +145,25 @@ def test_fp8_cache_bf16_queries_beyond_fp16_range():
     args["q"] = args["q"] * 1e5 / 64   # scores stay finite under the default softmax scale
     args["q"][0, 0, 0, 0] = 2.0e5
     before = (args["k_cache"].clone(), args["v_cache"].clone())
-    out, lse = flashflow.flash_attn_with_kvcache(**args, return_lse=True)
+    out, lse = flashflow.flash_attn_with_kvcache(**args, causal=True, return_softmax_lse=True)
     _check(dict(args, k_cache=before[0], v_cache=before[1]), out, lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page", [None, 64])
+def test_fp8_strided_q_k_v_with_append(dtype, page):
+    """q and the appended k/v with a non-unit last stride (every other element of a wider
+    buffer): the e4m3 values stored and the output are float64's of the dequantized cache."""
+    args, _ = _inputs([0, 1000, 4094], dtype, 4096, n_new=2, seqlen_q=2, page=page)
+
+    def wide(t):
+        buf = torch.randn(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        buf[..., ::2] = t
+        return buf[..., ::2]
+
+    args.update(q=wide(args["q"]), k=wide(args["k"]), v=wide(args["v"]))
+    before = (args["k_cache"].clone(), args["v_cache"].clone())
+    out, lse = flashflow.flash_attn_with_kvcache(**args, causal=True, return_softmax_lse=True)
+    ref_k, ref_v = _check(dict(args, k_cache=before[0], v_cache=before[1]), out, lse)
+    assert torch.equal(args["k_cache"].float(), ref_k.float())
+    assert torch.equal(args["v_cache"].float(), ref_v.float())

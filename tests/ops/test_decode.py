@@ -59,7 +59,7 @@ def run_case(lens, heads=8, kv_heads=2, d=64, capacity=1024, seqlen_q=1, n_new=0
         batch, heads, kv_heads, d, capacity, seqlen_q=seqlen_q, device=DEVICE, num_splits=num_splits, config=config)
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, causal=causal,
-        window_size=window, softcap=softcap, num_splits=num_splits, return_lse=True, kv_layout=kv_layout,
+        window_size=window, softcap=softcap, num_splits=num_splits, return_softmax_lse=True, kv_layout=kv_layout,
         plan=plan)
     assert torch.isfinite(out).all()
     assert rel(out, ref) < (2e-2 if dtype == torch.bfloat16 else TOL), rel(out, ref)
@@ -405,7 +405,7 @@ def test_empty_batch_gives_empty_output(append, page):
     new = torch.randn(0, 1, 2, 32, dtype=torch.float16, device=DEVICE) if append else None
     lens = torch.zeros(0, dtype=torch.int32, device=DEVICE)
     out, lse = flashflow.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=lens, block_table=table,
-                                                 return_lse=True)
+                                                 return_softmax_lse=True)
     assert out.shape == (0, 1, 4, 32) and lse.shape == (0, 4, 1)
     out = flashflow.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=0 if append else None,
                                             block_table=table)
@@ -450,3 +450,214 @@ def test_plan_uses_the_lookup_for_paged_caches(monkeypatch):
     assert seen == [None, 16]
     given = DecodePlan(3, 8, 2, 64, 1024, device=DEVICE, config=DecodeConfig(64, 4, 1))
     assert given.config_for(16) == DecodeConfig(64, 4, 1)
+
+
+# --- memory layouts of q, k, v and out ----------------------------------------------------------
+
+LAYOUTS = ["last-stride-2", "transposed", "expanded", "packed-qkv"]
+
+
+def _laid_out(how, q, k, v, kv_heads):
+    """q, k, v (k, v may be None) in another memory layout, with the values the kernel must see:
+    every other element of a wider buffer (last stride 2: the kernel's unit-stride head_dim
+    read them wrong), (b, h, s, d) storage seen as (b, s, h, d), one batch row / one head
+    broadcast by ``expand`` (stride 0), or slices of one packed (b, s, h + 2·kv_heads, d) buffer."""
+    if how == "last-stride-2":
+        def wide(t):
+            buf = torch.randn(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+            buf[..., 1::2] = t
+            return buf[..., 1::2]
+        return tuple(None if t is None else wide(t) for t in (q, k, v))
+    if how == "transposed":
+        return tuple(None if t is None else t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    if how == "expanded":   # q: one head for all; k, v: one sequence for the whole batch
+        return (q[:, :, :1].expand_as(q),) + tuple(None if t is None else t[:1].expand_as(t) for t in (k, v))
+    b, s, h, d = q.shape
+    qkv = torch.randn(b, s, h + 2 * kv_heads, d, dtype=q.dtype, device=q.device)
+    q, k_part, v_part = qkv.split([h, kv_heads, kv_heads], dim=2)
+    return q, (None if k is None else k_part), (None if v is None else v_part)
+
+
+@pytest.mark.parametrize("page", [None, 16])
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("how", LAYOUTS)
+def test_q_k_v_in_any_layout(how, append, page):
+    # the planned and the unplanned path, with and without the append: the output and the
+    # cache after the append are the reference's (a wrong append spoils every later step)
+    lens, heads, kv_heads, d, sq = [5, 40], 4, 2, 32, 2
+    k_cache, v_cache, table = make_cache(len(lens), 64, kv_heads, d, page)
+    q = torch.randn(len(lens), sq, heads, d, dtype=torch.float16, device=DEVICE)
+    k = torch.randn(len(lens), sq, kv_heads, d, dtype=torch.float16, device=DEVICE) if append else None
+    q, k, v = _laid_out(how, q, k, None if k is None else torch.randn_like(k), kv_heads)
+    assert q.stride(-1) != 1 or how != "last-stride-2"
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref, _, ref_k, ref_v = kvcache_attention_ref(q.double(), k_cache.double(), v_cache.double(),
+                                                 None if k is None else k.double(), None if v is None else v.double(),
+                                                 seqlens, table, causal=True)
+    plan = DecodePlan(len(lens), heads, kv_heads, d, 64, seqlen_q=sq, device=DEVICE, num_splits=2)
+    for run in (lambda kc, vc: flashflow.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens,
+                                                                 block_table=table, causal=True, num_splits=2),
+                lambda kc, vc: plan.run(q, kc, vc, k, v, seqlens, table, causal=True)):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        assert rel(run(kc, vc), ref) < TOL
+        assert torch.equal(kc.double(), ref_k) and torch.equal(vc.double(), ref_v)
+
+
+def test_out_in_another_layout_and_bad_outs():
+    # out= may have any strides with a unit last one: the kernel writes through them
+    q = torch.randn(2, 3, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc, vc, _ = make_cache(2, 64, 2, 32)
+    plan = DecodePlan(2, 4, 2, 32, 64, seqlen_q=3, device=DEVICE)
+    ref, *_ = kvcache_attention_ref(q.double(), kc.double(), vc.double(), cache_seqlens=30, causal=False)
+    buf = torch.full((2, 4, 3, 32), float("nan"), dtype=torch.float16, device=DEVICE)
+    out = buf.transpose(1, 2)   # (b, h, s, d) storage
+    assert plan.run(q, kc, vc, cache_seqlens=30, out=out) is out
+    assert rel(buf.transpose(1, 2), ref) < TOL
+    wide = torch.empty(2, 3, 4, 64, dtype=torch.float16, device=DEVICE)
+    for bad, err, match in ((wide[..., ::2], ValueError, "unit stride in its last dimension"),
+                            (torch.empty_like(q[:1]).expand_as(q), ValueError, "no two elements at one address"),
+                            (q.float(), ValueError, "out must be a torch.float16 tensor of q's shape"),
+                            (q[:1], ValueError, r"q's shape \(2, 3, 4, 32\)"),
+                            ("out", TypeError, "out must be")):
+        with pytest.raises(err, match=match):
+            plan.run(q, kc, vc, cache_seqlens=30, out=bad)
+
+
+def test_cache_layouts_that_cannot_take_the_append():
+    # one cache broadcast over the batch may be read, but the append would write every
+    # sequence's token to one address
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(1, 64, 2, 32, dtype=torch.float16, device=DEVICE).expand(2, 64, 2, 32)
+    ref, *_ = kvcache_attention_ref(q.double(), kc.double(), kc.double(), cache_seqlens=20)
+    assert rel(flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=20), ref) < TOL
+    new = torch.randn(2, 1, 2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="k_cache has elements sharing an address"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, new, new, cache_seqlens=20)
+    # a cache is written in place, so one with a non-unit last stride is refused, not copied
+    wide = torch.randn(2, 64, 2, 64, dtype=torch.float16, device=DEVICE)[..., ::2]
+    with pytest.raises(ValueError, match="v_cache must have a unit stride in its last dimension"):
+        flashflow.flash_attn_with_kvcache(q, kc.contiguous(), wide, cache_seqlens=20)
+
+
+# --- FlashAttention's conventions ---------------------------------------------------------------
+
+FA2_SIGNATURE = [   # flash_attn/flash_attn_interface.py, flash_attn_with_kvcache
+    ("q", None), ("k_cache", None), ("v_cache", None), ("k", None), ("v", None), ("rotary_cos", None),
+    ("rotary_sin", None), ("cache_seqlens", None), ("cache_batch_idx", None), ("cache_leftpad", None),
+    ("block_table", None), ("softmax_scale", None), ("causal", False), ("window_size", (-1, -1)),
+    ("softcap", 0.0), ("rotary_interleaved", True), ("alibi_slopes", None), ("num_splits", 0),
+    ("return_softmax_lse", False)]
+
+
+def test_signature_is_flash_attentions():
+    # code ported from FlashAttention passes arguments by position and relies on the defaults
+    import inspect
+    params = list(inspect.signature(flashflow.flash_attn_with_kvcache).parameters.values())
+    positional = [(p.name, None if p.default is p.empty else p.default) for p in params
+                  if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert positional == FA2_SIGNATURE
+    assert [p.name for p in params if p.kind == p.KEYWORD_ONLY] == ["kv_layout", "plan", "k_scale", "v_scale"]
+    run = [p for p in inspect.signature(DecodePlan.run).parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
+    assert [p.name for p in run][1:] == ["q", "k_cache", "v_cache", "k", "v", "cache_seqlens", "block_table",
+                                         "softmax_scale", "causal", "window_size", "softcap", "return_lse"]
+    assert next(p.default for p in run if p.name == "causal") is False
+
+
+def test_default_is_not_causal():
+    # several query tokens: FlashAttention's default (causal=False) lets each see every key
+    lens = [10, 50]
+    q = torch.randn(2, 3, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc, vc, _ = make_cache(2, 64, 2, 32)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    full, *_ = kvcache_attention_ref(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens, causal=False)
+    masked, *_ = kvcache_attention_ref(q.double(), kc.double(), vc.double(), cache_seqlens=seqlens, causal=True)
+    assert rel(masked, full) > 10 * TOL   # the two differ here
+    assert rel(flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens), full) < TOL
+    plan = DecodePlan(2, 4, 2, 32, 64, seqlen_q=3, device=DEVICE)
+    assert rel(plan.run(q, kc, vc, cache_seqlens=seqlens), full) < TOL
+    # positionally, as FlashAttention's callers write it: cache_seqlens is the 8th argument
+    assert rel(flashflow.flash_attn_with_kvcache(q, kc, vc, None, None, None, None, seqlens), full) < TOL
+
+
+@pytest.mark.parametrize("name", ["rotary_cos", "rotary_sin", "cache_batch_idx", "cache_leftpad", "alibi_slopes"])
+def test_unimplemented_flash_attention_arguments_are_refused(name):
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=f"flashflow does not implement {name}"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, **{name: torch.zeros(2, device=DEVICE)})
+
+
+def test_old_positions_and_names_are_refused():
+    # cache_seqlens in the old 6th place now lands on rotary_cos; return_lse is not an alias
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    lens = torch.tensor([3, 4], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="flashflow does not implement rotary_cos"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, None, None, lens)
+    with pytest.raises(TypeError, match="return_lse"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=lens, return_lse=True)
+    with pytest.raises(TypeError):   # kv_layout and what follows are keyword-only, as in the function
+        DecodePlan(2, 4, 2, 32, 64, device=DEVICE).run(q, kc, kc, None, None, lens, None, None, False, (-1, -1),
+                                                        0.0, False, "NHD")
+
+
+# --- flags, numbers, devices --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kw", [dict(return_softmax_lse="no"), dict(causal=1), dict(causal=None),
+                                dict(rotary_interleaved="yes"), dict(window_size=(1.5, 2)),
+                                dict(window_size=(True, 0)), dict(num_splits=1.5), dict(num_splits=True),
+                                dict(num_splits="2"), dict(num_splits=-1), dict(cache_seqlens=True)])
+def test_flags_and_numbers_must_be_what_they_say(kw):
+    # a truthy "no" or a float window would otherwise be read as something else
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    (name, value), = kw.items()
+    with pytest.raises((TypeError, ValueError), match=name):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, **{"cache_seqlens": 10, name: value})
+    if name not in ("rotary_interleaved", "num_splits"):   # DecodePlan's arguments (above)
+        name = {"return_softmax_lse": "return_lse"}.get(name, name)
+        with pytest.raises((TypeError, ValueError), match=name):
+            DecodePlan(2, 4, 2, 32, 64, device=DEVICE).run(q, kc, kc, **{"cache_seqlens": 10, name: value})
+
+
+def test_num_splits_is_capped():
+    # the output does not depend on the split count: more splits than key blocks only add empty
+    # programs (1000 on a 64-token cache ran 102 s in the interpreter)
+    plan = DecodePlan(2, 4, 2, 32, 64, device=DEVICE, num_splits=1000)
+    assert plan.num_splits == -(-64 // plan.config.BLOCK_N)
+    assert DecodePlan(2, 4, 2, 32, 1 << 16, device=DEVICE, num_splits=1000).num_splits == 32
+    assert DecodePlan(2, 4, 2, 32, 1 << 16, device=DEVICE, num_splits=7).num_splits == 7
+    run_case([5, 64], capacity=64, num_splits=1000)
+    # with a plan, num_splits is the plan's: another value is refused, not ignored
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=DEVICE)
+    flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, num_splits=1000, plan=plan)
+    with pytest.raises(ValueError, match="num_splits is the plan's"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, num_splits=3, plan=plan)
+    with pytest.raises(TypeError, match="plan must be a DecodePlan"):
+        flashflow.flash_attn_with_kvcache(q, kc, kc, cache_seqlens=10, plan="plan")
+
+
+@pytest.mark.parametrize("which", ["q", "k_cache", "v_cache", "k", "block_table", "plan", "merge", "quantize"])
+def test_meta_tensors_are_named(which):
+    # shape-only tensors have no data for a kernel: a ValueError naming them, not torch's error
+    q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=DEVICE)
+    kc, vc, table = make_cache(2, 64, 2, 32, page=16)
+    new = torch.randn(2, 1, 2, 32, dtype=torch.float16, device=DEVICE)
+    args = dict(q=q, k_cache=kc, v_cache=vc, k=new, v=new, block_table=table)
+    if which in args:
+        args[which] = args[which].to("meta")
+        with pytest.raises(ValueError, match="meta"):
+            flashflow.flash_attn_with_kvcache(**args, cache_seqlens=10)
+    elif which == "plan":
+        with pytest.raises(ValueError, match="meta"):
+            DecodePlan(2, 4, 2, 32, 64, device="meta")
+    elif which == "merge":
+        o, lse = torch.zeros(1, 2, 4, 32, device="meta"), torch.zeros(1, 4, 2, device="meta")
+        with pytest.raises(ValueError, match="meta"):
+            flashflow.merge_attention_states(o, lse, o, lse)
+    else:
+        with pytest.raises(ValueError, match="cache is a meta tensor"):
+            flashflow.quantize_kv_cache(kc.to("meta"))
+

@@ -77,8 +77,8 @@ def fp8_case(lens, heads=8, kv_heads=2, d=64, capacity=512, seqlen_q=1, n_new=0,
     out = torch.full_like(q, float("nan"))
     out, lse = flashflow.flash_attn_with_kvcache(
         q, k_cache, v_cache, k, v, cache_seqlens=seqlens, block_table=table, num_splits=num_splits,
-        return_lse=True, kv_layout=kv_layout, plan=plan, k_scale=k_scale, v_scale=v_scale, softcap=softcap,
-        window_size=window)
+        return_softmax_lse=True, causal=True, kv_layout=kv_layout, plan=plan, k_scale=k_scale, v_scale=v_scale,
+        softcap=softcap, window_size=window)
     assert torch.isfinite(out).all()
     assert rel(out, ref) < 5e-3, rel(out, ref)
     fin = torch.isfinite(ref_lse)
@@ -250,3 +250,100 @@ def test_bad_fp8_dtypes_and_layouts():
         flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=10, k_scale=torch.ones(2, requires_grad=True,
                                                                                        device=DEVICE),
                                           v_scale=torch.ones(2, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------------
+# per-head scale values: checked where the host reads the device anyway
+# ------------------------------------------------------------------------------------------
+
+BAD_SCALES = [-1.0, 0.0, float("inf"), float("nan")]
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+@pytest.mark.parametrize("lens", ["tensor", "int", "paged"])
+@pytest.mark.parametrize("which", ["k_scale", "v_scale"])
+def test_bad_per_head_scale_values_are_refused(which, lens, bad):
+    # the float path refuses these; a (kv_heads,) tensor holding one was used as given
+    q, kc, vc = _fp8_inputs(kv_heads=3)
+    table = None
+    if lens == "paged":
+        kc, vc = kc.view(4, 16, 3, 32), vc.view(4, 16, 3, 32)
+        table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(1, 4)
+    seqlens = 10 if lens == "int" else torch.tensor([10], dtype=torch.int32, device=DEVICE)
+    scales = {"k_scale": torch.ones(3, device=DEVICE), "v_scale": torch.ones(3, device=DEVICE)}
+    scales[which][2] = bad
+    q = torch.randn(1, 1, 6, 32, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match=rf"{which} must hold finite numbers > 0 .*{which}\[2\] = {bad}"):
+        flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table, **scales)
+
+
+@pytest.mark.parametrize("lens", ["tensor", "int", "paged"])
+def test_scale_check_is_in_the_one_read_back(monkeypatch, lens):
+    # the scales' values ride on the transfer that reads the lengths / pages back: no second
+    # host synchronisation (one for the scales alone where nothing else is read); plan.run
+    # reads nothing (inside CUDA-graph capture nothing can be read: the values are the caller's)
+    q, kc, vc = _fp8_inputs(kv_heads=2)
+    table = None
+    if lens == "paged":
+        kc, vc = kc.view(4, 16, 2, 32), vc.view(4, 16, 2, 32)
+        table = torch.arange(4, dtype=torch.int32, device=DEVICE).view(1, 4)
+    seqlens = 10 if lens == "int" else torch.tensor([10], dtype=torch.int32, device=DEVICE)
+    ks, vs = torch.full((2,), 0.5, device=DEVICE), torch.full((2,), 2.0, device=DEVICE)
+    plan = DecodePlan(1, 4, 2, 32, 64, device=DEVICE, kv_dtype=FP8)
+    reads = []
+    for name in ("tolist", "item", "__int__", "__float__", "__bool__", "__index__", "cpu", "numpy"):
+        orig = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name,
+                            lambda self, *a, _o=orig, _n=name, **k: (reads.append(_n), _o(self, *a, **k))[1])
+    out = flashflow.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
+                                            k_scale=ks, v_scale=vs)
+    assert reads == ["tolist"]
+    reads.clear()
+    vs[1] = float("nan")   # not read by plan.run: its output shows it
+    bad = plan.run(q, kc, vc, cache_seqlens=seqlens, block_table=table, k_scale=ks, v_scale=vs)
+    assert reads == []
+    monkeypatch.undo()
+    assert torch.isfinite(out).all() and torch.isnan(bad[0, 0, 2:]).all()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("scale", ["derived", "float", "tensor"])
+def test_quantize_kv_cache_refuses_non_finite_caches(scale, bad):
+    # an inf gave scale inf and an all-NaN head (or saturated silently under a given scale)
+    cache = torch.randn(2, 8, 3, 16, device=DEVICE)
+    cache[1, 5, 1, 7] = bad
+    given = {"derived": None, "float": 0.5, "tensor": torch.ones(3, device=DEVICE)}[scale]
+    with pytest.raises(ValueError, match="cache holds non-finite values .* in KV head 1"):
+        flashflow.quantize_kv_cache(cache, given)
+    with pytest.raises(ValueError, match="cache holds non-finite values .* in KV head 1"):
+        flashflow.quantize_kv_cache(to_ft_k(cache.half()), given, kv_layout="FT")
+
+
+@pytest.mark.parametrize("bad", BAD_SCALES)
+def test_quantize_kv_cache_refuses_bad_scale_tensors(bad):
+    scale = torch.ones(3, device=DEVICE)
+    scale[2] = bad
+    with pytest.raises(ValueError, match=rf"scale must hold finite numbers > 0 .*scale\[2\] = {bad}"):
+        flashflow.quantize_kv_cache(torch.randn(2, 8, 3, 16, device=DEVICE), scale)
+
+
+@pytest.mark.parametrize("n_new", [0, 2])
+def test_fp8_strided_q_k_v(n_new):
+    # q and the appended k/v with a non-unit last stride (every other element of a wider
+    # buffer): the kernel reads head_dim with unit stride, so they are copied first; the e4m3
+    # values the append stores are the reference's
+    gen = torch.Generator().manual_seed(7)
+    lens = [5, 40]
+    k8, ks = flashflow.quantize_kv_cache(realistic((2, 64, 2, 32), torch.float16, gen))
+    v8, vs = flashflow.quantize_kv_cache(realistic((2, 64, 2, 32), torch.float16, gen))
+    wide = lambda *shape: realistic((*shape[:-1], 2 * shape[-1]), torch.float16, gen, False)[..., ::2]  # noqa: E731
+    q = wide(2, max(n_new, 1), 4, 32)
+    k, v = (wide(2, n_new, 2, 32), wide(2, n_new, 2, 32)) if n_new else (None, None)
+    seqlens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    ref, _, ref_k, ref_v = kvcache_attention_ref(q.double(), k8, v8, None if k is None else k.double(),
+                                                 None if v is None else v.double(), seqlens, None, causal=True,
+                                                 k_scale=ks, v_scale=vs)
+    out = flashflow.flash_attn_with_kvcache(q, k8, v8, k, v, cache_seqlens=seqlens, causal=True, num_splits=2,
+                                            k_scale=ks, v_scale=vs)
+    assert rel(out, ref) < 5e-3
+    assert torch.equal(k8.float(), ref_k.float()) and torch.equal(v8.float(), ref_v.float())
