@@ -18,8 +18,14 @@
 ``disable(transformer)`` puts the original processor objects and the class's ``forward`` back,
 so the model computes exactly what it computed before ``enable``.
 
-Inference only: the fused block ops have no backward, so a model in training mode is refused and an
-input that requires grad raises (docs/diffusion.md).
+Inference only: the fused block ops have no backward, so a model in training mode is refused, and a
+block or processor called with autograd recording and a parameter or input that requires grad
+raises one ``ValueError`` at its entry (docs/diffusion.md).
+
+One GPU per model: diffusers' context parallelism (``enable_parallelism`` with a
+``ContextParallelConfig``) is refused in either order (docs/diffusion.md): flashflow's processor
+does not implement its Ulysses / ring attention, so each rank would attend over its own part of
+the sequence only.
 """
 from __future__ import annotations
 
@@ -57,6 +63,10 @@ _FP8_DTYPES = (torch.bfloat16, torch.float16)
 # The original (processor, instance-level forward or None) of a block, kept on the block itself.
 _ORIGINAL = "_flashflow_original"
 
+_CONTEXT_PARALLEL_UNSUPPORTED = (
+    "flashflow's attention processors do not support context parallelism yet: each rank's attention would see "
+    "only its own part of the sequence (a silently wrong result)")
+
 # cuBLASLt's bias + GELU epilogue is the tanh approximation; CPU builds of this private op use the
 # erf GELU instead, hence CUDA only.
 _HAS_ADDMM_ACTIVATION = hasattr(torch, "_addmm_activation")
@@ -65,6 +75,61 @@ _HAS_ADDMM_ACTIVATION = hasattr(torch, "_addmm_activation")
 # --------------------------------------------------------------------------------------------
 # the attention processor
 # --------------------------------------------------------------------------------------------
+
+
+def _context_parallel(config):
+    """The ``ContextParallelConfig`` of a diffusers ``ParallelConfig`` (what ``enable_parallelism``
+    hands the processors), or None: no config, or tensor parallelism only."""
+    return getattr(config, "context_parallel_config", None)
+
+
+def _context_parallel_refused(config) -> ValueError:
+    cp = _context_parallel(config)
+    return ValueError(
+        f"transformer.enable_parallelism(config=ContextParallelConfig(ring_degree={cp.ring_degree}, "
+        f"ulysses_degree={cp.ulysses_degree})) on a model that flashflow.integrations.diffusers.enable() runs: "
+        f"{_CONTEXT_PARALLEL_UNSUPPORTED}. For a correct parallel run, call "
+        "flashflow.integrations.diffusers.disable(transformer) first (diffusers' own processors), then "
+        "enable_parallelism; on one GPU, keep flashflow and leave parallelism off")
+
+
+def _trainable_parameter(module: nn.Module, skip: nn.Module | None = None) -> str | None:
+    """The name of a parameter of ``module`` (outside its submodule ``skip``) that requires grad, or
+    None: a plain walk of the module tree, without ``module.parameters()``'s nested generators and
+    names (the name is looked up on a hit only)."""
+    stack = [module]
+    while stack:
+        mod = stack.pop()
+        if mod is None or mod is skip:
+            continue
+        for p in mod._parameters.values():
+            if p is not None and p.requires_grad:
+                return next(name for name, q in module.named_parameters() if q is p)
+        stack.extend(reversed(mod._modules.values()))   # popped in the modules' order
+    return None
+
+
+def _refuse_autograd(module: nn.Module, where: str, skip: nn.Module | None = None, **inputs) -> None:
+    """Called while autograd records (``torch.is_grad_enabled()``): one look at the block's (or the
+    attention module's) parameters and inputs, so that the user reads what to do instead of the
+    first fused op's ``x requires grad`` about a tensor inside it. Under ``torch.no_grad()`` /
+    ``torch.inference_mode()`` (pipelines) the caller's ``is_grad_enabled()`` is the whole cost. The
+    block skips its attention module, which the processor looks at."""
+    param = _trainable_parameter(module, skip)
+    if param is not None:
+        situation = f"the transformer's parameters require grad ({where}'s {param}, among others)"
+        fix = "or freeze the model with transformer.requires_grad_(False)"
+    else:
+        name = next((n for n, t in inputs.items() if t is not None and t.requires_grad), None)
+        if name is None:
+            return
+        situation = f"{where}'s input {name} requires grad"
+        fix = "or pass inputs that do not require grad (.detach())"
+    raise ValueError(
+        f"flashflow's Qwen-Image blocks run with autograd recording, and {situation}; flashflow's diffusion ops "
+        f"(the fused norms, RoPE and gates, FP8 attention) have no backward. Run the model under torch.no_grad() "
+        f"or torch.inference_mode() (diffusers' pipelines do), {fix}; to train, call "
+        "flashflow.integrations.diffusers.disable(transformer) first")
 
 
 def _norm_rope_into(norm: nn.Module, x: torch.Tensor, freqs, out: torch.Tensor) -> None:
@@ -83,10 +148,28 @@ class FlashflowQwenAttnProcessor:
     rounding with ``attention="bf16"``, up to FP8 attention's error with ``"fp8"``).
 
     ``attention``: one of :data:`ATTENTION_MODES`; :func:`enable` sets it (and checks that the
-    model can run it)."""
+    model can run it). It refuses, with a ``ValueError``, the context-parallel config that diffusers'
+    ``enable_parallelism`` hands it, and a call while autograd records with parameters or inputs
+    that require grad (no backward)."""
 
     def __init__(self, attention: str = "bf16"):
         self.attention = _check_attention(attention)
+        self._given_parallel_config = None
+
+    # diffusers hands its parallel config to every processor that has this attribute
+    # (ModelMixin.enable_parallelism: ``if hasattr(processor, "_parallel_config"): processor._parallel_config =
+    # config``), before it installs the hooks that split the sequence across ranks. Refusing a context-parallel
+    # config here stops enable_parallelism there, with the model still whole; the config is kept, so that a model
+    # run after the refusal raises too (__call__) and disable() can undo what enable_parallelism had recorded.
+    @property
+    def _parallel_config(self):
+        return self._given_parallel_config
+
+    @_parallel_config.setter
+    def _parallel_config(self, config) -> None:
+        self._given_parallel_config = config
+        if _context_parallel(config) is not None:
+            raise _context_parallel_refused(config)
 
     def __call__(
         self,
@@ -97,6 +180,11 @@ class FlashflowQwenAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._given_parallel_config is not None and _context_parallel(self._given_parallel_config) is not None:
+            raise _context_parallel_refused(self._given_parallel_config)
+        if torch.is_grad_enabled():
+            _refuse_autograd(attn, "the attention module", hidden_states=hidden_states,
+                             encoder_hidden_states=encoder_hidden_states)
         if encoder_hidden_states is None:
             raise ValueError("FlashflowQwenAttnProcessor requires encoder_hidden_states (the text stream)")
         if attention_mask is not None:
@@ -190,6 +278,9 @@ def _block_forward(
     modulate_index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """QwenImageTransformerBlock.forward with flashflow's fused passes (same math, same order)."""
+    if torch.is_grad_enabled():
+        _refuse_autograd(self, "the block", skip=self.attn, hidden_states=hidden_states,
+                         encoder_hidden_states=encoder_hidden_states, temb=temb)
     img_mod_params = self.img_mod(temb)   # (B, 6·dim), or (2B, 6·dim) with zero_cond_t
     if self.zero_cond_t:
         temb = torch.chunk(temb, 2, dim=0)[0]
@@ -316,10 +407,19 @@ def enable(transformer, attention: str = "bf16"):
         (``enable(model, attention="fp8")`` after ``enable(model)`` switches it); ``disable``
         undoes it.
 
-    Every block is checked before any is changed, so a refused model is left as it was.
+    Every block is checked before any is changed, so a refused model is left as it was. A model
+    that runs diffusers' context parallelism is refused, and so is ``enable_parallelism`` on an
+    enabled model, both with a ``ValueError``: flashflow's processor does not support it yet.
     """
     attention = _check_attention(attention)
     blocks = _check_transformer(transformer)
+    cp = _context_parallel(getattr(transformer, "_parallel_config", None))
+    if cp is not None:
+        raise ValueError(
+            f"transformer runs with context parallelism (enable_parallelism or from_pretrained(parallel_config=...) "
+            f"with ContextParallelConfig(ring_degree={cp.ring_degree}, ulysses_degree={cp.ulysses_degree})): "
+            f"{_CONTEXT_PARALLEL_UNSUPPORTED}. Leave this model's parallel run to diffusers' own processors, or use "
+            "flashflow on one GPU, without enable_parallelism")
     if transformer.training or any(block.training for block in blocks):
         raise ValueError("enable() takes a model in eval mode: the fused block ops are inference-only (no backward); "
                          "call transformer.eval() first")
@@ -352,11 +452,21 @@ def disable(transformer):
     """Undo :func:`enable`: every block gets back its original processor object and the class's
     ``forward``, so outputs are bit-identical to those before ``enable``. A model that was never
     enabled is returned unchanged (no-op); a processor set by the user after ``enable`` is left
-    in place. Returns ``transformer``."""
-    for block in _check_transformer(transformer):
+    in place. After flashflow's processors refused ``enable_parallelism``, it also forgets the
+    config that ``enable_parallelism`` had recorded on the model before the refusal, so that
+    ``enable_parallelism`` can be called again (with diffusers' processors). Returns ``transformer``."""
+    blocks = _check_transformer(transformer)
+    refused = [b.attn.processor._given_parallel_config for b in blocks if _processor_is_ours(b)]
+    for block in blocks:
         original = block.__dict__.pop(_ORIGINAL, None)
         if original is not None and _processor_is_ours(block):
             block.attn.set_processor(original)
         if _forward_is_ours(block):
             del block.forward
+    # diffusers 0.42.1's enable_parallelism records its config on the model, hands it to the processors (where ours
+    # refused it), and only then installs the hooks that split the sequence: the refusal left no hook, only the
+    # record, which makes a second enable_parallelism raise "Parallelism is already applied".
+    recorded = transformer.__dict__.get("_parallel_config")
+    if recorded is not None and any(recorded is config for config in refused):
+        del transformer._parallel_config
     return transformer

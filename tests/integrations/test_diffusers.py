@@ -1,9 +1,13 @@
 """flashflow.integrations.diffusers on a tiny Qwen-Image transformer (random weights, CPU,
 Triton's interpreter): enable matches the model's own forward (one and two images, with and
 without text padding, zero_cond_t; exact attention and FP8 attention), disable gives back the
-exact original, and the refusals."""
+exact original, and the refusals (autograd, diffusers' context parallelism: in one process and
+on two gloo ranks)."""
+import datetime
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 diffusers = pytest.importorskip("diffusers")
@@ -322,12 +326,52 @@ def test_fp8_attention_gives_the_ops_error_where_it_cannot_run(monkeypatch):
     assert not is_enabled(model)
 
 
-def test_grad_mode_is_refused_not_detached():
-    """No backward: running an enabled model with autograd recording raises instead of
-    returning a result whose gradient would be wrong."""
+NO_BACKWARD = (r"autograd recording, and {what}; flashflow's diffusion ops .* have no backward\. Run the model "
+               r"under torch\.no_grad\(\) or torch\.inference_mode\(\) .*{fix}.*to train, call "
+               r"flashflow\.integrations\.diffusers\.disable\(transformer\) first")
+
+
+def test_autograd_is_refused_with_what_to_do():
+    """No backward: a freshly built model (parameters that require grad) run outside no_grad raises
+    one ValueError at the first block's entry that says what to do, not an op's message about a
+    tensor inside the block; its result would have had a wrong gradient."""
     model = enable(tiny_model())
-    with pytest.raises(ValueError, match="requires grad"):
-        model(**inputs(1, False))
+    kwargs = inputs(1, False)
+    with pytest.raises(ValueError, match=NO_BACKWARD.format(what=r"the transformer's parameters require grad "
+                                                                 r"\(the block's \S+, among others\)",
+                                                            fix=r"transformer\.requires_grad_\(False\)")):
+        model(**kwargs)
+    attn = model.transformer_blocks[0].attn   # the processor called alone says the same
+    g = torch.Generator().manual_seed(4)
+    img, txt = torch.randn(2, 24, 64, generator=g), torch.randn(2, TXT, 64, generator=g)
+    with pytest.raises(ValueError, match=NO_BACKWARD.format(what=r"the transformer's parameters require grad "
+                                                                 r"\(the attention module's \S+, among others\)",
+                                                            fix="requires_grad_")):
+        attn.processor(attn, img, txt)
+
+
+def test_autograd_with_a_frozen_model_runs_and_inputs_that_require_grad_are_refused(monkeypatch):
+    """A frozen model runs with grad mode on (the same output as under inference_mode); an input
+    that requires grad is named. The check is one look per block and per processor call, only while
+    autograd records: none under no_grad / inference_mode."""
+    model = enable(tiny_model()).requires_grad_(False)
+    kwargs = inputs(1, True, batch=1)
+    looks, refuse = [], ffd._refuse_autograd
+    monkeypatch.setattr(ffd, "_refuse_autograd", lambda module, where, **kw: looks.append(where) or
+                        refuse(module, where, **kw))
+    with torch.no_grad():   # as the pipelines run it
+        want = model(**kwargs)[0]
+    assert looks == []
+    assert torch.equal(model(**kwargs)[0], want)
+    assert looks == ["the block", "the attention module"] * 2
+    block = model.transformer_blocks[0]
+    g = torch.Generator().manual_seed(3)
+    args = dict(hidden_states=torch.randn(2, 24, 64, generator=g).requires_grad_(),
+                encoder_hidden_states=torch.randn(2, TXT, 64, generator=g), encoder_hidden_states_mask=None,
+                temb=torch.randn(2, 64, generator=g), image_rotary_emb=None)
+    with pytest.raises(ValueError, match=NO_BACKWARD.format(what="the block's input hidden_states requires grad",
+                                                            fix=r"\.detach\(\)")):
+        block(**args)
 
 
 def test_feed_forward_on_the_cpu_is_the_module_itself():
@@ -352,3 +396,107 @@ def test_fused_gelu_epilogue_is_gelu_tanh(dtype, monkeypatch):
         got = ffd._feed_forward(ff, x)
     assert calls == [{"use_gelu": True}]   # the epilogue path ran, not the module's
     assert rel(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
+
+
+# ------------------------------------------------------------------- diffusers' context parallelism
+
+
+def cp_config(degrees):
+    """A ParallelConfig as diffusers' enable_parallelism builds it (diffusers' own types)."""
+    return diffusers.ParallelConfig(context_parallel_config=diffusers.ContextParallelConfig(**degrees))
+
+
+CP_REFUSED = (r"enable_parallelism\(config=ContextParallelConfig\(ring_degree={ring}, ulysses_degree={ulysses}\)\) .*"
+              r"flashflow's attention processors do not support context parallelism yet: each rank's attention would "
+              r"see only its own part of the sequence .* call flashflow\.integrations\.diffusers\.disable"
+              r"\(transformer\) first")
+
+
+@pytest.mark.parametrize("degrees", [dict(ulysses_degree=2), dict(ring_degree=2)], ids=["ulysses", "ring"])
+def test_context_parallelism_is_refused_when_enable_parallelism_hands_the_config(degrees):
+    """enable, then diffusers' enable_parallelism: refused where diffusers hands the processors its
+    config, before its hooks split the sequence; the model then refuses to run until disable, which
+    gives back a working model on which enable_parallelism can be called again.
+
+    enable_parallelism itself cannot run in one process: ContextParallelConfig refuses degrees of
+    1 × 1 and its setup refuses degrees above the world size. So this test does its two steps that
+    concern the processors, as diffusers 0.42.1 does them (ModelMixin._resolve_parallel_config
+    records the config on the model, then every attention processor that has a `_parallel_config`
+    attribute gets the config); the two-rank test below runs the real call."""
+    model = tiny_model()
+    kwargs = inputs(1, False)
+    want = run(model, kwargs)
+    enable(model)
+    config = cp_config(degrees)
+    model._parallel_config = config
+    refused = pytest.raises(ValueError, match=CP_REFUSED.format(ring=degrees.get("ring_degree", 1),
+                                                                ulysses=degrees.get("ulysses_degree", 1)))
+    attention_classes = (diffusers.models.attention_processor.Attention,
+                         diffusers.models.attention_processor.MochiAttention,
+                         diffusers.models.attention.AttentionModuleMixin)   # enable_parallelism's own list
+    with refused:
+        for module in model.modules():
+            if isinstance(module, attention_classes):
+                processor = module.processor
+                if processor is not None and hasattr(processor, "_parallel_config"):
+                    processor._parallel_config = config
+    with refused:   # and a model run after the refusal, never attention over a local part
+        run(model, kwargs)
+    with pytest.raises(ValueError, match="transformer runs with context parallelism"):
+        enable(model, attention="fp8")
+    disable(model)
+    assert model._parallel_config is None   # enable_parallelism may be called again
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_enable_refuses_a_model_that_runs_context_parallel():
+    """enable_parallelism (or from_pretrained(parallel_config=...)), then enable: refused with the
+    reason, the model untouched. Here the config alone, as _resolve_parallel_config records it on
+    the model; the two-rank test runs the real call."""
+    model = tiny_model()
+    model._parallel_config = cp_config(dict(ulysses_degree=2))
+    with pytest.raises(ValueError, match=r"transformer runs with context parallelism .*ContextParallelConfig\("
+                                         r"ring_degree=1, ulysses_degree=2\)\): flashflow's attention processors do "
+                                         r"not support context parallelism yet"):
+        enable(model)
+    assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
+    assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+
+
+def _two_rank_worker(rank, init_method):
+    """One of two gloo ranks on the CPU: the real enable_parallelism on an enabled model."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        # diffusers 0.42.1 picks the rank's device as rank % torch.accelerator.device_count(): 0 here
+        torch.accelerator.device_count = lambda: 1
+        model = tiny_model()
+        with torch.no_grad():   # peaked attention: a wrong key set shows in the output
+            for name, p in model.named_parameters():
+                if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                    p.mul_(3)
+        kwargs = inputs(1, False, batch=1)
+        kwargs["encoder_hidden_states"] = torch.randn(1, 8, 48, generator=torch.Generator().manual_seed(2))
+        want = run(model, kwargs)   # one process, no parallelism
+        enable(model)
+        with pytest.raises(ValueError, match=CP_REFUSED.format(ring=1, ulysses=2)):
+            model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
+        with pytest.raises(ValueError, match="do not support context parallelism"):
+            run(model, kwargs)
+        disable(model)
+        model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
+        got = run(model, kwargs)    # diffusers' own Ulysses attention over both ranks' halves
+        assert rel(got, want) < 1e-5, rel(got, want)
+        with pytest.raises(ValueError, match="transformer runs with context parallelism"):
+            enable(model)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed's gloo")
+def test_enable_parallelism_on_two_ranks(tmp_path):
+    """The real scenario, two processes: enable, then enable_parallelism(ContextParallelConfig(
+    ulysses_degree=2)) raises on both ranks (before, it ran, and each rank's attention saw half the
+    sequence); disable, and diffusers' own parallel run matches the one-process output; enable on
+    that model is refused."""
+    torch.multiprocessing.spawn(_two_rank_worker, args=(f"file://{tmp_path / 'rendezvous'}",), nprocs=2)
