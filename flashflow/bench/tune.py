@@ -403,6 +403,8 @@ def _decode_case(shape, args) -> Case:
                 plan = DecodePlan(b, h, hk, d, s, device="cuda", config=cfg, kv_dtype=kv_dtype, **opts)
             except ValueError as e:
                 raise NotApplicable(str(e)) from e
+            if plan.num_splits != opts["num_splits"]:   # capped (DecodePlan): it would run as another candidate
+                raise NotApplicable(f"num_splits {opts['num_splits']} is capped at {plan.num_splits} for this cache")
         return cycling(lambda i: lambda: plan.run(q, *caches[i], cache_seqlens=lens, block_table=table, **scales),
                        copies)
     label = f"b{b} s{s} h{h}/{hk} d{d}{' paged' if paged else ''}{' fp8' if fp8 else ''}"
