@@ -29,7 +29,14 @@ bf16 one on Hopper; bytes (Sq + 2·Sk)·d at one byte an element plus the output
 
 ``EMULATE_FP8`` (the launcher sets it under Triton's interpreter, whose FP8 ``tl.dot`` and fp32 →
 fp8 conversion are wrong): P is rounded onto the e4m3 grid in fp32 and both FP8 products run in
-fp32 on exactly the same values. On a GPU it is off and compiles to nothing.
+fp32 on exactly the same values (e4m3's NaN included). On a GPU it is off and compiles to nothing.
+
+Non-finite inputs need nothing here: the quantize pass carries them in what this loop already
+multiplies (a NaN ``q_scale`` or ``k_scale``, e4m3 NaN in V; :mod:`flashflow.kernels.quant`), and
+NaN survives every step that follows: the masked loop sets scores to -inf only where a key is not
+allowed, ``p``, ``l`` and ``acc`` take NaN through the exponential, the sum and the MMA (0·NaN is
+NaN), and :func:`~flashflow.kernels.softmax.normalize` divides by a NaN ``l``. The row maximum
+may skip a NaN score (max ignores NaN on a GPU), which changes nothing: ``l`` is NaN already.
 """
 import triton
 import triton.language as tl
@@ -99,7 +106,8 @@ def _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, hi, KD, VD, KS, KPM, k_row0, v_r
         m_i = m_new
         if EMULATE_FP8:
             p8 = round_e4m3(p)
-            v8 = vt.to(tl.float32).T
+            # e4m3's NaN (a non-finite V value) as NaN: the interpreter's conversion makes it finite
+            v8 = tl.where((vt.to(tl.int8, bitcast=True) & 0x7F) == 0x7F, float("nan"), vt.to(tl.float32)).T
             precision: tl.constexpr = "ieee"
         else:
             p8 = p.to(vt.dtype)

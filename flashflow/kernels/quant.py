@@ -18,6 +18,18 @@ SageAttention: K is smoothed by its mean over tokens (softmax is shift-invariant
 scores lose nothing; only the log-sum-exp needs ``q·k̄`` added back), Q gets one scale per token,
 K one per block of keys, V one per channel, and V is stored transposed, ``(head_dim, keys)``,
 the K-major operand Hopper's FP8 MMA takes for P·V.
+
+Non-finite inputs come out where exact attention puts them, at the granularity of the scales
+and of the attention kernel's tiles (docs/fp8.md, "Non-finite inputs"); the work is all here,
+none in the attention loop, and almost none per element (a program of this pass holds a
+128 × head_dim fp32 tile: every value per element it keeps longer costs registers and time). The statistics (K's mean, V's channel
+amax) take the finite values only, a non-finite one as 0 (Triton's max ignores NaN, an inf
+would flatten the channel's scale). The non-finiteness is marked in what the attention kernel
+already multiplies: a token of Q holding one gets a NaN scale (its amax, taken NaN-propagating,
+is NaN or inf: every score of its row is NaN), a block of K holding one a NaN scale (the scores
+of every row at an allowed key of the block are NaN), and the V value is stored as e4m3's NaN
+(P·V multiplies it by every p of its key block, 0 included). A key the key-padding mask hides
+from every row marks nothing: its non-finite values are taken as 0.
 """
 import triton
 import triton.language as tl
@@ -29,6 +41,9 @@ E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 _RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 # the floor of an amax, so that an all-zero row or block gets a finite scale (its values stay 0)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-20)
+# e4m3 (float8_e4m3fn) NaN, S.1111.111: written as bits, since Triton's interpreter converts an
+# fp32 NaN to a finite e4m3 value (a GPU's conversion keeps it)
+E4M3_NAN_BITS: tl.constexpr = tl.constexpr(0x7F)
 
 
 @triton.jit
@@ -43,11 +58,42 @@ def round_e4m3(x):
 
     The grid step is ``2^(e − 3)`` for a value of exponent ``e`` (three mantissa bits), and
     ``2^-9`` for every value below the smallest normal ``2^-6`` (the subnormals)."""
-    x = tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
+    return e4m3_grid(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
+
+
+@triton.jit
+def e4m3_grid(x):
+    """:func:`round_e4m3` without the saturation, for ``|x| <= 448`` (up to one rounding: 448
+    plus a few ulp still rounds to 448); NaN stays NaN."""
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)
     step = ((exponent + (127 - 3)) << 23).to(tl.float32, bitcast=True)
     return round_half_even(x / step) * step
+
+
+@triton.jit
+def is_finite(x):
+    """True where ``x`` is neither NaN nor ±inf: one compare (NaN fails every compare)."""
+    return tl.abs(x) < float("inf")
+
+
+@triton.jit
+def _maximum_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def amax_keep_nan(x, axis):
+    """``max |x|`` along ``axis``, NaN where ``x`` holds a NaN (``tl.max`` skips NaN): as cheap
+    as ``tl.max``, one NaN-propagating max a step."""
+    return tl.reduce(tl.abs(x), axis, _maximum_keep_nan)
+
+
+@triton.jit
+def mark_non_finite(scale, amax):
+    """``scale``, or NaN where ``amax`` is not finite (``amax − amax`` is NaN for NaN and ±inf,
+    +0 otherwise): the mark of a token or block holding a non-finite value."""
+    return scale + (amax - amax)
 
 
 @triton.jit
@@ -74,7 +120,8 @@ def attention_kv_stats_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Per (batch, kv head) and chunk of ``chunk`` keys: the fp32 sum of K over the chunk's keys
-    and the max of |V|, per channel. Grid (batch · kv_heads, chunks); partial results
+    and the max of |V|, per channel, a non-finite value counted as 0 (the quantize kernel marks
+    it; the finite rest keeps its mean and scale). Grid (batch · kv_heads, chunks); partial results
     ``KSUM/VMAX[(b·kv_heads + h)·chunks + c, :]``, reduced by the quantize kernel (a fixed
     order: the same inputs give the same bits).
 
@@ -95,8 +142,10 @@ def attention_kv_stats_kernel(
         rows = (offs_s < end)[:, None]
         k = tl.load(k_base + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=rows, other=0.0)
         v = tl.load(v_base + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=rows, other=0.0)
-        ksum += tl.sum(k.to(tl.float32), 0)
-        vmax = tl.maximum(vmax, tl.max(tl.abs(v.to(tl.float32)), 0))
+        k = k.to(tl.float32)
+        v = tl.abs(v.to(tl.float32))
+        ksum += tl.sum(tl.where(is_finite(k), k, 0.0), 0)
+        vmax = tl.maximum(vmax, tl.max(tl.where(v < float("inf"), v, 0.0), 0))
     n_chunks = tl.num_programs(1)
     tl.store(KSUM + (bh * n_chunks + c) * HEAD_DIM + offs_d, ksum)
     tl.store(VMAX + (bh * n_chunks + c) * HEAD_DIM + offs_d, vmax)
@@ -115,13 +164,21 @@ def _kv_head_stats(KSUM, VMAX, bh, chunks, seqlen_k, offs_d, HEAD_DIM: tl.conste
 
 
 @triton.jit
+def _hidden_as_zero(x, KPM, offs_s, kpm_keys):
+    """``x`` ``(keys, D)`` with its non-finite values at keys the key-padding mask hides (False
+    in ``KPM[:kpm_keys]``) taken as 0: such a key reaches no output, and must not mark one."""
+    keep = tl.load(KPM + offs_s, mask=offs_s < kpm_keys, other=1) != 0
+    return tl.where(keep[:, None] | is_finite(x), x, 0.0)
+
+
+@triton.jit
 def attention_quantize_kernel(
-    Q, K, V, Q8, QS, QC, K8, KS, VT8, VS, KSUM, VMAX,
-    seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks,
+    Q, K, V, Q8, QS, QC, K8, KS, VT8, VS, KSUM, VMAX, KPM,
+    seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, kpm_keys,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    qk_scale_log2, softmax_scale,
+    stride_kpm, qk_scale_log2, softmax_scale,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, QK_FP8: tl.constexpr, SMOOTH_K: tl.constexpr,
-    LSE_CORRECTION: tl.constexpr, CHUNKS_PAD: tl.constexpr,
+    LSE_CORRECTION: tl.constexpr, CHUNKS_PAD: tl.constexpr, HAS_KPM: tl.constexpr, EMULATE_FP8: tl.constexpr,
 ):
     """Q, K and V of an attention call to 8 bits, padded to whole blocks, in one launch.
 
@@ -133,7 +190,14 @@ def attention_quantize_kernel(
       ``softmax_scale · q·k̄``, the shift smoothing takes out of each row's scores.
     * ``K8 (b, hk, sk_pad, D)``: ``k − k̄`` per block of ``BLOCK_S`` keys over ``KS (b, hk,
       sk_pad / BLOCK_S)`` (the attention kernel's key block, so its scale is one scalar a tile).
-    * ``VT8 (b, hk, D, sk_pad)``: e4m3 ``v`` per channel over ``VS (b, hk, D)``, transposed.
+    * ``VT8 (b, hk, D, sk_pad)``: e4m3 ``v`` per channel over ``VS (b, hk, D)``, transposed,
+      written as its bits (an int8 view of the e4m3 tensor).
+
+    Non-finite values (module docstring): ``QS`` of a token holding one and ``KS`` of a block
+    holding one are NaN (the 8-bit values of such a token or block are unspecified), ``VT8``
+    holds e4m3's NaN in its place. ``KPM (b, ≥ kpm_keys)`` with ``HAS_KPM``: the key-padding
+    mask over the first ``kpm_keys`` keys; a non-finite K or V value at a key it hides is taken
+    as 0. ``EMULATE_FP8``: under Triton's interpreter (its fp32 → e4m3 conversion loses NaN).
 
     Bytes: Q, K, V read once and written once at one byte an element, plus the scales.
     """
@@ -151,7 +215,11 @@ def attention_quantize_kernel(
                     + offs_s[:, None].to(tl.int64) * stride_qs + offs_d[None, :], mask=rows, other=0.0)
         q = q.to(tl.float32)
         qs = q * qk_scale_log2
-        values, scale = quantize(qs, tl.max(tl.abs(qs), 1)[:, None], QK_FP8)
+        # a token holding a non-finite value: its amax is NaN or inf, its scale NaN (its 8-bit
+        # values are then of no use to anyone); nothing more per element
+        amax = amax_keep_nan(qs, 1)[:, None]
+        values, scale = quantize(qs, amax, QK_FP8)
+        scale = mark_non_finite(scale, amax)
         row = (b * heads + h).to(tl.int64) * sq_pad + offs_s
         tl.store(Q8 + row[:, None] * HEAD_DIM + offs_d[None, :], values.to(Q8.dtype.element_ty))
         tl.store(QS + row, tl.reshape(scale, [BLOCK_S]))
@@ -168,21 +236,41 @@ def attention_quantize_kernel(
         rows = (offs_s < seqlen_k)[:, None]
         kmean, vmax = _kv_head_stats(KSUM, VMAX, b * kv_heads + h, chunks, seqlen_k, offs_d, HEAD_DIM, CHUNKS_PAD)
         bh = (b * kv_heads + h).to(tl.int64)
+        kpm = KPM + b.to(tl.int64) * stride_kpm
+        # the blocks of the key-padding mask's prefix: past it, no key is hidden, no work
+        hides = blk * BLOCK_S < kpm_keys
         if is_k:
             k = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
                         + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=rows, other=0.0)
             k = k.to(tl.float32)
+            if HAS_KPM:
+                if hides:
+                    k = _hidden_as_zero(k, kpm, offs_s, kpm_keys)
             if SMOOTH_K:
                 k = tl.where(rows, k - kmean[None, :], 0.0)
-            k_values, k_scale = quantize(k, tl.max(tl.max(tl.abs(k), 1), 0), QK_FP8)
+            # a block holding a non-finite value: a NaN or inf amax, a NaN scale
+            k_amax = amax_keep_nan(amax_keep_nan(k, 1), 0)
+            k_values, k_scale = quantize(k, k_amax, QK_FP8)
+            k_scale = mark_non_finite(k_scale, k_amax)
             tl.store(K8 + (bh * sk_pad + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
                      k_values.to(K8.dtype.element_ty))
             tl.store(KS + bh * (sk_pad // BLOCK_S) + blk, k_scale)
         else:
             v = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
                         + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=rows, other=0.0)
-            v_values, v_scale = quantize(v.to(tl.float32), vmax[None, :], True)
-            tl.store(VT8 + (bh * HEAD_DIM + offs_d)[None, :] * sk_pad + offs_s[:, None],
-                     v_values.to(VT8.dtype.element_ty))
+            v = v.to(tl.float32)
+            if HAS_KPM:
+                if hides:
+                    v = _hidden_as_zero(v, kpm, offs_s, kpm_keys)
+            # a non-finite value becomes NaN (inf too) and stays NaN on the grid: e4m3's NaN. Its
+            # select takes the place of the saturation: |v| <= amax, the channel's finite max
+            v = tl.where(is_finite(v), v, float("nan"))
+            v_amax = tl.maximum(vmax, AMAX_FLOOR)[None, :]
+            v_values = e4m3_grid(v * (E4M3_MAX / v_amax))
+            v_scale = v_amax / E4M3_MAX
+            bits = v_values.to(tl.float8e4nv).to(tl.int8, bitcast=True)
+            if EMULATE_FP8:   # the interpreter's fp32 → e4m3 conversion turns NaN into a number
+                bits = tl.where(v_values == v_values, bits, E4M3_NAN_BITS).to(tl.int8)
+            tl.store(VT8 + (bh * HEAD_DIM + offs_d)[None, :] * sk_pad + offs_s[:, None], bits)
             if blk == 0:
                 tl.store(VS + bh * HEAD_DIM + offs_d, tl.reshape(v_scale, [HEAD_DIM]))

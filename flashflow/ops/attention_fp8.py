@@ -25,7 +25,8 @@ from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
 from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
 from flashflow.kernels.quant import attention_kv_stats_kernel, attention_quantize_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.validate import (check_heads, check_key_padding_mask, check_no_grad, check_runs_here,
+from flashflow.ops.common import unit_last_stride
+from flashflow.ops.validate import (check_flag, check_heads, check_key_padding_mask, check_no_grad, check_runs_here,
                                     softmax_scale_or_default)
 from flashflow.tuning.attention_fp8 import AttentionFp8Config, attention_fp8_config, supported_families
 
@@ -57,16 +58,14 @@ def _check_inputs(q, k, v, qk_format, key_padding_mask):
                             f"got {type(t).__name__}")
         if t.dim() != 4:
             raise ValueError(f"{name} must have rank 4 (batch, seqlen, heads, head_dim), got shape {tuple(t.shape)}")
+        check_runs_here(name, t)   # a meta tensor is refused before anything reads its data
         if t.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"{name} must be bfloat16 or float16 (FP8 attention quantizes 16-bit inputs), "
                             f"got {t.dtype}")
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride along head_dim, got strides {t.stride()}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    check_runs_here("q", q)
     family = _family(q.device)
     if family not in _FAMILIES:
         raise ValueError(f"FP8 attention needs FP8 tensor cores (Hopper, sm90, or newer); {q.device} is "
@@ -91,10 +90,12 @@ def _config(head_dim: int, causal: bool, device) -> AttentionFp8Config:
 
 
 def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block_n: int, qk_format: str = "int8",
-                              lse_correction: bool = False, smooth_k: bool = True) -> dict:
-    """The quantize pass alone, on validated inputs: a dict of the 8-bit tensors and scales the
-    kernel reads (names as in :func:`flashflow.kernels.quant.attention_quantize_kernel`:
-    ``q8, q_scale, q_corr, k8, k_scale, vt8, v_scale``), padded to ``block_m`` / ``block_n``."""
+                              lse_correction: bool = False, smooth_k: bool = True, key_padding_mask=None) -> dict:
+    """The quantize pass alone, on validated inputs (head_dim unit-stride): a dict of the 8-bit
+    tensors and scales the kernel reads (names as in
+    :func:`flashflow.kernels.quant.attention_quantize_kernel`: ``q8, q_scale, q_corr, k8, k_scale,
+    vt8, v_scale``), padded to ``block_m`` / ``block_n``. ``key_padding_mask`` (the call's,
+    ``(batch, P)``) keeps the non-finite values of the keys it hides from marking anything."""
     batch, seqlen_q, heads, head_dim = q.shape
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     dev = q.device
@@ -129,17 +130,28 @@ def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4,
     )
+    kpm, kpm_keys = _kpm(q, key_padding_mask)
     attention_quantize_kernel[(max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)](
-        q, k, v, q8, q_scale, q_corr, k8, k_scale, vt8, v_scale, ksum, vmax,
-        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks,
+        q, k, v, q8, q_scale, q_corr, k8, k_scale, vt8.view(torch.int8), v_scale, ksum, vmax, kpm,
+        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, kpm_keys,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), kpm.stride(0) if kpm_keys else 0,
         softmax_scale * LOG2E, softmax_scale,
         HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
-        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), num_warps=4,
+        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), HAS_KPM=kpm_keys > 0,
+        EMULATE_FP8=interpreting(), num_warps=4,
     )
     return dict(q8=q8, q_scale=q_scale, q_corr=q_corr, k8=k8, k_scale=k_scale, vt8=vt8, v_scale=v_scale,
                 sq_pad=sq_pad, sk_pad=sk_pad)
+
+
+def _kpm(q, key_padding_mask):
+    """(the mask as the kernels read it, unit-stride along the keys, or ``q`` where there is none
+    (never read then); the number of keys it covers)."""
+    if key_padding_mask is None or key_padding_mask.shape[1] == 0:
+        return q, 0
+    kpm = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+    return kpm, kpm.shape[1]
 
 
 def _attention_fp8_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
@@ -166,16 +178,12 @@ def attention_fp8_forward(q, k, v, key_padding_mask, softmax_scale: float, causa
         return out, lse
     cfg = config or _config(head_dim, causal, q.device)
     qz = quantize_attention_inputs(q, k, v, softmax_scale, cfg.BLOCK_M, cfg.BLOCK_N, qk_format,
-                                   lse_correction=return_lse)
+                                   lse_correction=return_lse, key_padding_mask=key_padding_mask)
     sq_pad, sk_pad = qz["sq_pad"], qz["sk_pad"]
     qd = TensorDescriptor(qz["q8"], [batch * heads * sq_pad, head_dim], [head_dim, 1], [cfg.BLOCK_M, head_dim])
     kd = TensorDescriptor(qz["k8"], [batch * kv_heads * sk_pad, head_dim], [head_dim, 1], [cfg.BLOCK_N, head_dim])
     vd = TensorDescriptor(qz["vt8"], [batch * kv_heads * head_dim, sk_pad], [sk_pad, 1], [head_dim, cfg.BLOCK_N])
-    kpm_keys = 0
-    kpm = q   # never read without HAS_KPM
-    if key_padding_mask is not None and key_padding_mask.shape[1] > 0:
-        kpm = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
-        kpm_keys = kpm.shape[1]
+    kpm, kpm_keys = _kpm(q, key_padding_mask)
     num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
     lse_strides = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
     attention_fp8_fwd_kernel[(num_m_blocks * heads * batch,)](
@@ -211,8 +219,9 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
 
     Args:
         q: ``(batch, seqlen_q, heads, head_dim)``; k, v: ``(batch, seqlen_k, kv_heads, head_dim)``,
-            ``heads % kv_heads == 0``; bfloat16 or float16, unit stride along head_dim;
-            head_dim 64, 128 or 256.
+            ``heads % kv_heads == 0``; bfloat16 or float16; head_dim 64, 128 or 256. Any strides
+            (views, stride-0 expanded batch or heads); a tensor whose head_dim is not unit-stride
+            is copied first.
         softmax_scale: defaults to ``1/sqrt(head_dim)``.
         causal: mask aligned to the bottom-right corner (FlashAttention's rule).
         return_lse: also return the log-sum-exp, float32 ``(batch, heads, seqlen_q)`` (the
@@ -223,14 +232,30 @@ def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, return_lse=Fa
     Returns:
         ``out`` of q's shape and dtype, or ``(out, lse)``. Rows with no allowed key give 0.
 
+    Non-finite inputs (NaN, ±inf) never give a finite output where exact attention gives a
+    non-finite one; at the granularity of K's scales and of the kernel's tiles they reach more
+    (docs/fp8.md, "Non-finite inputs"; ``BLOCK_M``/``BLOCK_N``: ``tuning/attention_fp8.json``).
+    What a NaN or inf makes NaN, where it is in
+
+    * ``q[b, i, h]``: out and lse of row ``(b, i, h)`` (a row with no allowed key: out 0);
+    * ``k[b, j, hk]``: out and lse of every row of the heads of kv head ``hk`` in batch ``b``
+      that attends a key of ``j``'s block of ``BLOCK_N`` keys;
+    * ``v[b, j, hk, c]``: channel ``c`` of out in every row of those heads whose tile of
+      ``BLOCK_M`` query rows loads ``j``'s key block (every row without causal; with causal the
+      rows from the first of the tile holding row ``⌊j/BLOCK_N⌋·BLOCK_N − (seqlen_k − seqlen_q)``).
+
+    A key ``key_padding_mask`` hides marks nothing, and every output a non-finite value does not
+    reach is what the call gives with 0 in its place.
+
     Accuracy and speed against exact attention: docs/fp8.md.
     """
+    causal = check_flag("causal", causal)
+    return_lse = check_flag("return_lse", return_lse)
     _check_inputs(q, k, v, qk_format, key_padding_mask)
     check_no_grad("flash_attn_fp8_func", q=q, k=k, v=v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {causal!r}")
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    out, lse = _attention_fp8(q, k, v, key_padding_mask, scale, causal, bool(return_lse), qk_format)
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    out, lse = _attention_fp8(q, k, v, key_padding_mask, scale, causal, return_lse, qk_format)
     return (out, lse) if return_lse else out
 
 
@@ -244,10 +269,13 @@ def scaled_dot_product_attention_fp8(query, key, value, attn_mask=None, is_causa
     alignment, taken for ``seqlen_q == seqlen_k`` only (where both alignments agree).
     Query heads that are a multiple of the key heads need ``enable_gqa=True``, as in PyTorch.
     """
+    is_causal = check_flag("is_causal", is_causal)
+    enable_gqa = check_flag("enable_gqa", enable_gqa)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name} must be a 4-D tensor (batch, heads, seqlen, head_dim), got "
                              f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+        check_runs_here(name, t)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"query has {query.shape[1]} heads and key {key.shape[1]}: pass enable_gqa=True "
                          "for grouped-query attention")

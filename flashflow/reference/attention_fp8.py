@@ -42,6 +42,23 @@ float64 with ``compute_dtype=torch.float64``):
 7. **LSE** (natural log): ``(m + log2 l)·ln 2 + (q·kmean)·softmax_scale``: the second term adds
    back the shift that smoothing removed, so the LSE is the true one; ``-inf`` for empty rows.
 
+**Non-finite inputs** (NaN, ±inf) are carried as the kernels carry them, so that they come out
+where exact attention puts them, at the granularity of the scales and of the kernel's tiles:
+
+* a non-finite value is quantized as 0: ``kmean``, every amax and the quantized values are those
+  of the inputs with 0 in its place (the kernel's 8-bit values of a marked Q token or K block
+  may differ: its NaN scale makes them of no account);
+* and marked: a Q group holding one (of ``q·softmax_scale·log2 e``) gets ``sq = NaN``, and a K
+  block holding one at a key some row may attend gets ``sk = NaN``: the scores of those rows,
+  and of every row at an allowed key of that block, are NaN;
+* a non-finite V value at a key some row may attend is e4m3's NaN in ``v_q``. The kernel runs
+  one program per tile of ``block_m`` query rows over the key blocks ``[0, hi)`` (``hi`` the
+  tile's last row's causal bound, else ``seqlen_k``), and the product ``P·V`` of such a block
+  takes 0·NaN = NaN: channel ``c`` of every row of a tile that loads the block is NaN, rows that
+  do not attend the key included; the reference applies the same rule;
+* a key that ``key_padding_mask`` hides from every row marks nothing (its non-finite values
+  quantize as 0 in K and V): it cannot reach an output.
+
 ``e4m3(x)`` is round-to-nearest-even onto ``torch.float8_e4m3fn`` after clamping to ±448.
 Quantized values are returned and used as floating-point tensors of the compute dtype that hold
 exactly the integer / e4m3 values a kernel would store.
@@ -171,11 +188,15 @@ def _softmax_scale(softmax_scale, head_dim: int) -> float:
 # ------------------------------------------------------------------------------ quantization
 
 
-def _quantize_groups(x: torch.Tensor, group: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_groups(x: torch.Tensor, group: int, fmt: str,
+                     marks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x ``(batch, heads, seqlen, d)`` -> (x_q like x, scale ``(batch, heads, ceil(seqlen/group))``),
-    one scale per ``group`` consecutive tokens (amax over the group's tokens × channels)."""
+    one scale per ``group`` consecutive tokens (amax over the group's tokens × channels) of the
+    finite values; a non-finite value quantizes as 0, and the scale of a group with a token
+    that ``marks`` ``(batch, heads, seqlen)`` is NaN."""
     b, h, s, d = x.shape
     groups = -(-s // group)
+    x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     # Zero padding leaves every amax unchanged and lets a partial last group share the reshape.
     padded = F.pad(x.abs(), (0, 0, 0, groups * group - s))
     amax = padded.reshape(b, h, groups, group * d).amax(dim=-1).clamp_min(_AMAX_FLOOR)
@@ -184,30 +205,62 @@ def _quantize_groups(x: torch.Tensor, group: int, fmt: str) -> tuple[torch.Tenso
     y = x * inv[..., None]
     # |y| <= qmax up to one rounding of the product, so the int8 clamp never moves a value.
     x_q = torch.round(y).clamp(-INT8_MAX, INT8_MAX) if fmt == "int8" else e4m3(y)
-    return x_q, amax / qmax
+    marked = F.pad(marks.to(x.dtype), (0, groups * group - s)).reshape(b, h, groups, group).amax(dim=-1) > 0
+    return x_q, torch.where(marked, torch.full_like(amax, math.nan), amax / qmax)
+
+
+def _poison(x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    """V values as the kernel stores them: a non-finite value at a key some row may attend
+    (``attended`` ``(batch, seqlen_k)``; x ``(batch, heads, seqlen_k, d)``) becomes NaN, one at a
+    hidden key 0."""
+    bad = torch.where(attended[:, None, :, None], torch.full_like(x, math.nan), torch.zeros_like(x))
+    return torch.where(torch.isfinite(x), x, bad)
 
 
 def _quantize_heads_first(q, k, v, scale: float, qk_format: str, q_block: int, k_block: int,
-                          smooth_k: bool, cd: torch.dtype):
-    """The quantization of steps 1-5 with every tensor in ``(batch, heads, seqlen, d)`` layout."""
+                          smooth_k: bool, cd: torch.dtype, attended: torch.Tensor):
+    """The quantization of steps 1-5 with every tensor in ``(batch, heads, seqlen, d)`` layout;
+    ``attended`` ``(batch, seqlen_k)``: the keys some row may attend (non-finite inputs)."""
     qf = q.to(cd).transpose(1, 2)
     kf = k.to(cd).transpose(1, 2)
     vf = v.to(cd).transpose(1, 2)
-    kmean = kf.mean(dim=2) if smooth_k else torch.zeros_like(kf[:, :, 0])
-    ks = kf - kmean[:, :, None]
+    finite_k = torch.where(torch.isfinite(kf), kf, torch.zeros_like(kf))
+    kmean = finite_k.mean(dim=2) if smooth_k else torch.zeros_like(kf[:, :, 0])
+    ks = finite_k - kmean[:, :, None]
     c = torch.tensor(scale * LOG2E, dtype=cd, device=q.device)  # one rounding of the folded scale
-    q_q, sq = _quantize_groups(qf * c, q_block, qk_format)
-    k_q, sk = _quantize_groups(ks, k_block, qk_format)
-    v_amax = vf.abs().amax(dim=2).clamp_min(_AMAX_FLOOR)  # (batch, kv_heads, d)
-    v_q = e4m3(vf * (torch.full_like(v_amax, E4M3_MAX) / v_amax)[:, :, None])
+    qs = qf * c
+    q_q, sq = _quantize_groups(qs, q_block, qk_format, ~torch.isfinite(qs).all(dim=-1))
+    k_q, sk = _quantize_groups(ks, k_block, qk_format, ~torch.isfinite(kf).all(dim=-1) & attended[:, None])
+    finite_v = torch.where(torch.isfinite(vf), vf, torch.zeros_like(vf))
+    v_amax = finite_v.abs().amax(dim=2).clamp_min(_AMAX_FLOOR)  # (batch, kv_heads, d)
+    v_q = e4m3(finite_v * (torch.full_like(v_amax, E4M3_MAX) / v_amax)[:, :, None])
+    v_q = _poison(torch.where(torch.isfinite(vf), v_q, vf), attended)
     sv = v_amax / E4M3_MAX
     return q_q, sq, k_q, sk, kmean, v_q, sv
 
 
+def _attended(key_padding_mask, batch: int, seqlen_k: int, device) -> torch.Tensor:
+    """``(batch, seqlen_k)`` bool: the keys some row may attend (all but those the key-padding
+    mask hides; causal hides none: the last row sees every key). Checks the mask."""
+    if key_padding_mask is None:
+        return torch.ones(batch, seqlen_k, dtype=torch.bool, device=device)
+    if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
+        raise TypeError(f"key_padding_mask must be a bool tensor (batch, seqlen_k), got "
+                        f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+    if tuple(key_padding_mask.shape) != (batch, seqlen_k):
+        raise ValueError(f"key_padding_mask must have shape (batch, seqlen_k) = "
+                         f"{(batch, seqlen_k)}, got {tuple(key_padding_mask.shape)}")
+    if key_padding_mask.device != device:
+        raise ValueError(f"key_padding_mask must be on q's device {device}, "
+                         f"got {key_padding_mask.device}")
+    return key_padding_mask
+
+
 def quantize_qkv_reference(q, k, v, softmax_scale=None, qk_format="int8", q_block=1, k_block=64,
-                           smooth_k=True, compute_dtype=torch.float32) -> QuantizedQKV:
+                           smooth_k=True, compute_dtype=torch.float32, key_padding_mask=None) -> QuantizedQKV:
     """Steps 1-5 of the module docstring: smoothed, quantized Q/K with their scales, FP8 V with
-    its per-channel scales, as :class:`QuantizedQKV` in the compute dtype.
+    its per-channel scales, as :class:`QuantizedQKV` in the compute dtype. ``key_padding_mask``
+    ``(batch, seqlen_k)`` matters for non-finite inputs only: a key it hides marks nothing.
 
     The oracle of a quantization kernel: its int8 / e4m3 outputs, converted to float, should
     equal ``q_q``, ``k_q``, ``v_q`` exactly and its scales equal ``sq``, ``sk``, ``sv`` (up to
@@ -220,8 +273,9 @@ def quantize_qkv_reference(q, k, v, softmax_scale=None, qk_format="int8", q_bloc
     q_block = _check_int("q_block", q_block)
     k_block = _check_int("k_block", k_block)
     smooth_k = _check_bool("smooth_k", smooth_k)
+    attended = _attended(key_padding_mask, q.shape[0], k.shape[1], q.device)
     q_q, sq, k_q, sk, kmean, v_q, sv = _quantize_heads_first(q, k, v, scale, fmt, q_block, k_block,
-                                                             smooth_k, cd)
+                                                             smooth_k, cd, attended)
     return QuantizedQKV(q_q.transpose(1, 2), sq, k_q.transpose(1, 2), sk, kmean,
                         v_q.transpose(1, 2), sv)
 
@@ -239,7 +293,7 @@ def _exact_dot(a: torch.Tensor, b: torch.Tensor, cd: torch.dtype) -> torch.Tenso
 def attention_fp8_reference(q, k, v, softmax_scale=None, causal=False, key_padding_mask=None,
                             return_lse=False, qk_format="int8", q_block=1, k_block=64,
                             block_n=64, p_scale=448.0, smooth_k=True, quantize_pv=True,
-                            compute_dtype=torch.float32):
+                            compute_dtype=torch.float32, block_m=64):
     """SageAttention-style quantized attention, computed as the module docstring defines it.
 
     ``qk_format``: ``"int8"`` or ``"fp8"`` (e4m3) for Q and K; ``q_block`` / ``k_block``: tokens
@@ -247,7 +301,8 @@ def attention_fp8_reference(q, k, v, softmax_scale=None, causal=False, key_paddi
     because P is quantized against the running row maximum); ``p_scale``: the factor P is
     multiplied by before e4m3 rounding, in (0, 448]; ``smooth_k``: subtract the mean key;
     ``quantize_pv=False`` keeps P and V unquantized (exact P·V, step 5 skipped) to separate the
-    error of Q·K from that of P·V.
+    error of Q·K from that of P·V; ``block_m``: query rows per kernel tile (it matters only for
+    where a non-finite V value reaches, module docstring).
 
     Returns ``out`` ``(batch, seqlen_q, heads, head_dim)`` and, with ``return_lse``, the natural
     log-sum-exp ``(batch, heads, seqlen_q)``. With ``compute_dtype=torch.float32`` out has q's
@@ -265,22 +320,14 @@ def attention_fp8_reference(q, k, v, softmax_scale=None, causal=False, key_paddi
     q_block = _check_int("q_block", q_block)
     k_block = _check_int("k_block", k_block)
     block_n = _check_int("block_n", block_n)
+    block_m = _check_int("block_m", block_m)
     p_scale = _check_positive("p_scale", p_scale, maximum=E4M3_MAX)
     smooth_k = _check_bool("smooth_k", smooth_k)
     quantize_pv = _check_bool("quantize_pv", quantize_pv)
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.dtype != torch.bool:
-            raise TypeError(f"key_padding_mask must be a bool tensor (batch, seqlen_k), got "
-                            f"{getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
-        if tuple(key_padding_mask.shape) != (batch, seqlen_k):
-            raise ValueError(f"key_padding_mask must have shape (batch, seqlen_k) = "
-                             f"{(batch, seqlen_k)}, got {tuple(key_padding_mask.shape)}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask must be on q's device {q.device}, "
-                             f"got {key_padding_mask.device}")
+    attended = _attended(key_padding_mask, batch, seqlen_k, q.device)
 
     q_q, sq, k_q, sk, kmean, v_q, sv = _quantize_heads_first(q, k, v, scale, fmt, q_block,
-                                                             k_block, smooth_k, cd)
+                                                             k_block, smooth_k, cd, attended)
     group = heads // kv_heads
 
     def per_q_head(t):  # kv-head tensors, indexed by query head
@@ -290,13 +337,18 @@ def attention_fp8_reference(q, k, v, softmax_scale=None, causal=False, key_paddi
     if quantize_pv:
         values = per_q_head(v_q)
     else:
-        values = v.to(cd).transpose(1, 2).repeat_interleave(group, dim=1)
+        values = per_q_head(_poison(v.to(cd).transpose(1, 2), attended))
     row_scale = sq.repeat_interleave(q_block, dim=2)[:, :, :seqlen_q]                  # (b, h, sq)
     col_scale = per_q_head(sk).repeat_interleave(k_block, dim=2)[:, :, :seqlen_k]      # (b, h, sk)
 
     allowed = attention_mask(seqlen_q, seqlen_k, causal, device=q.device)[None, None]
     if key_padding_mask is not None:
         allowed = allowed & key_padding_mask[:, None, None, :]
+
+    # the key blocks [0, tile_hi) that each row's kernel tile (block_m rows) loads
+    rows = torch.arange(seqlen_q, device=q.device)
+    tile_last = ((rows // block_m + 1) * block_m).clamp(max=seqlen_q) - 1
+    tile_hi = (tile_last + seqlen_k - seqlen_q + 1).clamp(max=seqlen_k) if causal else torch.full_like(rows, seqlen_k)
 
     neg_inf = float("-inf")
     m = torch.full((batch, heads, seqlen_q), neg_inf, dtype=cd, device=q.device)
@@ -314,7 +366,12 @@ def attention_fp8_reference(q, k, v, softmax_scale=None, causal=False, key_paddi
         p = torch.exp2(s - shift[..., None])
         l = l * alpha + p.sum(dim=-1)
         p_dot = e4m3(p * p_scale) if quantize_pv else p
-        acc = acc * alpha[..., None] + _exact_dot(p_dot, values[:, :, n0:n1], cd)
+        # NaN in V (a non-finite input) meets every p of the tiles that load the block, 0 included
+        block_v = values[:, :, n0:n1]
+        nan_v = torch.isnan(block_v)
+        pv = _exact_dot(p_dot, block_v.masked_fill(nan_v, 0.0), cd)
+        reached = (n0 < tile_hi)[None, None, :, None] & nan_v.any(dim=2)[:, :, None, :]
+        acc = acc * alpha[..., None] + pv.masked_fill(reached, math.nan)
         m = m_new
 
     empty = l == 0
@@ -328,8 +385,9 @@ def attention_fp8_reference(q, k, v, softmax_scale=None, causal=False, key_paddi
     if not return_lse:
         return out
     shift_back = torch.einsum("bqhd,bhd->bhq", q.to(cd), kmean) * torch.tensor(scale, dtype=cd)
-    lse = (m + torch.log2(safe_l)) * LN2 + shift_back
-    return out, lse.masked_fill(empty, neg_inf)
+    # as the kernel: -inf for an empty row, plus the shift (NaN there for a non-finite q)
+    lse = ((m + torch.log2(safe_l)) * LN2).masked_fill(empty, neg_inf) + shift_back
+    return out, lse
 
 
 # --------------------------------------------------------------------------------- test inputs

@@ -1,7 +1,9 @@
 """FP8 attention on the GPU (Hopper and newer), bf16 and fp16 inputs: against float64 exact
 attention at Qwen-Image's shape, a small odd GQA shape and causal 2k, for gaussian inputs and the
 stress kinds that are hard on 8-bit products; against attention_fp8_reference (the same numerics);
-the key-padding mask; the LSE; CUDA-graph capture and replay; torch.compile(fullgraph=True).
+the key-padding mask; the LSE; CUDA-graph capture and replay; torch.compile(fullgraph=True);
+strided, transposed, expanded and packed q/k/v; NaN and inf inputs reaching exactly the outputs
+docs/fp8.md ("Non-finite inputs") says, every one exact attention makes non-finite among them.
 
 Every buffer the op allocates starts as NaN (torch.empty is wrapped during the call), so an output
 element left unwritten shows as a non-finite value.
@@ -268,3 +270,150 @@ def test_torch_compile_sdpa_layout(gpu):
         return scaled_dot_product_attention_fp8(q, k, v, enable_gqa=True) * 2
 
     assert torch.equal(f(q, k, v), scaled_dot_product_attention_fp8(q, k, v, enable_gqa=True) * 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# layouts: strided, transposed, expanded and packed views
+# ---------------------------------------------------------------------------------------------
+
+
+def layout_views(layout, b, s, h, hk, d, dtype):
+    """q, k, v ``(batch, seqlen, heads, head_dim)`` as views of another storage."""
+    def draw(*shape):
+        return torch.randn(*shape, device="cuda").to(dtype)
+
+    if layout == "head_dim-stride-2":
+        return tuple(draw(b, s, n, 2 * d)[..., ::2] for n in (h, hk, hk))
+    if layout == "sdpa-storage":
+        return tuple(draw(b, n, s, d).transpose(1, 2) for n in (h, hk, hk))
+    if layout == "head_dim-major":
+        return tuple(draw(b, n, d, s).permute(0, 3, 1, 2) for n in (h, hk, hk))
+    if layout == "expanded-batch":
+        return tuple(draw(1, s, n, d).expand(b, s, n, d) for n in (h, hk, hk))
+    if layout == "expanded-heads":
+        return tuple(draw(b, s, 1, d).expand(b, s, n, d) for n in (h, hk, hk))
+    if layout == "packed-qkv":
+        qkv = draw(b, s, h + 2 * hk, d)
+        return qkv[:, :, :h], qkv[:, :, h:h + hk], qkv[:, :, h + hk:]
+    raise AssertionError(layout)
+
+
+@pytest.mark.parametrize("layout", ["head_dim-stride-2", "sdpa-storage", "head_dim-major", "expanded-batch",
+                                    "expanded-heads", "packed-qkv"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layouts(gpu, dtype, layout):
+    b, s, h, hk, d = 2, 333, 8, 2, 128
+    q, k, v = layout_views(layout, b, s, h, hk, d, dtype)
+    kpm = _text_mask(b, 100, [37, 100])
+    with poisoned():
+        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm)
+        sdpa = scaled_dot_product_attention_fp8(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                enable_gqa=True)
+    torch.cuda.synchronize()
+    want, want_lse = flash_attn_fp8_func(*(t.contiguous() for t in (q, k, v)), causal=True, return_lse=True,
+                                         key_padding_mask=kpm)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    min_cos, max_l1 = exact_bounds("int8", "gaussian")
+    exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5, causal=True,
+                            key_padding_mask=full_key_padding(kpm, s))
+    assert cosine(out, exact) >= min_cos and rel_l1(out, exact) <= max_l1
+    exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5)
+    assert cosine(sdpa.transpose(1, 2), exact) >= min_cos and rel_l1(sdpa.transpose(1, 2), exact) <= max_l1
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_attention(q, k, v, scale, causal, mask):
+    """Float64 exact attention (out, lse) in which a key a row may not attend contributes nothing
+    to it (attention_naive multiplies it by 0, and 0·NaN is NaN)."""
+    b, sq, h, _ = q.shape
+    sk, group = k.shape[1], h // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
+    allowed = allowed_keys(b, sq, sk, causal, mask)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    p = p.masked_fill(~allowed, 0.0)
+    vv = v.double().repeat_interleave(group, dim=2).transpose(1, 2)            # (b, h, sk, d)
+    out = p @ torch.where(torch.isfinite(vv), vv, torch.zeros_like(vv))
+    # a non-finite v[j, c] makes channel c of every row that attends key j non-finite
+    hit = (allowed.to(torch.float64) @ (~torch.isfinite(vv)).to(torch.float64)) > 0
+    return out.masked_fill(hit, float("nan")).transpose(1, 2), lse
+
+
+def reached(which, pos, shape, causal, mask, block_m, block_n):
+    """(batch, seqlen_q, heads, head_dim) bool: the outputs a non-finite ``which[pos]`` makes
+    non-finite, by the rule of docs/fp8.md ("Non-finite inputs")."""
+    b, sq, sk, h, hk, d = shape
+    b0, t, head, c = pos
+    allowed = allowed_keys(b, sq, sk, causal, mask)[:, 0]
+    out = torch.zeros(b, sq, h, d, dtype=torch.bool, device="cuda")
+    if which == "q":
+        out[b0, t, head] = allowed[b0, t].any()
+        return out
+    if mask is not None and not mask[b0, t]:
+        return out
+    heads = slice(head * (h // hk), (head + 1) * (h // hk))
+    n0 = t // block_n * block_n
+    if which == "k":
+        out[b0, :, heads] = allowed[b0, :, n0:n0 + block_n].any(dim=-1)[:, None, None]
+    else:
+        rows = torch.arange(sq, device="cuda")
+        last = ((rows // block_m + 1) * block_m).clamp(max=sq) - 1
+        hi = (last + sk - sq + 1).clamp(max=sk) if causal else torch.full_like(rows, sk)
+        out[b0, :, heads, c] = (n0 < hi)[:, None]
+    return out
+
+
+# (batch, token, head of its tensor, channel), in KV group 1 of 4; 333 queries, 400 keys: causal
+# rows from 233 on attend key 300, rows from 189 on a key of its block of 128
+BAD_AT = {"q": (0, 200, 5, 7), "k": (0, 300, 1, 7), "v": (0, 300, 1, 7)}
+NON_FINITE = [(which, causal, mask) for which in "qkv" for causal in (False, True)
+              for mask in ((None, "mask") if which == "q" else (None, "hides-it", "shows-it"))]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("which,causal,mask_kind", NON_FINITE,
+                         ids=[f"{w}-{'causal' if c else 'full'}-{m}" for w, c, m in NON_FINITE])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_non_finite_inputs(gpu, dtype, which, causal, mask_kind, fmt):
+    shape = b, sq, sk, h, hk, d = 2, 333, 400, 8, 4, 128
+    cfg = attention_fp8_config(d, causal, gpu_family(torch.device("cuda")))
+    tensors = dict(zip("qkv", inputs(b, sq, sk, h, hk, d, dtype)))
+    pos, kpm = BAD_AT[which], None
+    if mask_kind is not None:
+        kpm = _text_mask(b, 100, [80, 100])
+        if which != "q":
+            pos = (0, 50, 1, 7)
+            kpm[0, 50] = mask_kind == "shows-it"
+    mask = full_key_padding(kpm, sk)
+    want = reached(which, pos, shape, causal, mask, cfg.BLOCK_M, cfg.BLOCK_N)
+    want_rows = want.any(dim=-1).transpose(1, 2) if which != "v" else torch.zeros_like(want[..., 0]).transpose(1, 2)
+    empty = ~allowed_keys(b, sq, sk, causal, mask).any(dim=-1).expand(b, h, sq)
+    assert mask_kind == "hides-it" or want.any()
+    first = None
+    for value in (float("nan"), float("inf")):
+        tensors[which][pos] = value
+        with poisoned():
+            out, lse = flash_attn_fp8_func(*tensors.values(), causal=causal, return_lse=True, key_padding_mask=kpm,
+                                           qk_format=fmt)
+        torch.cuda.synchronize()
+        exact, exact_lse = exact_attention(*tensors.values(), d ** -0.5, causal, mask)
+        bad = ~torch.isfinite(out)
+        assert bad[~torch.isfinite(exact)].all(), f"{value}: finite where exact attention is not"
+        assert (~torch.isfinite(lse))[~torch.isfinite(exact_lse)].all()
+        assert torch.isfinite(out[1]).all() and torch.isfinite(out[0, :, :h // hk]).all()
+        assert torch.equal(bad, want), f"{value}: {bad.sum().item()} non-finite outputs, {want.sum().item()} expected"
+        assert torch.equal(~torch.isfinite(lse), want_rows | empty)
+        ref = attention_fp8_reference(*(t.float() for t in tensors.values()), d ** -0.5, causal=causal,
+                                      key_padding_mask=mask, qk_format=fmt, q_block=1, k_block=cfg.BLOCK_N,
+                                      block_n=cfg.BLOCK_N, block_m=cfg.BLOCK_M, p_scale=448.0)
+        assert torch.equal(~torch.isfinite(ref), want)
+        assert rel_l2(out[~bad], ref[~bad]) < REF_TOL
+        if first is None:
+            first = out, lse
+        else:   # NaN and inf are both quantized as 0: what they do not reach has the same bits
+            assert torch.equal(out[~bad], first[0][~bad]) and torch.equal(lse[~want_rows], first[1][~want_rows])

@@ -7,6 +7,10 @@ interpreter on the CPU, where the FP8 products are emulated in fp32 on the same 
   runs them) up to fp32 rounding and the rare p it rounds across an e4m3 tie; and it stays within
   the error of 8-bit products of exact attention (float64), its LSE within the largest score
   error of its row.
+* Views of another storage (non-unit head_dim stride, transposed, stride-0 expanded, packed qkv)
+  give the bits of contiguous copies.
+* A NaN or inf input reaches every output exact attention makes non-finite, and exactly the
+  outputs the granularity docs/fp8.md states ("Non-finite inputs"), as the reference does.
 
 Inputs are fresh random draws (the seed is in every failure message; FLASHFLOW_TEST_SEED replays
 one) rounded to multiples of 2^-8, so that a sum of keys is exact in fp32 in any order: the
@@ -92,10 +96,10 @@ def config(d, causal):
 def fp8_reference(q, k, v, fmt, causal=False, mask=None):
     """attention_fp8_reference in fp32 as the kernel computes (its quantization then rounds as the
     kernel's does), on fp32 copies of the inputs so that its output is not rounded to 16 bits."""
-    bn = config(q.shape[-1], causal).BLOCK_N
+    cfg = config(q.shape[-1], causal)
     return attention_fp8_reference(q.float(), k.float(), v.float(), None, causal=causal, key_padding_mask=mask,
-                                   return_lse=True, qk_format=fmt, q_block=1, k_block=bn, block_n=bn,
-                                   p_scale=P_SCALE, smooth_k=True)
+                                   return_lse=True, qk_format=fmt, q_block=1, k_block=cfg.BLOCK_N,
+                                   block_n=cfg.BLOCK_N, block_m=cfg.BLOCK_M, p_scale=P_SCALE, smooth_k=True)
 
 
 def quantize_reference(q, k, v, scale, fmt, bn, smooth_k=True):
@@ -346,6 +350,210 @@ def test_sdpa_equals_flash_on_transposed_views(case):
 
 
 # ---------------------------------------------------------------------------------------------
+# layouts: strided, transposed, expanded and packed views
+# ---------------------------------------------------------------------------------------------
+
+
+def layout_views(layout, b, s, h, hk, d, seed):
+    """q, k, v ``(batch, seqlen, heads, head_dim)`` as views of another storage, values on the
+    2^-8 grid (so that a contiguous copy holds exactly the same values)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return on_grid(torch.randn(*shape, generator=g), torch.float16)
+
+    if layout == "head_dim-stride-2":      # every other element of a wider tensor
+        return tuple(draw(b, s, n, 2 * d)[..., ::2] for n in (h, hk, hk))
+    if layout == "sdpa-storage":           # (batch, heads, seqlen, head_dim) storage, transposed
+        return tuple(draw(b, n, s, d).transpose(1, 2) for n in (h, hk, hk))
+    if layout == "head_dim-major":         # (batch, heads, head_dim, seqlen) storage: head_dim strided by s
+        return tuple(draw(b, n, d, s).permute(0, 3, 1, 2) for n in (h, hk, hk))
+    if layout == "expanded-batch":         # stride 0 along the batch
+        return tuple(draw(1, s, n, d).expand(b, s, n, d) for n in (h, hk, hk))
+    if layout == "expanded-heads":         # stride 0 along the heads (one head shared)
+        return tuple(draw(b, s, 1, d).expand(b, s, n, d) for n in (h, hk, hk))
+    if layout == "packed-qkv":             # slices of one (batch, seqlen, heads + 2·kv_heads, head_dim)
+        qkv_ = draw(b, s, h + 2 * hk, d)
+        return qkv_[:, :, :h], qkv_[:, :, h:h + hk], qkv_[:, :, h + hk:]
+    raise AssertionError(layout)
+
+
+LAYOUTS = ["head_dim-stride-2", "sdpa-storage", "head_dim-major", "expanded-batch", "expanded-heads", "packed-qkv"]
+SDPA_LAYOUTS = ("head_dim-stride-2", "expanded-heads")   # (SDPA storage: test_sdpa_equals_flash_on_transposed_views)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layouts_equal_contiguous_inputs_and_exact(layout):
+    seed = fresh_seed()
+    b, s, h, hk, d = 2, 45, 4, 2, 64
+    q, k, v = layout_views(layout, b, s, h, hk, d, seed)
+    kpm = prefix_mask(b, False, torch.Generator().manual_seed(seed))
+    msg = f"{layout}, seed {seed}"
+    mask = full_key_padding(kpm, s)
+    with poisoned():
+        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm)
+    want, want_lse = flash_attn_fp8_func(*(t.contiguous() for t in (q, k, v)), causal=True, return_lse=True,
+                                         key_padding_mask=kpm)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse), msg
+    exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5, causal=True, key_padding_mask=mask)
+    live = exact.transpose(1, 2)[~torch.isneginf(want_lse)]   # rows with a key (the rest are 0 in both)
+    mine = out.transpose(1, 2)[~torch.isneginf(want_lse)]
+    min_cos, max_l1 = exact_bounds("int8", "gaussian")
+    assert cosine(mine, live) > min_cos and rel_l1(mine, live) < max_l1, msg
+    if layout in SDPA_LAYOUTS:   # the SDPA entry point on the same storage, seen in its layout
+        with poisoned():
+            sdpa = scaled_dot_product_attention_fp8(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                    enable_gqa=True).transpose(1, 2)
+        exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5)
+        assert cosine(sdpa, exact) > min_cos and rel_l1(sdpa, exact) < max_l1, msg
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def exact_attention(q, k, v, scale, causal, mask):
+    """Float64 exact attention (out, lse) in which a key a row may not attend contributes nothing
+    to it (attention_naive multiplies it by 0, and 0·NaN is NaN)."""
+    b, sq, h, _ = q.shape
+    sk, group = k.shape[1], h // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
+    allowed = allowed_keys(b, sq, sk, causal, mask)
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    terms = p[..., None] * v.double().repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None]
+    out = terms.masked_fill(~allowed[..., None], 0.0).sum(dim=3)
+    return out.transpose(1, 2), lse
+
+
+def reached(which, pos, shape, causal, mask, block_m, block_n):
+    """(batch, seqlen_q, heads, head_dim) bool: the outputs a non-finite ``which[pos]`` makes
+    non-finite, by the rule of docs/fp8.md ("Non-finite inputs"). ``pos`` is (batch, token, head
+    of that tensor, channel); ``mask`` the full (batch, seqlen_k) key-padding mask or None."""
+    b, sq, sk, h, hk, d = shape
+    b0, t, head, c = pos
+    allowed = allowed_keys(b, sq, sk, causal, mask)[:, 0]            # (b, sq, sk)
+    out = torch.zeros(b, sq, h, d, dtype=torch.bool, device=DEVICE)
+    if which == "q":                                                # the row, if it has a key
+        out[b0, t, head] = allowed[b0, t].any()
+        return out
+    if mask is not None and not mask[b0, t]:                        # a key no row sees
+        return out
+    heads = slice(head * (h // hk), (head + 1) * (h // hk))
+    n0 = t // block_n * block_n
+    if which == "k":   # K's scale of the key block: rows that attend one of its keys
+        out[b0, :, heads] = allowed[b0, :, n0:n0 + block_n].any(dim=-1)[:, None, None]
+    else:              # e4m3 NaN in V: channel c of the rows of every tile that loads the block
+        rows = torch.arange(sq, device=DEVICE)
+        last = ((rows // block_m + 1) * block_m).clamp(max=sq) - 1
+        hi = (last + sk - sq + 1).clamp(max=sk) if causal else torch.full_like(rows, sk)
+        out[b0, :, heads, c] = (n0 < hi)[:, None]
+    return out
+
+
+# where the bad values go, (batch, token, head of its tensor, channel): NaN in batch row 0, KV
+# group 1, +inf in batch row 1, KV group 0 (one call: the two share no (batch, kv head) pair);
+# keys: one that causal rows from 34 on attend (37 queries, 53 keys), or one the mask hides or shows
+BAD_AT = {"q": ((0, 30, 3, 7), (1, 33, 0, 9)), "k": ((0, 50, 1, 7), (1, 50, 0, 9)),
+          "v": ((0, 50, 1, 7), (1, 50, 0, 9))}
+PREFIX_KEY = 5
+NON_FINITE = [(which, causal, mask) for which in "qkv" for causal in (False, True)
+              for mask in ((None, "mask") if which == "q" else (None, "hides-it", "shows-it"))
+              if not (mask == "shows-it" and not causal)]   # without causal: as None
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning")   # NaN through the interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("which,causal,mask_kind", NON_FINITE,
+                         ids=[f"{w}-{'causal' if c else 'full'}-{m}" for w, c, m in NON_FINITE])
+def test_non_finite_inputs_reach_every_output_exact_attention_does(which, causal, mask_kind):
+    seed = fresh_seed()
+    shape = b, sq, sk, h, hk, d = 2, 37, 53, 4, 2, 64
+    fmt = "fp8" if causal else "int8"
+    cfg = config(d, causal)
+    q, k, v = qkv(b, sq, sk, h, hk, d, torch.float16, "gaussian", seed)
+    (nan_at, inf_at), kpm = BAD_AT[which], None
+    if mask_kind is not None:
+        kpm = prefix_mask(b, False, torch.Generator().manual_seed(seed))
+        if which != "q":
+            nan_at, inf_at = (0, PREFIX_KEY, 1, 7), (1, PREFIX_KEY, 0, 9)
+            kpm[:, PREFIX_KEY] = mask_kind == "shows-it"
+    mask = full_key_padding(kpm, sk)
+    inputs = {"q": q, "k": k, "v": v}
+    inputs[which] = inputs[which].clone()
+    inputs[which][nan_at], inputs[which][inf_at] = float("nan"), float("inf")
+    msg = f"{which}[{nan_at}] = nan, {which}[{inf_at}] = inf, seed {seed}"
+    with poisoned():
+        out, lse = flash_attn_fp8_func(*inputs.values(), causal=causal, return_lse=True, key_padding_mask=kpm,
+                                       qk_format=fmt)
+    exact, exact_lse = exact_attention(*inputs.values(), d ** -0.5, causal, mask)
+    bad = ~torch.isfinite(out)
+    assert bad[~torch.isfinite(exact)].all(), f"{msg}: finite where exact attention is not"
+    assert (~torch.isfinite(lse))[~torch.isfinite(exact_lse)].all(), f"{msg}: finite LSE where exact is not"
+    assert torch.isfinite(out[0, :, :h // hk]).all() and torch.isfinite(out[1, :, h // hk:]).all(), \
+        f"{msg}: reached another (batch, KV group)"
+    # the design's granularity, exactly (the reference's rule alike)
+    want = (reached(which, nan_at, shape, causal, mask, cfg.BLOCK_M, cfg.BLOCK_N)
+            | reached(which, inf_at, shape, causal, mask, cfg.BLOCK_M, cfg.BLOCK_N))
+    assert mask_kind == "hides-it" or (want[0].any() and want[1].any())
+    rows = want.any(dim=-1).transpose(1, 2) if which != "v" else torch.zeros_like(want[..., 0]).transpose(1, 2)
+    empty = ~allowed_keys(b, sq, sk, causal, mask).any(dim=-1).expand(b, h, sq)    # lse -inf, finite or not
+    assert torch.equal(bad, want), f"{msg}: {bad.sum().item()} non-finite outputs, {want.sum().item()} expected"
+    assert torch.equal(~torch.isfinite(lse), rows | empty), msg
+    ref, ref_lse = fp8_reference(*inputs.values(), fmt, causal, mask)
+    assert torch.equal(~torch.isfinite(ref), want) and torch.equal(~torch.isfinite(ref_lse), rows | empty), msg
+    # what they do not reach keeps the reference's numerics (test_forward_against_reference_and_exact's
+    # bound; that it is what 0 in their place gives: test_quantize_non_finite_equals_reference)
+    assert rel_l2(out[~bad], ref[~bad]) < 5e-3 + torch.finfo(q.dtype).eps / 2, msg
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # NaN through the interpreter
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantize_non_finite_equals_reference(fmt):
+    """NaN/inf in q, k, v, one at a key the mask hides: the scales (NaN marks included) and the
+    e4m3 V (NaN included) are the reference's, the 8-bit Q and K too but in a marked token or
+    block (unspecified there: its NaN scale decides), and all of it is what the inputs with 0 in
+    place of each non-finite value give, but for the marks."""
+    seed = fresh_seed()
+    b, sq, sk, h, hk, d, bn = 2, 21, 45, 2, 1, 64, 16
+    q, k, v = (t.clone() for t in qkv(b, sq, sk, h, hk, d, torch.float16, "gaussian", seed))
+    kpm = torch.ones(b, 10, dtype=torch.bool, device=DEVICE)
+    kpm[0, 3] = False
+    q[0, 4, 1, 5], q[1, 20, 0, 0] = float("nan"), float("-inf")
+    k[0, 3, 0, 2], k[0, 30, 0, 9], k[1, 44, 0, 1] = float("nan"), float("inf"), float("nan")   # key 3 hidden
+    v[0, 3, 0, 2], v[0, 17, 0, 63], v[1, 0, 0, 0] = float("inf"), float("nan"), float("-inf")
+    zeros = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
+    with poisoned():
+        qz = quantize_attention_inputs(q, k, v, d ** -0.5, 32, bn, fmt, lse_correction=True, key_padding_mask=kpm)
+        qz0 = quantize_attention_inputs(*zeros, d ** -0.5, 32, bn, fmt, lse_correction=True, key_padding_mask=kpm)
+    ref = quantize_qkv_reference(q.float(), k.float(), v.float(), d ** -0.5, fmt, q_block=1, k_block=bn,
+                                 key_padding_mask=full_key_padding(kpm, sk))
+    msg = f"seed {seed}"
+    # the marks: Q tokens (0, 1, 4) and (1, 0, 20); K blocks of key 30 and of batch 1's key 44,
+    # not of the hidden key 3; V's NaN at key 17 and batch 1's key 0, not at key 3
+    assert torch.isnan(qz["q_scale"]).nonzero().tolist() == [[0, 1, 4], [1, 0, 20]], msg
+    assert torch.isnan(qz["k_scale"]).nonzero().tolist() == [[0, 0, 1], [1, 0, 2]], msg
+    assert torch.isnan(qz["vt8"].float()).nonzero().tolist() == [[0, 0, 63, 17], [1, 0, 0, 0]], msg
+    assert torch.isfinite(qz["v_scale"]).all(), msg
+    for name, want in (("q_scale", ref.sq), ("k_scale", ref.sk), ("v_scale", ref.sv)):
+        got = qz[name][:, :, :sq] if name == "q_scale" else qz[name]
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0, equal_nan=True, msg=msg)
+    q_ok = ~torch.isnan(qz["q_scale"])[..., None].expand(qz["q8"].shape)
+    k_ok = ~torch.isnan(qz["k_scale"]).repeat_interleave(bn, dim=2)[..., None].expand(qz["k8"].shape)
+    q8, k8, vt8 = (qz[name].float() for name in ("q8", "k8", "vt8"))
+    assert torch.equal(q8[:, :, :sq][q_ok[:, :, :sq]], ref.q_q.transpose(1, 2)[q_ok[:, :, :sq]]), msg
+    assert torch.equal(k8[:, :, :sk][k_ok[:, :, :sk]], ref.k_q.transpose(1, 2)[k_ok[:, :, :sk]]), msg
+    torch.testing.assert_close(vt8[..., :sk], ref.v_q.permute(0, 2, 3, 1), rtol=0, atol=0, equal_nan=True, msg=msg)
+    for name, ok in (("q8", q_ok), ("k8", k_ok), ("vt8", ~torch.isnan(vt8)), ("q_scale", ~torch.isnan(qz["q_scale"])),
+                     ("k_scale", ~torch.isnan(qz["k_scale"])), ("v_scale", None)):
+        got, want = qz[name].float(), qz0[name].float()
+        assert torch.equal(got if ok is None else got[ok], want if ok is None else want[ok]), f"{msg}: {name}"
+    assert torch.equal(qz["q_corr"][1, 1], qz0["q_corr"][1, 1]), msg   # the LSE shift, of a clean row
+
+
+# ---------------------------------------------------------------------------------------------
 # empty shapes
 # ---------------------------------------------------------------------------------------------
 
@@ -403,8 +611,8 @@ def test_torch_compile_fullgraph_traces_through():
 # ---------------------------------------------------------------------------------------------
 
 
-def _x(*shape, dtype=torch.float16, **kw):
-    return torch.zeros(*shape, dtype=dtype, device=DEVICE, **kw)
+def _x(*shape, dtype=torch.float16, device=DEVICE, **kw):
+    return torch.zeros(*shape, dtype=dtype, device=device, **kw)
 
 
 Q, KV = (1, 8, 4, 64), (1, 8, 2, 64)
@@ -430,7 +638,6 @@ BAD = {
     "k head_dim": (_call(k=_x(1, 8, 2, 128), v=_x(1, 8, 2, 128)), ValueError, r"head_dim=64\), got \(1, 8, 2, 128\)"),
     "rank": (_call(_x(8, 4, 64)), ValueError, r"q must have rank 4"),
     "not a tensor": (_call(k=[[0.0]]), TypeError, r"k must be a torch.Tensor"),
-    "head_dim stride": (_call(_x(1, 8, 4, 128)[..., ::2]), ValueError, r"q must have unit stride along head_dim"),
     "qk_format": (_call(qk_format="e5m2"), ValueError, r"qk_format must be one of \('int8', 'fp8'\), got 'e5m2'"),
     "mask dtype": (_call(key_padding_mask=_x(1, 8)), TypeError, r"key_padding_mask must be a bool tensor .*float16"),
     "mask too long": (_call(key_padding_mask=_x(1, 9, dtype=torch.bool)), ValueError,
@@ -441,8 +648,14 @@ BAD = {
                     r"key_padding_mask must be on"),
     "mask type": (_call(key_padding_mask=[[True] * 8]), TypeError, r"key_padding_mask must be .*got list"),
     "requires grad": (_call(_x(*Q, requires_grad=True)), ValueError, r"flash_attn_fp8_func: q requires grad"),
-    "causal int": (_call(causal=1), TypeError, r"causal must be a bool, got 1"),
-    "causal str": (_call(causal="yes"), TypeError, r"causal must be a bool, got 'yes'"),
+    "causal int": (_call(causal=1), TypeError, r"causal must be True or False, got 1"),
+    "causal str": (_call(causal="yes"), TypeError, r"causal must be True or False, got 'yes'"),
+    "return_lse str": (_call(return_lse="no"), TypeError, r"return_lse must be True or False, got 'no'"),
+    "return_lse None": (_call(return_lse=None), TypeError, r"return_lse must be True or False, got None"),
+    "meta": (_call(*(_x(*shape, device="meta") for shape in (Q, KV, KV))), ValueError,
+             r"q is a meta tensor \(shape only, no data\)"),
+    "meta k": (_call(k=_x(*KV, device="meta")), ValueError, r"k is a meta tensor"),
+    "meta strided v": (_call(v=_x(1, 8, 2, 128, device="meta")[..., ::2]), ValueError, r"v is a meta tensor"),
     "scale zero": (_call(softmax_scale=0.0), ValueError, r"softmax_scale"),
     "scale nan": (_call(softmax_scale=float("nan")), ValueError, r"softmax_scale"),
 }
@@ -462,6 +675,11 @@ BAD_SDPA = {
     "per-head mask": (_sdpa(enable_gqa=True, attn_mask=_x(1, 4, 1, 8, dtype=torch.bool)), ValueError,
                       r"attn_mask must be None or a bool"),
     "3-D": (_sdpa((4, 8, 64), enable_gqa=True), ValueError, r"query must be a 4-D tensor"),
+    "is_causal str": (_sdpa(enable_gqa=True, is_causal="yes"), TypeError, r"is_causal must be True or False, got 'yes'"),
+    "enable_gqa str": (_sdpa(enable_gqa="no"), TypeError, r"enable_gqa must be True or False, got 'no'"),
+    "enable_gqa int": (_sdpa(kv=(1, 4, 8, 64), enable_gqa=1), TypeError, r"enable_gqa must be True or False, got 1"),
+    "meta query": (lambda: scaled_dot_product_attention_fp8(*(_x(1, 2, 8, 64, device="meta") for _ in range(3))),
+                   ValueError, r"query is a meta tensor"),
     "fp32": (lambda: scaled_dot_product_attention_fp8(*(_x(1, 2, 8, 64, dtype=torch.float32) for _ in range(3))),
              TypeError, r"bfloat16 or float16"),
 }

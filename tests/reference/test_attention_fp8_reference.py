@@ -185,6 +185,105 @@ def test_quantized_tensors_and_scales(fmt, q_block, k_block):
         assert (err <= bound).all()
 
 
+def _allowed(batch, seqlen_q, seqlen_k, causal, mask):
+    """(batch, seqlen_q, seqlen_k): which keys each query row attends."""
+    i = torch.arange(seqlen_q)[:, None]
+    j = torch.arange(seqlen_k)[None, :]
+    allowed = (j <= i + seqlen_k - seqlen_q) if causal else torch.ones(seqlen_q, seqlen_k, dtype=torch.bool)
+    allowed = allowed.expand(batch, seqlen_q, seqlen_k)
+    return allowed & mask[:, None, :] if mask is not None else allowed
+
+
+def _exact_without_hidden_keys(q, k, v, scale, allowed):
+    """Float64 attention in which a key a row does not attend adds nothing (not 0·v)."""
+    group = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * scale
+    s = s.masked_fill(~allowed[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    terms = p[..., None] * v.repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None]
+    return terms.masked_fill(~allowed[:, None, ..., None], 0.0).sum(dim=3).transpose(1, 2)
+
+
+# (tensor, position (batch, token, head of that tensor, channel), causal, hide the key)
+NON_FINITE = {
+    "q": ("q", (1, 11, 2, 3), False, False),
+    "q-causal": ("q", (0, 2, 3, 0), True, False),
+    "k-block": ("k", (0, 21, 1, 5), False, False),
+    "k-causal": ("k", (0, 21, 1, 5), True, False),
+    "k-hidden": ("k", (1, 4, 0, 5), True, True),
+    "v-causal-tiles": ("v", (0, 21, 1, 5), True, False),
+    "v-hidden": ("v", (1, 4, 0, 15), False, True),
+}
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("case", list(NON_FINITE))
+def test_non_finite_inputs_marked_at_the_granularity_of_the_scales(case, value):
+    """A non-finite input makes non-finite every output exact attention makes non-finite, and
+    exactly those its scale's granularity (and the kernel's tiles, for V) reach; the rest equal
+    the outputs with the value replaced by 0, bit for bit."""
+    which, pos, causal, hidden = NON_FINITE[case]
+    g = _gen(11)
+    b, sq, sk, h, hk, d, kb, bm = 2, 19, 26, 4, 2, 16, 8, 8
+    q, k, v = stress_qkv(b, sq, sk, h, hk, d, "gaussian", generator=g, dtype=F64)
+    mask = torch.rand(b, sk, generator=g) < 0.8
+    mask[pos[0], pos[1]] = not hidden
+    inputs = {"q": q, "k": k, "v": v}
+    kw = dict(causal=causal, key_padding_mask=mask, return_lse=True, k_block=kb, block_n=kb, block_m=bm,
+              compute_dtype=F64)
+    inputs[which][pos] = 0.0
+    zero, zero_lse = attention_fp8_reference(*inputs.values(), **kw)
+    inputs[which][pos] = value
+    out, lse = attention_fp8_reference(*inputs.values(), **kw)
+
+    allowed = _allowed(b, sq, sk, causal, mask)
+    b0, t, head, c = pos
+    want = torch.zeros(b, sq, h, d, dtype=torch.bool)
+    heads = slice(head * (h // hk), (head + 1) * (h // hk))
+    if which == "q":
+        want[b0, t, head] = allowed[b0, t].any()
+    elif not hidden and which == "k":   # every row attending a key of its block
+        want[b0, :, heads] = allowed[b0, :, t // kb * kb:(t // kb + 1) * kb].any(-1)[:, None, None]
+    elif not hidden:                    # channel c of the rows of each tile that loads its block
+        last = ((torch.arange(sq) // bm + 1) * bm).clamp(max=sq) - 1
+        hi = (last + sk - sq + 1).clamp(max=sk) if causal else torch.full((sq,), sk)
+        want[b0, :, heads, c] = (t // kb * kb < hi)[:, None]
+    assert hidden or want.any()
+    exact = _exact_without_hidden_keys(*inputs.values(), d ** -0.5, allowed)
+    bad = ~torch.isfinite(out)
+    assert bad[~torch.isfinite(exact)].all()
+    assert torch.equal(bad, want), f"{bad.sum().item()} non-finite, {want.sum().item()} expected"
+    rows = want.any(-1).transpose(1, 2) if which != "v" else torch.zeros(b, h, sq, dtype=torch.bool)
+    assert torch.equal(~torch.isfinite(lse) & ~torch.isneginf(zero_lse), rows)
+    assert torch.equal(out[~bad], zero[~bad]) and torch.equal(lse[~rows], zero_lse[~rows])
+    if which == "v" and causal:   # the tiles reach rows that cannot see the key: exact keeps them finite
+        assert (bad & torch.isfinite(exact)).any()
+
+
+def test_quantized_non_finite_values_and_marks():
+    q, k, v = stress_qkv(1, 9, 12, 2, 1, 8, "offset", generator=_gen(12), dtype=F64)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, 7] = False
+    q[0, 3, 1, 2] = math.inf
+    k[0, 1, 0, 0], k[0, 7, 0, 1] = math.nan, math.nan    # key 7 is hidden
+    v[0, 5, 0, 4], v[0, 7, 0, 3] = -math.inf, math.nan
+    clean = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
+    kw = dict(k_block=4, compute_dtype=F64)
+    quant = quantize_qkv_reference(q, k, v, key_padding_mask=mask, **kw)
+    ref = quantize_qkv_reference(*clean, key_padding_mask=mask, **kw)
+    # the statistics take the finite values only (a non-finite one as 0): the mean and every
+    # scale are those of the inputs with 0 in its place, but for the marks
+    assert torch.equal(quant.kmean, ref.kmean) and torch.equal(quant.sv, ref.sv)
+    assert torch.isnan(quant.sq).nonzero().tolist() == [[0, 1, 3]]
+    assert torch.isnan(quant.sk).nonzero().tolist() == [[0, 0, 0]]       # key 1's block, not key 7's
+    assert torch.isnan(quant.v_q).nonzero().tolist() == [[0, 5, 0, 4]]   # not hidden key 7
+    for got, want in ((quant.q_q, ref.q_q), (quant.k_q, ref.k_q), (quant.v_q, ref.v_q)):
+        assert torch.equal(got.nan_to_num(0.0), want)
+    fine = ~torch.isnan(quant.sq)
+    assert torch.equal(quant.sq[fine], ref.sq[fine]) and torch.equal(quant.sk[:, :, 1:], ref.sk[:, :, 1:])
+
+
 @pytest.mark.parametrize("kind", STRESS_KINDS)
 def test_stress_qkv_kinds(kind):
     q, k, v = stress_qkv(2, 40, 50, 4, 2, 64, kind, generator=_gen(8))
@@ -218,6 +317,7 @@ def _qkv():
     (dict(q_block=0), ValueError, "q_block"),
     (dict(k_block=2.0), TypeError, "k_block"),
     (dict(block_n=-1), ValueError, "block_n"),
+    (dict(block_m=0), ValueError, "block_m"),
     (dict(p_scale=500.0), ValueError, "p_scale"),
     (dict(p_scale=0.0), ValueError, "p_scale"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale"),
