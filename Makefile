@@ -1,6 +1,7 @@
 # flashflow: the commands of the README.
 #
-#   make test              CPU tests in the project's own .venv (kernels through Triton's interpreter)
+#   make test              ruff, then the CPU tests in the project's own .venv (kernels through Triton's
+#                          interpreter)
 #   make test BROWSER=1    the same, with the explorer's browser test (installs Chromium, see below)
 #   make browser           only the browser test's dependencies
 #   make bench / make info the attention benchmark / the kernel resource report (GPU machine)
@@ -47,6 +48,7 @@ test: export FLASHFLOW_BROWSER=1
 endif
 # Triton's and Inductor's caches go into $(VENV) too (by default they land in ~/.triton and /tmp).
 test: $(TEST_STAMP)
+	$(VENV)/bin/ruff check --no-cache flashflow tests
 	TRITON_INTERPRET=1 TRITON_HOME=$(abspath $(VENV)) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/torchinductor \
 		$(PY) -m pytest -q -p no:cacheprovider tests
 

@@ -1,7 +1,7 @@
 """`flashflow bench`: time flashflow against its anchors on the GPU and keep the numbers.
 
 Suites: attention (default; flashflow and its FP8 attention vs SDPA cuDNN / FLASH, with each
-output's accuracy against exact attention), decode, mlp, memory, dataflow, qwen-image.
+output's accuracy against exact attention), decode, train, mlp, host, memory, dataflow, qwen-image.
 Each writes <suite>-<device>.json to --out. Without a CUDA GPU the attention suite runs a
 small correctness demo through Triton's interpreter instead; the other suites need the GPU.
 --from-json prints a saved result's tables, --tables the tables of docs/results.md.

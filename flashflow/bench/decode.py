@@ -77,7 +77,6 @@ def read_ceiling_tbs() -> float:
     for fn in (lambda: x.sum(dtype=torch.float32), lambda: y.view(-1, 8192).sum(dim=1, dtype=torch.float32)):
         t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
         best = max(best, x.numel() * 2 / (t * 1e-3) / 1e12)
-    del x, y
     return best
 
 

@@ -7,9 +7,12 @@ each config family's GPU (sm90: the H100; sm80: the A100) with ptxas, GPU or not
 nothing (:mod:`flashflow.tuning.offline`). Without either, only the cases are listed.
 
 Cases: attention forward, every entry of the shipped config table (both code paths of a config
-with a tail split); decode attention, the decode suite's batch-1 shapes plus the other head
-sizes, a paged cache and a large batch, through ``flash_attn_with_kvcache``; the fused FFN
-through ``fused_mlp`` at token counts that reach its split-K and persistent kernels.
+with a tail split); the attention backward's kernels at each entry of its table; FP8 attention
+with its quantize kernels at each head_dim it takes; decode attention, the decode suite's
+batch-1 shapes plus the other head sizes, a paged cache and a large batch, through
+``flash_attn_with_kvcache``; the fused FFN through ``fused_mlp`` at token counts that reach its
+split-K and persistent kernels; the diffusion block's fused norms. Every kernel flashflow
+ships is launched by one of them.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ from flashflow.tuning import families as tuning_families
 from flashflow.tuning.attention import TABLE as ATTENTION_TABLE
 from flashflow.tuning.attention import AttentionConfig, config_from_entry, shipped_entries
 
-OPS = ("attention", "decode", "mlp")
+OPS = ("attention", "attention-bwd", "attention-fp8", "decode", "mlp", "norm")
 
 # capability each family's configs are compiled for with --offline
 OFFLINE_CAPABILITY = {"sm90": (9, 0), "sm80": (8, 0)}
@@ -145,7 +148,18 @@ def decode_cases() -> list[Case]:
     for b, s, h, hk, d, page in shapes:
         label = f"b{b} s{s} h{h}/{hk} d{d}" + (f" paged {page}" if page else "")
         cases.append(Case("decode", label, lambda device, a=(b, s, h, hk, d, page): _decode(device, *a)))
+    cases.append(Case("decode", "merge_attention_states b1 h32 d128", _merge_states))
     return cases
+
+
+def _merge_states(device: str) -> None:
+    import torch
+
+    from flashflow import merge_attention_states
+
+    out = torch.zeros(1, 1, 32, 128, device=device, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 32, 1, device=device)
+    merge_attention_states(out, lse, out, lse)
 
 
 # ----------------------------------------------------------------------------- fused FFN
@@ -162,6 +176,11 @@ def _mlp(device: str, m: int, activation: str, hidden: int, inter: int, policy: 
     x = make(m, hidden, device=device, dtype=torch.bfloat16)
     w1 = make(rows, hidden, device=device, dtype=torch.bfloat16)
     w2 = make(hidden, inter, device=device, dtype=torch.bfloat16)
+    if policy == "two-kernels":
+        from flashflow.ops.mlp import mlp_two_kernels
+
+        mlp_two_kernels(x, w1, w2, activation)
+        return
     fused_mlp(x, w1, w2, activation, policy)
 
 
@@ -180,7 +199,105 @@ def mlp_cases() -> list[Case]:
         for m, policy in picks.get(name, ()):
             cases.append(Case("mlp", f"{name} M={m} {policy}",
                               lambda device, a=(m, act, hidden, inter, policy): _mlp(device, *a)))
+    # the bench's two-kernel baseline (mlp_two_kernels): the persistent kernel's tiles, unfused
+    cases.append(Case("mlp", "llama3-8b M=1024 two-kernels",
+                      lambda device: _mlp(device, 1024, "swiglu", 4096, 14336, "two-kernels")))
     return cases
+
+
+# ----------------------------------------------------------------------------- attention backward
+
+
+def _attention_bwd(device: str, head_dim: int, causal: bool) -> None:
+    import torch
+
+    from flashflow import flash_attn_func
+
+    make = torch.empty if device == "cpu" else torch.randn
+    q, k, v = (make(_BATCH, _SEQLEN, _HEADS, head_dim, device=device, dtype=torch.bfloat16).requires_grad_()
+               for _ in range(3))
+    flash_attn_func(q, k, v, causal=causal).backward(torch.ones_like(q))
+
+
+def attention_bwd_cases(family: str) -> list[Case]:
+    """The backward's three kernels (δ, dK/dV, dQ) through ``flash_attn_func`` + autograd at the
+    largest head_dim of each entry of its config table, causal and not (the causal build masks
+    its diagonal blocks)."""
+    from flashflow.tuning import table
+
+    entries = table("attention_bwd").get(family, ()) if family else table("attention_bwd")["sm90"]
+    cases = []
+    for entry in entries:
+        d = entry["head_dim_max"]
+        for causal in (False, True):
+            cases.append(Case("attention-bwd", f"d<={d}{' causal' if causal else ''}",
+                              lambda device, d=d, causal=causal: _attention_bwd(device, d, causal)))
+    return cases
+
+
+# ----------------------------------------------------------------------------- FP8 attention
+
+
+def _attention_fp8(device: str, head_dim: int, causal: bool) -> None:
+    import torch
+
+    from flashflow import flash_attn_fp8_func
+
+    make = torch.empty if device == "cpu" else torch.randn
+    q, k, v = (make(_BATCH, _SEQLEN, _HEADS, head_dim, device=device, dtype=torch.bfloat16) for _ in range(3))
+    flash_attn_fp8_func(q, k, v, causal=causal)
+
+
+def attention_fp8_cases(family: str) -> list[Case]:
+    """FP8 attention and its quantize pass (K/V statistics, quantize, the 8-bit forward) at each
+    head_dim it takes, causal and not; Hopper and newer only (other families: none)."""
+    from flashflow.ops.attention_fp8 import FP8_HEAD_DIMS
+    from flashflow.tuning.attention_fp8 import supported_families
+
+    if family is not None and family not in supported_families():
+        return []
+    return [Case("attention-fp8", f"d{d}{' causal' if causal else ''}",
+                 lambda device, d=d, causal=causal: _attention_fp8(device, d, causal))
+            for d in FP8_HEAD_DIMS for causal in (False, True)]
+
+
+# ----------------------------------------------------------------------------- diffusion norms
+
+
+def _norm(device: str, op: str) -> None:
+    import torch
+
+    from flashflow.ops import norm
+
+    b, l, h, d = 1, 4352, 24, 128   # Qwen-Image 1024px: 4096 image + 256 text tokens, 24 heads of 128
+    make = torch.empty if device == "cpu" else torch.randn
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    if op in ("layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate"):
+        x, y = make(b, l, h * d, **bf16), make(b, l, h * d, **bf16)
+        shift, scale, gate = (make(b, h * d, **bf16) for _ in range(3))
+        if op == "layernorm_modulate":
+            norm.layernorm_modulate(x, shift, scale)
+        elif op == "gate_residual":
+            norm.gate_residual(x, y, gate)
+        else:
+            norm.gate_residual_layernorm_modulate(x, y, gate, shift, scale)
+        return
+    freqs = torch.ones(l, d // 2, dtype=torch.complex64, device=device)
+    if op == "rmsnorm_rope":
+        norm.rmsnorm_rope(make(b, l, h, d, **bf16), make(d, **bf16), freqs)
+        return
+    txt, img = 256, l - 256
+    norm.joint_qkv_norm_rope(*(make(b, txt, h, d, **bf16) for _ in range(3)), *(make(b, img, h, d, **bf16) for _ in range(3)),
+                             *(make(d, **bf16) for _ in range(4)), freqs[:txt], freqs[txt:])
+
+
+NORM_OPS = ("layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
+            "joint_qkv_norm_rope")
+
+
+def norm_cases() -> list[Case]:
+    """The diffusion block's fused norms (flashflow.ops.norm) at Qwen-Image 1024px's width."""
+    return [Case("norm", op, lambda device, op=op: _norm(device, op)) for op in NORM_OPS]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -189,6 +306,12 @@ def mlp_cases() -> list[Case]:
 def cases(op: str, family: str) -> list[Case]:
     if op == "attention":
         return attention_cases(family)
+    if op == "attention-bwd":
+        return attention_bwd_cases(family)
+    if op == "attention-fp8":
+        return attention_fp8_cases(family)
+    if op == "norm":
+        return norm_cases()
     return decode_cases() if op == "decode" else mlp_cases()
 
 
@@ -299,7 +422,12 @@ _TEXT = ("family", "case", "variant", "kernel")
 _TITLES = {"attention": "attention forward, one config table entry per line (bf16, batch {b}, seqlen {s}, "
                         "{h} heads, head_dim = d<=)".format(b=_BATCH, s=_SEQLEN, h=_HEADS),
            "decode": "decode attention through flash_attn_with_kvcache (bf16, one query token)",
-           "mlp": "fused FFN through fused_mlp (bf16, the policy named)"}
+           "mlp": "fused FFN through fused_mlp (bf16, the policy named)",
+           "attention-bwd": "attention backward through flash_attn_func + autograd (bf16, batch {b}, seqlen {s}, "
+                            "{h} heads; δ, dK/dV and dQ kernels)".format(b=_BATCH, s=_SEQLEN, h=_HEADS),
+           "attention-fp8": "FP8 attention through flash_attn_fp8_func, its quantize pass included (bf16 in, "
+                            "batch {b}, seqlen {s}, {h} heads)".format(b=_BATCH, s=_SEQLEN, h=_HEADS),
+           "norm": "the diffusion block's fused norms (bf16, Qwen-Image 1024px: 4352 tokens, 24 heads x 128)"}
 
 
 def _cell(value) -> str:

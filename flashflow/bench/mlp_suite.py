@@ -76,12 +76,11 @@ def model_traffic(activation: str, hidden: int, inter: int, m: int, policy: str,
                   family: str = "sm90", sms: int = 132, hw=None, dtype: str = "bfloat16") -> dict:
     """DRAM bytes the dataflow model predicts for one call of the persistent kernel: the tiles
     ``family`` ships for it (:func:`flashflow.tuning.mlp.persistent_config`) in its own ticket
-    order (:func:`flashflow.kernels.tile_order.issue_order`; ``"auto"`` as it resolves on ``sms`` SMs),
+    order (:func:`flashflow.ops.mlp.issue_order`, the kernels' own; ``"auto"`` as it resolves on ``sms`` SMs),
     replayed through ``hw``'s L2 (default: the partitioned H100 model,
     :data:`flashflow.dataflow.model.H100_PARTITIONED`)."""
     from flashflow.dataflow.chain import FfnShape, simulate_tickets
     from flashflow.dataflow.model import H100_PARTITIONED
-    from flashflow.kernels import tile_order
     from flashflow.ops import mlp
     from flashflow.tuning import mlp as tuning
 
@@ -93,7 +92,7 @@ def model_traffic(activation: str, hidden: int, inter: int, m: int, policy: str,
     if name in ("splitk", "cublas"):
         raise ValueError(f"the traffic model covers the persistent kernel, and {policy!r} runs {name} at M={m}")
     s = FfnShape(m, hidden, inter, cfg.BLOCK_M, cfg.BLOCK_N0, cfg.BLOCK_K, 2, gated, block_n1=cfg.BLOCK_N1)
-    order = tile_order.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
+    order = mlp.issue_order(name, s.row_blocks, s.tiles_n0, s.tiles_n1, rows)
     r = simulate_tickets(s, order, hw or H100_PARTITIONED)
     if r.deadlocked:
         return {"policy": f"{name}:{rows}", "error": r.error}

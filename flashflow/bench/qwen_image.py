@@ -423,7 +423,7 @@ def _measure_graphed(forward, kwargs: dict, ref, backend) -> dict:
         return (out,)
 
     res = _measure_one(replay, kwargs, ref, backend, profile=False)
-    del graph, out
+    graph = out = None   # the graph's memory goes back before free()
     backend.free()
     return res
 

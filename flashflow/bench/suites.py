@@ -7,7 +7,7 @@ with ``run(args) -> int``).
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 from flashflow.bench import providers, runner
@@ -192,6 +192,9 @@ RUNNERS: dict[str, Runner] = {
     "mlp": Runner("flashflow.bench.mlp_suite",
                   "times the fused FFN's policies against cuBLAS",
                   frozenset({"quick", "providers", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 5, "rep": 20}),
+    "host": Runner("flashflow.bench.host",
+                   "times the host's part of one call at a tiny shape (µs per call) beside SDPA and torch",
+                   frozenset(), {}),
     "memory": Runner("flashflow.bench.memory",
                      "measures the peak CUDA memory of naive attention and flash_attn_func",
                      frozenset({"quick", "dtype"}), {"dtype": "fp16"}),

@@ -461,7 +461,7 @@ def _mlp_shipped(kernel, x, w2, act):
     from flashflow.device import gpu_family, num_sms
     from flashflow.tuning import mlp as tuning
 
-    family, sms, gated, (m, hidden), inter = gpu_family(x.device), num_sms(x.device), act == "swiglu", x.shape, w2.shape[1]
+    family, sms, gated, (m, _), inter = gpu_family(x.device), num_sms(x.device), act == "swiglu", x.shape, w2.shape[1]
     if kernel is None:
         return tuning.auto_plan(family, gated, m, inter, sms)
     if kernel == "splitk":

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from flashflow.kernels.mask import key_allowed, key_blocks, split_range
-from flashflow.kernels.quant import E4M3_MAX, round_e4m3
+from flashflow.kernels.quant import round_e4m3
 from flashflow.kernels.softmax import log_sum_exp, normalize, shift_of
 
 LOG2_E4M3_MAX: tl.constexpr = tl.constexpr(8.807354922057604)   # log2(448)

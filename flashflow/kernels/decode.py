@@ -281,7 +281,6 @@ def decode_attention_kernel(
         tl.debug_barrier()  # every thread's partial stores before the releasing atomic
         arrived = tl.atomic_add(COUNTERS + bh, 1, sem="acq_rel", scope="gpu")
         if arrived == NUM_SPLITS - 1:
-            first = bh.to(tl.int64) * NUM_SPLITS
             acc_tot, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, bh.to(tl.int64), offs_r, offs_d, row_valid, BLOCK_R,
                                                    HEAD_DIM_PAD, NUM_SPLITS, True, ".cg")
             _store_rows(O, LSE, acc_tot, l_tot, m_tot, b, row_head, row_tok, row_valid, offs_d,

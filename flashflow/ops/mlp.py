@@ -46,7 +46,8 @@ from flashflow.device import capability, capturing, cdiv, gpu_family, interpreti
 from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_THREADS, SYNC_ERR, mlp_gemm0_kernel,
                                    mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
-from flashflow.kernels.tile_order import DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, launch_order, parse_order
+from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
+                                         parse_order)
 from flashflow.ops.common import unit_last_stride
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
@@ -54,7 +55,7 @@ from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
 
 __all__ = ["fused_mlp", "MlpWorkspace", "ACTIVATIONS", "POLICIES", "PersistentConfig", "SplitKConfig",
            "parse_policy", "resolve_policy", "splitk_config", "persistent_config", "launch_splitk",
-           "launch_persistent", "launch_cublas", "mlp_two_kernels", "mlp_two_streams"]
+           "launch_persistent", "launch_cublas", "mlp_two_kernels", "mlp_two_streams", "issue_order"]
 
 DECODE_MAX_M = 64        # the split-K kernel takes at most this many tokens
 PLANS = ("auto", "splitk", "cublas")

@@ -413,8 +413,6 @@ def test_docs_tables_are_the_rendered_ones():
 
 
 def test_write_replaces_only_the_blocks_and_needs_a_marker(tmp_path, capsys):
-    from flashflow.bench import tables
-
     doc = tmp_path / "d.md"
     doc.write_text("# t\n\nprose\n\n<!-- MEMORY_TABLE -->\nold\n\n<!-- /MEMORY_TABLE -->\n\nmore prose\n")
     assert cli.main(["bench", "--tables", "--out", str(ROOT / "bench/results"), "--write", str(doc)]) == 0

@@ -80,7 +80,8 @@ def test_cases_reach_every_kernel_class_of_the_decode_and_mlp_ops():
     from flashflow.bench.mlp_suite import MODELS
 
     tokens = {int(c.label.split("M=", 1)[1].split()[0]) for c in info.mlp_cases()}
-    assert {c.label.split()[-1].split(":")[0] for c in info.mlp_cases()} == {"splitk", "seqsplit", "multirow"}
+    assert {c.label.split()[-1].split(":")[0] for c in info.mlp_cases()} == {"splitk", "seqsplit", "multirow",
+                                                                            "two-kernels"}
     assert min(tokens) == 1 and max(tokens) > 512   # split-K and the persistent kernel's large tiles
     assert {c.label.split()[0] for c in info.mlp_cases()} == {name for name, *_ in MODELS}
 

@@ -4,7 +4,6 @@ interpreter against float64; forward and backward. A layout must never change th
 import pytest
 import torch
 
-import flashflow
 from flashflow.device import interpreting
 from flashflow.ops import norm
 from flashflow.reference import norm as norm_ref

@@ -34,3 +34,9 @@ def test_mlp_ref_matches_nn_linear_layers(act):
     out = mlp_ref(x, w_gate_up, down.weight, act)
     assert out.shape == x.shape
     torch.testing.assert_close(out, expected.detach())
+
+
+def test_the_oracle_covers_the_kernels_activations():
+    from flashflow.ops.mlp import ACTIVATIONS as FUSED
+
+    assert ACTIVATIONS == FUSED
