@@ -415,9 +415,16 @@ def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    return_lse=False, *, key_padding_mask=None, deterministic=False):
+def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    return_lse=False, key_padding_mask=None, deterministic=False):
     """Exact attention, FlashAttention layout.
+
+    Everything after q, k, v is keyword-only: FlashAttention 2 takes ``dropout_p`` fourth and
+    FlashAttention 3 ``softmax_scale``, so a positional fourth argument would mean one thing to
+    code ported from one and another to code ported from the other (a dropout of 0.1 silently
+    read as a softmax scale). The keywords mean what they mean there; ``return_lse`` returns
+    ``(out, lse)`` (FlashAttention 2: ``return_attn_probs``, which also returns the
+    probabilities; flashflow never forms them).
 
     Args:
         q: ``(batch, seqlen_q, heads, head_dim)``; k, v: ``(batch, seqlen_k, kv_heads, head_dim)``
@@ -473,14 +480,16 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, window_size=(-1, 
     return (out, lse) if return_lse else out
 
 
-def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                           return_lse=False, *, deterministic=False):
+                           return_lse=False, deterministic=False):
     """Exact attention over a packed ragged batch (FlashAttention's varlen API).
 
     q ``(total_q, heads, head_dim)``, k/v ``(total_k, kv_heads, head_dim)``; sequence ``b`` is
     ``q[cu_seqlens_q[b]:cu_seqlens_q[b+1]]``. ``cu_seqlens_*`` are int32 ``(batch + 1,)``.
     Returns out ``(total_q, heads, head_dim)`` and, with ``return_lse``, lse ``(heads, total_q)``.
+    Arguments after ``max_seqlen_k`` are keyword-only, as in :func:`flash_attn_func` (FlashAttention
+    2 puts ``dropout_p`` there, FlashAttention 3 ``seqused_q``).
     Differentiable as :func:`flash_attn_func` (per-sequence gradients, no cross-sequence terms;
     ``deterministic`` as there: always holds).
     """

@@ -329,6 +329,17 @@ def test_flags_and_window_must_be_what_they_say():
     assert flashflow.flash_attn_func(x, x, x, window_size=(torch.tensor(3), 0)).shape == x.shape   # 0-d int tensors: ints
 
 
+def test_arguments_after_qkv_are_keywords():
+    # FlashAttention 2 takes dropout_p fourth, FlashAttention 3 softmax_scale: a positional 0.1
+    # was read as a softmax scale
+    x = rand(1, 8, 2, 32)
+    with pytest.raises(TypeError, match="positional"):
+        flashflow.flash_attn_func(x, x, x, 0.1)
+    cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="positional"):
+        flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, 0.1)
+
+
 def test_meta_tensors_are_refused_by_name():
     x = torch.empty(1, 8, 2, 32, dtype=torch.float16, device="meta")
     with pytest.raises(ValueError, match="q is a meta tensor"):

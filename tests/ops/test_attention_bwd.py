@@ -119,10 +119,10 @@ def test_deterministic_bits_and_its_argument():
     b, _ = grads(causal=True, h=6, hk=2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     x = torch.randn(1, 8, 2, 16, device=DEVICE, dtype=torch.float16)
-    with pytest.raises(TypeError, match="deterministic must be a bool"):
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
         flashflow.flash_attn_func(x, x, x, deterministic="yes")
     cu = torch.tensor([0, 8], dtype=torch.int32, device=DEVICE)
-    with pytest.raises(TypeError, match="deterministic must be a bool"):
+    with pytest.raises(TypeError, match="deterministic must be True or False"):
         flashflow.flash_attn_varlen_func(x[0], x[0], x[0], cu, cu, 8, 8, deterministic=1)
 
 
