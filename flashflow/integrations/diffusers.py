@@ -93,6 +93,19 @@ def _context_parallel_refused(config) -> ValueError:
         "enable_parallelism; on one GPU, keep flashflow and leave parallelism off")
 
 
+def _tensor_parallel_refused(config) -> ValueError | None:
+    """The error for a diffusers ``ParallelConfig`` with tensor parallelism, else None."""
+    tp = getattr(config, "tensor_parallel_config", None)
+    if tp is None:
+        return None
+    return ValueError(
+        f"tensor parallelism ({type(tp).__name__}, diffusers' enable_parallelism or "
+        "from_pretrained(parallel_config=...)) with flashflow.integrations.diffusers.enable(): flashflow's fused "
+        "block ops read the Linear layers' weights themselves and have not been checked on sharded weights, so "
+        "they are refused rather than risk a wrong result. Run the parallel model with diffusers' own processors "
+        "(flashflow.integrations.diffusers.disable(transformer) first), or flashflow on one GPU")
+
+
 def _trainable_parameter(module: nn.Module, skip: nn.Module | None = None) -> str | None:
     """The name of a parameter of ``module`` (outside its submodule ``skip``) that requires grad, or
     None: a plain walk of the module tree, without ``module.parameters()``'s nested generators and
@@ -170,6 +183,9 @@ class FlashflowQwenAttnProcessor:
         self._given_parallel_config = config
         if _context_parallel(config) is not None:
             raise _context_parallel_refused(config)
+        tp_error = _tensor_parallel_refused(config)
+        if tp_error is not None:
+            raise tp_error
 
     def __call__(
         self,
@@ -180,8 +196,12 @@ class FlashflowQwenAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._given_parallel_config is not None and _context_parallel(self._given_parallel_config) is not None:
-            raise _context_parallel_refused(self._given_parallel_config)
+        if self._given_parallel_config is not None:
+            if _context_parallel(self._given_parallel_config) is not None:
+                raise _context_parallel_refused(self._given_parallel_config)
+            tp_error = _tensor_parallel_refused(self._given_parallel_config)
+            if tp_error is not None:
+                raise tp_error
         if torch.is_grad_enabled():
             _refuse_autograd(attn, "the attention module", hidden_states=hidden_states,
                              encoder_hidden_states=encoder_hidden_states)
@@ -413,6 +433,9 @@ def enable(transformer, attention: str = "bf16"):
     """
     attention = _check_attention(attention)
     blocks = _check_transformer(transformer)
+    tp_error = _tensor_parallel_refused(getattr(transformer, "_parallel_config", None))
+    if tp_error is not None:
+        raise tp_error
     cp = _context_parallel(getattr(transformer, "_parallel_config", None))
     if cp is not None:
         raise ValueError(

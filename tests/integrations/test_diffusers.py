@@ -463,6 +463,25 @@ def test_enable_refuses_a_model_that_runs_context_parallel():
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
 
 
+def test_tensor_parallelism_is_refused_both_ways():
+    """diffusers 0.42 shards Qwen-Image's Linears across ranks (its _tp_plan); flashflow's fused
+    block ops read those weights themselves and were never checked on shards: refused when
+    enable_parallelism hands the processors the config, at a call after that, and by enable on a
+    model that already runs it (diffusers' own config types, as for context parallelism)."""
+    config = diffusers.ParallelConfig(tensor_parallel_config=diffusers.TensorParallelConfig(tp_degree=2))
+    model = enable(tiny_model())
+    processor = model.transformer_blocks[0].attn.processor
+    with pytest.raises(ValueError, match=r"tensor parallelism \(TensorParallelConfig.*refused"):
+        processor._parallel_config = config        # what enable_parallelism does to each processor
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        run(model, inputs(1, False, batch=1))
+    other = tiny_model()
+    other._parallel_config = config
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        enable(other)
+    assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in other.transformer_blocks)
+
+
 def _two_rank_worker(rank, init_method):
     """One of two gloo ranks on the CPU: the real enable_parallelism on an enabled model."""
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
