@@ -46,11 +46,13 @@ ifneq ($(BROWSER),)
 test: $(BROWSER_STAMP)
 test: export FLASHFLOW_BROWSER=1
 endif
-# Triton's and Inductor's caches go into $(VENV) too (by default they land in ~/.triton and /tmp).
+# Triton's and Inductor's caches and every temporary file go into $(VENV) too (by default they land
+# in ~/.triton and /tmp: Inductor's precompiled headers alone are ~300 MB there).
 test: $(TEST_STAMP)
 	$(VENV)/bin/ruff check --no-cache flashflow tests
+	mkdir -p $(VENV)/tmp
 	TRITON_INTERPRET=1 TRITON_HOME=$(abspath $(VENV)) TORCHINDUCTOR_CACHE_DIR=$(abspath $(VENV))/torchinductor \
-		$(PY) -m pytest -q -p no:cacheprovider tests
+		TMPDIR=$(abspath $(VENV))/tmp $(PY) -m pytest -q -p no:cacheprovider tests
 
 # On a machine with a CUDA GPU: the package with its declared dependencies (the CUDA torch
 # build pip picks there) and the GPU tests.
