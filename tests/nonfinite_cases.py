@@ -185,3 +185,22 @@ def check_norm(op: str, where: str, bad: str, device, dtype, seed: int = 0):
     wants = want if isinstance(want, tuple) else (want,)
     for o, w in zip(outs, wants):
         assert torch.equal(~torch.isfinite(o.float()), ~torch.isfinite(w)), op
+
+
+def exact_attention_over(q, k, v, scale, allowed):
+    """Float64 exact attention ``(out, lse)`` over the keys ``allowed`` lets each row attend
+    (``(batch, 1 or heads, seqlen_q, seqlen_k)`` bool), in which a key a row does not attend
+    contributes nothing to it (attention_naive multiplies it by 0, and 0·NaN is NaN); GQA by
+    repeating k and v over the group."""
+    h = q.shape[2]
+    group = h // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
+    p = p.masked_fill(~allowed, 0.0)
+    vv = v.double().repeat_interleave(group, dim=2).transpose(1, 2)            # (b, h, sk, d)
+    out = p @ torch.where(torch.isfinite(vv), vv, torch.zeros_like(vv))
+    # a non-finite v[j, c] makes channel c of every row that attends key j non-finite
+    hit = (allowed.to(torch.float64) @ (~torch.isfinite(vv)).to(torch.float64)) > 0
+    return out.masked_fill(hit, float("nan")).transpose(1, 2), lse

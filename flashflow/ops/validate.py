@@ -26,8 +26,8 @@ def check_no_grad(op: str, **tensors) -> None:
 
 
 def check_flag(name: str, value) -> bool:
-    """A Python bool (or a 0-d bool tensor's value): ``"no"``, ``1`` or ``None`` for a flag are
-    refused rather than read by their truth value."""
+    """A Python bool: ``"no"``, ``1`` or ``None`` for a flag are refused rather than read by their
+    truth value."""
     if isinstance(value, bool):
         return value
     raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -23,6 +23,7 @@ from flashflow.reference import attention_fp8_reference, attention_naive, full_k
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
+from nonfinite_cases import exact_attention_over
 
 pytestmark = pytest.mark.gpu
 DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
@@ -328,20 +329,9 @@ def test_layouts(gpu, dtype, layout):
 
 def exact_attention(q, k, v, scale, causal, mask):
     """Float64 exact attention (out, lse) in which a key a row may not attend contributes nothing
-    to it (attention_naive multiplies it by 0, and 0·NaN is NaN)."""
-    b, sq, h, _ = q.shape
-    sk, group = k.shape[1], h // k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
-    allowed = allowed_keys(b, sq, sk, causal, mask)
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    p = p.masked_fill(~allowed, 0.0)
-    vv = v.double().repeat_interleave(group, dim=2).transpose(1, 2)            # (b, h, sk, d)
-    out = p @ torch.where(torch.isfinite(vv), vv, torch.zeros_like(vv))
-    # a non-finite v[j, c] makes channel c of every row that attends key j non-finite
-    hit = (allowed.to(torch.float64) @ (~torch.isfinite(vv)).to(torch.float64)) > 0
-    return out.masked_fill(hit, float("nan")).transpose(1, 2), lse
+    to it (tests/nonfinite_cases.py)."""
+    b, sq, _, _ = q.shape
+    return exact_attention_over(q, k, v, scale, allowed_keys(b, sq, k.shape[1], causal, mask))
 
 
 def reached(which, pos, shape, causal, mask, block_m, block_n):

@@ -37,6 +37,7 @@ from flashflow.reference import (attention_fp8_reference, attention_naive, full_
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
+from nonfinite_cases import exact_attention_over
 
 DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 pytestmark = [
@@ -415,17 +416,9 @@ def test_layouts_equal_contiguous_inputs_and_exact(layout):
 
 def exact_attention(q, k, v, scale, causal, mask):
     """Float64 exact attention (out, lse) in which a key a row may not attend contributes nothing
-    to it (attention_naive multiplies it by 0, and 0·NaN is NaN)."""
-    b, sq, h, _ = q.shape
-    sk, group = k.shape[1], h // k.shape[2]
-    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double().repeat_interleave(group, dim=2)) * scale
-    allowed = allowed_keys(b, sq, sk, causal, mask)
-    s = s.masked_fill(~allowed, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    terms = p[..., None] * v.double().repeat_interleave(group, dim=2).transpose(1, 2)[:, :, None]
-    out = terms.masked_fill(~allowed[..., None], 0.0).sum(dim=3)
-    return out.transpose(1, 2), lse
+    to it (tests/nonfinite_cases.py)."""
+    b, sq, _, _ = q.shape
+    return exact_attention_over(q, k, v, scale, allowed_keys(b, sq, k.shape[1], causal, mask))
 
 
 def reached(which, pos, shape, causal, mask, block_m, block_n):
