@@ -21,7 +21,8 @@ from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
-from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad, unit_last_stride
+from flashflow.ops.common import (Launcher, aligned16, contiguous_strides as _contiguous_strides, dot_options, head_dim_pad as _head_dim_pad, tensor_descriptor,
+                                  unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
                                     check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
@@ -45,27 +46,27 @@ def _ensure_tma_allocator() -> None:
         _ALLOCATOR_SET = True
 
 
-def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """The copy engine needs 16-byte aligned bases and strides (besides the unit last stride)."""
-    for t in tensors:
-        es = t.element_size()
-        if t.data_ptr() % 16:
-            return False
-        if any((s * es) % 16 for s in t.stride()[:-1]):
+def _tma_strides_ok(q, k, v, out_stride) -> bool:
+    """The copy engine needs 16-byte aligned strides besides the unit last stride (the bases'
+    alignment is part of the launch key)."""
+    es = q.element_size()
+    for strides in (q.stride(), k.stride(), v.stride(), out_stride):
+        if any((st * es) % 16 for st in strides[:-1]):
             return False
     return True
 
 
-def _rows_view(t: torch.Tensor):
-    """2-D (rows, cols) view of a (b, s, h, d) tensor for a host-built TMA descriptor.
+def _rows_view(shape, stride):
+    """2-D (rows, cols) view of a (b, s, h, d) tensor of ``shape`` and ``stride`` for a host-built
+    TMA descriptor.
 
     Returns (row_b, row_h, col_h, n_rows, n_cols, row_stride) such that token s of (b, h) is row
     ``b·row_b + h·row_h + s`` at column ``h·col_h``; None if the strides allow neither layout.
     Token-major ``(b, s, h, d)`` storage (FlashAttention's) and head-major ``(b, h, s, d)``
     storage (SDPA's, seen through a transpose) both qualify.
     """
-    b, s, h, d = t.shape
-    sb, ss, sh, _ = t.stride()
+    b, s, h, d = shape
+    sb, ss, sh, _ = stride
     if (b == 1 or sb == s * ss) and (h == 1 or sh >= d):
         return s, 0, sh, b * s, (h - 1) * sh + d, ss
     if (h == 1 or sh == s * ss) and (b == 1 or sb == h * sh):
@@ -141,137 +142,199 @@ def _portable_forward(
     ``bias_keys`` keys (``None``: all of them); later keys are unbiased and never read from
     ``bias``, and their blocks run unmasked. ``num_sms`` overrides
     the SM count used for the tail split (:func:`flashflow.device.num_sms` by default).
+
+    Everything the launch derives from the shapes, strides, flags and config (the config
+    itself, the load path, the grid, the kernel's integer arguments, the compiled kernel) is
+    worked out once per such key (:class:`_ForwardPlan`); a call with a key seen before only
+    allocates its outputs and launches.
     """
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        _, heads, _ = q.shape
-        kv_heads = k.shape[1]
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        sq_b = sk_b = sv_b = 0
-        sq_s, sq_h = q.stride(0), q.stride(1)
-        sk_s, sk_h = k.stride(0), k.stride(1)
-        sv_s, sv_h = v.stride(0), v.stride(1)
-    else:
-        batch, seqlen_q, heads, _ = q.shape
-        seqlen_k, kv_heads = k.shape[1], k.shape[2]
-        sq_b, sq_s, sq_h = q.stride(0), q.stride(1), q.stride(2)
-        sk_b, sk_s, sk_h = k.stride(0), k.stride(1), k.stride(2)
-        sv_b, sv_s, sv_h = v.stride(0), v.stride(1), v.stride(2)
-
-    if out is None:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    if varlen:
-        lse = torch.empty((heads, q.shape[0]) if return_lse else (0,), dtype=torch.float32, device=q.device)
-        l_strides = (0, lse.stride(0), 1) if return_lse else (0, 0, 0)
-        so_b, so_s, so_h = 0, out.stride(0), out.stride(1)
-    else:
-        lse = torch.empty((batch, heads, seqlen_q) if return_lse else (0,), dtype=torch.float32, device=q.device)
-        l_strides = lse.stride() if return_lse else (0, 0, 0)
-        so_b, so_s, so_h = out.stride(0), out.stride(1), out.stride(2)
-    if q.numel() == 0 or batch == 0 or seqlen_q == 0:
-        return out, lse
     if bias is None:
         bias_keys = 0
     elif bias_keys is None:
-        bias_keys = seqlen_k
-
-    float_bias = bias is not None and not key_padding
-    cfg = config or pick_config(q, causal=window_right is not None, bias=float_bias)
-    head_dim_pad = _head_dim_pad(head_dim)
-    if config is None and autotune.enabled() and q.is_cuda and not capturing(q.device):
-        key = (torch.cuda.get_device_name(q.device), q.dtype, head_dim_pad, window_left, window_right,
-               bias is not None, key_padding, varlen, autotune.seqlen_bucket(seqlen_q),
-               autotune.seqlen_bucket(seqlen_k))
-        kw = dict(bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale, window_left=window_left,
-                  window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first,
-                  key_padding=key_padding)
-
-        def time_ms(c):
-            run = lambda: _portable_forward(q, k, v, config=c, **kw)  # noqa: E731
-            run()
-            return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
-
-        cfg = autotune.pick(key, autotune.candidates(cfg), time_ms)
-
-    # load path: host descriptors > device descriptors > pointers
-    load_mode = 0
-    descs = (None, None, None, None)
-    rows = (0,) * 9
-    if cfg.use_tma and _tma_ok(q, k, v, out):
-        load_mode = 1
-        views = None if (varlen or head_dim != head_dim_pad or not cfg.host_desc) else \
-            [_rows_view(t) for t in (q, k, v, out)]
-        if views and all(views) and views[1][:3] == views[2][:3]:
-            from triton.tools.tensor_descriptor import TensorDescriptor
-
-            load_mode = 2
-            blocks = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N, cfg.BLOCK_M)
-            descs = tuple(TensorDescriptor(t, [vw[3], vw[4]], [vw[5], 1], [bm, head_dim_pad])
-                          for t, vw, bm in zip((q, k, v, out), views, blocks))
-            rows = views[0][:3] + views[1][:3] + views[3][:3]
-        if q.device.type == "cuda":
-            _ensure_tma_allocator()
-
-    has_softcap = softcap > 0
-    qk_scale_log2 = softmax_scale / softcap if has_softcap else softmax_scale * LOG2E
-    num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
-    total = num_m_blocks * heads * batch
-    splits = 1
-    plain = not (varlen or heavy_first or float_bias or window_left is not None or window_right is not None)
-    if cfg.tail_split and plain:
-        if num_sms is None:
-            num_sms = device_num_sms(q.device)
-        splits = tail_splits(total, num_sms, cdiv(seqlen_k, cfg.BLOCK_N))
-    if splits > 1:
-        num_full = total - total % num_sms
-        n_pieces = (total - num_full) * splits
-        ws_acc = torch.empty((n_pieces, cfg.BLOCK_M, head_dim_pad), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((n_pieces, 2, cfg.BLOCK_M), dtype=torch.float32, device=q.device)
-        grid = (num_full + n_pieces,)
+        bias_keys = k.shape[1] if not varlen else max_seqlen_k
+    tune = config is None and autotune.enabled()
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(),
+           None if out is None else out.stride(),
+           None if bias is None else (bias.dtype, bias.shape, bias.stride()), bias_keys, key_padding,
+           None if cu_seqlens_q is None else cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k,
+           window_left, window_right, softcap > 0, return_lse, heavy_first, config, num_sms, tune,
+           aligned16(q, k, v, out), aligned16(bias, cu_seqlens_q, cu_seqlens_k))
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:
+        tuning = None if not tune else dict(
+            bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
+            window_left=window_left, window_right=window_right, softcap=softcap, return_lse=return_lse,
+            heavy_first=heavy_first, key_padding=key_padding)
+        plan = _ForwardPlan(q, k, v, bias, bias_keys, key_padding, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                            window_left, window_right, softcap, return_lse, heavy_first, config, out, num_sms,
+                            tma_aligned=key[-2], tuning=tuning)
+        if not (tune and capturing(q.device)) and len(_FORWARD_PLANS) < MAX_PLANS:
+            _FORWARD_PLANS[key] = plan
+    if out is None:
+        out = q.new_empty(q.shape)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.empty:
+        return out, lse
+    if plan.descs is None:
+        descs = _NO_DESCS
     else:
-        num_full, ws_acc, ws_ml = total, q, q
-        grid = (total,)
-    bias_t = bias if bias is not None else q
-    if key_padding:   # (b, P) flags: batch stride, key stride in the tile's first and last slots
-        b_strides = (bias.stride(0), 0, 0, bias.stride(1))
+        descs = tuple(tensor_descriptor(t, *spec) for t, spec in zip((q, k, v, out), plan.descs))
+    if plan.splits > 1:
+        ws_acc = q.new_empty(plan.ws_acc_shape, dtype=torch.float32)
+        ws_ml = q.new_empty(plan.ws_ml_shape, dtype=torch.float32)
     else:
-        b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+        ws_acc = ws_ml = q
     dummy = cu_seqlens_q if varlen else q
-    extra = {}
-    if cfg.maxnreg:
-        extra["maxnreg"] = cfg.maxnreg
-    attention_fwd_kernel[grid](
-        q, k, v, out, lse, bias_t,
-        cu_seqlens_q if varlen else dummy, cu_seqlens_k if varlen else dummy,
-        *descs, ws_acc, ws_ml,
-        sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h,
-        l_strides[0], l_strides[1], l_strides[2],
-        b_strides[0], b_strides[1], b_strides[2], b_strides[3],
-        *rows,
-        seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_full,
-        qk_scale_log2, softcap, window_left or 0, window_right or 0, bias_keys,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
-        IS_VARLEN=varlen, HAS_LEFT=window_left is not None, HAS_RIGHT=window_right is not None,
-        HAS_SOFTCAP=has_softcap, HAS_BIAS=bias is not None, RETURN_LSE=return_lse,
-        HEAVY_FIRST=heavy_first, LOAD_MODE=load_mode, **dot_options(q.dtype),
-        WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits, KEY_PADDING=key_padding,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
-    )
-    if splits > 1:
-        merge_rows = min(cfg.BLOCK_M, 32)
-        attention_merge_kernel[(total - num_full, cfg.BLOCK_M // merge_rows)](
-            out, lse, ws_acc, ws_ml, so_b, so_s, so_h, l_strides[0], l_strides[1], l_strides[2],
-            seqlen_q, heads, num_m_blocks, num_full,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M,
-            MERGE_ROWS=merge_rows, SPLITS=splits,
-            RETURN_LSE=return_lse, num_warps=4,
-        )
+    launch_key = key if key[-1] and key[-2] else None   # else Triton specialises each call
+    _FORWARD(launch_key, plan.grid, (
+        q, k, v, out, lse, bias if bias is not None else q,
+        dummy, cu_seqlens_k if varlen else dummy, *descs, ws_acc, ws_ml, *plan.ints,
+        softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softcap, *plan.ints_after), plan.constexprs)
+    if plan.splits > 1:
+        _MERGE(launch_key, plan.merge_grid, (out, lse, ws_acc, ws_ml, *plan.merge_ints), plan.merge_constexprs)
     return out, lse
+
+
+_FORWARD = Launcher(attention_fwd_kernel)
+_MERGE = Launcher(attention_merge_kernel)
+_FORWARD_PLANS: dict = {}
+_NO_DESCS = (None, None, None, None)
+MAX_PLANS = 4096   # distinct launch keys kept (shapes × layouts × flags); later ones are worked out per call
+
+
+def _autotuned(cfg, q, k, v, **kw) -> AttentionConfig:
+    """``FLASHFLOW_AUTOTUNE=1``: the fastest of the candidates around ``cfg`` on these inputs."""
+    if not q.is_cuda or capturing(q.device):
+        return cfg
+    varlen = kw["cu_seqlens_q"] is not None
+    seqlen_q = kw["max_seqlen_q"] if varlen else q.shape[1]
+    seqlen_k = kw["max_seqlen_k"] if varlen else k.shape[1]
+    key = (torch.cuda.get_device_name(q.device), q.dtype, _head_dim_pad(q.shape[-1]), kw["window_left"],
+           kw["window_right"], kw["bias"] is not None, kw["key_padding"], varlen, autotune.seqlen_bucket(seqlen_q),
+           autotune.seqlen_bucket(seqlen_k))
+
+    def time_ms(c):
+        run = lambda: _portable_forward(q, k, v, config=c, **kw)  # noqa: E731
+        run()
+        return triton.testing.do_bench(run, warmup=5, rep=20, return_mode="median")
+
+    return autotune.pick(key, autotune.candidates(cfg), time_ms)
+
+
+class _ForwardPlan:
+    """What one launch key of the forward fixes: config, load path and descriptors' shapes, grid,
+    tail split and workspaces, the kernel's integer arguments and constexprs."""
+
+    def __init__(self, q, k, v, bias, bias_keys, key_padding, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
+                 window_left, window_right, softcap, return_lse, heavy_first, config, out, num_sms, tma_aligned,
+                 tuning=None):
+        self.bias, self.bias_keys, self.key_padding = bias, bias_keys, key_padding
+        self.varlen = cu_seqlens_q is not None
+        self.cu_batch = cu_seqlens_q.shape[0] - 1 if self.varlen else 0
+        self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
+        self.window_left, self.window_right, self.softcap = window_left, window_right, softcap
+        self.return_lse, self.heavy_first, self.num_sms = return_lse, heavy_first, num_sms
+        float_bias = bias is not None and not key_padding
+        cfg = config or pick_config(q, causal=window_right is not None, bias=float_bias)
+        if tuning is not None:
+            cfg = _autotuned(cfg, q, k, v, **tuning)
+        self.cfg = cfg
+        self._derive(q, k, v, out, tma_aligned)
+        self.bias = None   # the plan outlives the call: it keeps no tensor
+
+    def _derive(self, q, k, v, out, tma_aligned) -> None:
+        cfg, varlen = self.cfg, self.varlen
+        head_dim = q.shape[-1]
+        if varlen:
+            heads, kv_heads = q.shape[1], k.shape[1]
+            seqlen_q, seqlen_k = self.max_seqlen_q, self.max_seqlen_k
+            batch = None   # from cu_seqlens: the key holds its length
+            sq_b = sk_b = sv_b = 0
+            sq_s, sq_h = q.stride(0), q.stride(1)
+            sk_s, sk_h = k.stride(0), k.stride(1)
+            sv_s, sv_h = v.stride(0), v.stride(1)
+        else:
+            batch, seqlen_q, heads, _ = q.shape
+            seqlen_k, kv_heads = k.shape[1], k.shape[2]
+            sq_b, sq_s, sq_h = q.stride()[:3]
+            sk_b, sk_s, sk_h = k.stride()[:3]
+            sv_b, sv_s, sv_h = v.stride()[:3]
+        out_stride = out.stride() if out is not None else _contiguous_strides(q.shape)
+        if varlen:
+            self.lse_shape = (heads, q.shape[0]) if self.return_lse else (0,)
+            l_strides = (0, q.shape[0], 1) if self.return_lse else (0, 0, 0)
+            so_b, so_s, so_h = 0, out_stride[0], out_stride[1]
+        else:
+            self.lse_shape = (batch, heads, seqlen_q) if self.return_lse else (0,)
+            l_strides = (heads * seqlen_q, seqlen_q, 1) if self.return_lse else (0, 0, 0)
+            so_b, so_s, so_h = out_stride[:3]
+        self.empty = q.numel() == 0 or batch == 0 or seqlen_q == 0
+        if self.empty:
+            return
+        if varlen:
+            batch = self.cu_batch
+        head_dim_pad = _head_dim_pad(head_dim)
+        # load path: host descriptors > device descriptors > pointers
+        load_mode, self.descs, rows = 0, None, (0,) * 9
+        if cfg.use_tma and tma_aligned and _tma_strides_ok(q, k, v, out_stride):
+            load_mode = 1
+            views = None if (varlen or head_dim != head_dim_pad or not cfg.host_desc) else \
+                [_rows_view(t.shape, st) for t, st in ((q, q.stride()), (k, k.stride()), (v, v.stride()),
+                                                        (q, out_stride))]
+            if views and all(views) and views[1][:3] == views[2][:3]:
+                load_mode = 2
+                blocks = (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N, cfg.BLOCK_M)
+                self.descs = tuple(([vw[3], vw[4]], [vw[5], 1], [bm, head_dim_pad]) for vw, bm in zip(views, blocks))
+                rows = views[0][:3] + views[1][:3] + views[3][:3]
+            if q.device.type == "cuda":
+                _ensure_tma_allocator()
+        num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
+        total = num_m_blocks * heads * batch
+        splits = 1
+        plain = not (varlen or self.heavy_first or (self.bias is not None and not self.key_padding)
+                     or self.window_left is not None or self.window_right is not None)
+        num_sms = self.num_sms
+        if cfg.tail_split and plain:
+            if num_sms is None:
+                num_sms = device_num_sms(q.device)
+            splits = tail_splits(total, num_sms, cdiv(seqlen_k, cfg.BLOCK_N))
+        self.splits = splits
+        if splits > 1:
+            num_full = total - total % num_sms
+            n_pieces = (total - num_full) * splits
+            self.ws_acc_shape = (n_pieces, cfg.BLOCK_M, head_dim_pad)
+            self.ws_ml_shape = (n_pieces, 2, cfg.BLOCK_M)
+            self.grid = (num_full + n_pieces, 1, 1)
+        else:
+            num_full = total
+            self.grid = (total, 1, 1)
+        bias = self.bias
+        if self.key_padding:   # (b, P) flags: batch stride, key stride in the tile's first and last slots
+            b_strides = (bias.stride(0), 0, 0, bias.stride(1))
+        else:
+            b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+        self.ints = (sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h, *l_strides,
+                     *b_strides, *rows, seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_full)
+        self.ints_after = (self.window_left or 0, self.window_right or 0, self.bias_keys)
+        self.constexprs = dict(
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
+            IS_VARLEN=varlen, HAS_LEFT=self.window_left is not None, HAS_RIGHT=self.window_right is not None,
+            HAS_SOFTCAP=self.softcap > 0, HAS_BIAS=bias is not None, RETURN_LSE=self.return_lse,
+            HEAVY_FIRST=self.heavy_first, LOAD_MODE=load_mode, **dot_options(q.dtype),
+            WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits, KEY_PADDING=self.key_padding,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.maxnreg:
+            self.constexprs["maxnreg"] = cfg.maxnreg
+        if splits > 1:
+            merge_rows = min(cfg.BLOCK_M, 32)
+            self.merge_grid = (total - num_full, cfg.BLOCK_M // merge_rows, 1)
+            self.merge_ints = (so_b, so_s, so_h, *l_strides, seqlen_q, heads, num_m_blocks, num_full)
+            self.merge_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M,
+                                         MERGE_ROWS=merge_rows, SPLITS=splits, RETURN_LSE=self.return_lse,
+                                         num_warps=4)
 
 
 register_forward_kernel("triton-portable", lambda q, k, v, **kw: True, _portable_forward)
@@ -358,6 +421,8 @@ def _fwd_backward(ctx, dout, dlse, bwd=attention_bwd_op):
         raise NotImplementedError("flashflow's attention backward needs the forward's log-sum-exp: call the op "
                                   "with return_lse=True (the public entry points do when an input requires grad)")
     q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    if dout is None:   # only the LSE was used
+        dout = torch.zeros_like(out)
     bias_keys, key_padding, max_seqlen_q, max_seqlen_k, *rest = ctx.args
     need_dq = ctx.needs_input_grad[0]
     need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
@@ -377,7 +442,11 @@ class _AttentionFunction(torch.autograd.Function):
     host time per training step, more than a short step's kernels take on the GPU."""
 
     @staticmethod
-    def forward(ctx, *args):
+    def forward(ctx, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, rest):
+        # a gradient autograd has none for stays None (an unused LSE: no zeros to allocate and
+        # fill, and the δ pass skips its term)
+        ctx.set_materialize_grads(False)
+        args = (q, k, v, bias, rest[0], cu_seqlens_q, cu_seqlens_k, *rest[1:])
         output = _attention_fwd_impl(*args)
         _fwd_setup_context(ctx, args, output)
         return output
@@ -389,10 +458,12 @@ class _AttentionFunction(torch.autograd.Function):
 
 def _attention_fwd_grad(*args):
     """Forward that records its backward: the registered op (with its autograd formula) while
-    torch.compile traces, :class:`_AttentionFunction` otherwise."""
+    torch.compile traces, :class:`_AttentionFunction` otherwise (the tensors as its arguments,
+    the rest in one tuple: autograd inspects each argument of ``apply``)."""
     if torch.compiler.is_compiling():
         return _attention_fwd_op(*args)
-    return _AttentionFunction.apply(*args)
+    q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, *rest = args
+    return _AttentionFunction.apply(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, (bias_keys, *rest))
 
 
 def _attention_fwd(*args):

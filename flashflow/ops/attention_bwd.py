@@ -15,7 +15,7 @@ from flashflow.device import cdiv, gpu_family
 from flashflow.kernels.attention_bwd import (attention_bwd_delta_kernel, attention_bwd_dkdv_kernel,
                                              attention_bwd_dq_kernel)
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import dot_options, head_dim_pad, unit_last_stride
+from flashflow.ops.common import Launcher, aligned16, dot_options, head_dim_pad, unit_last_stride
 from flashflow.tuning.attention_bwd import AttentionBwdConfig, attention_bwd_config
 
 DELTA_ROWS = 64   # rows per program of the δ pass (a streaming row reduction)
@@ -35,10 +35,9 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     boolean ``(b, P)`` prefix mask; no gradient flows to it. dq is None unless ``need_dq``, dk/dv
     None unless ``need_dkv``."""
     varlen = cu_seqlens_q is not None
-    head_dim = q.shape[-1]
     # the kernels read head_dim with unit stride: the forward took copies of strided q/k/v for
     # itself, but autograd saved the user's tensors as they were
-    q, k, v, dout = (unit_last_stride(t) for t in (q, k, v, dout))
+    q, k, v, dout = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), unit_last_stride(dout)
     dq = torch.empty_like(q) if need_dq else None
     dk = torch.empty_like(k) if need_dkv else None
     dv = torch.empty_like(v) if need_dkv else None
@@ -47,62 +46,103 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
             if t is not None:
                 t.zero_()
         return dq, dk, dv
-    if varlen:
-        batch = cu_seqlens_q.numel() - 1
-        heads, kv_heads = q.shape[1], k.shape[1]
-        seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
-        # (tokens, heads, d) as a batch of one: the batch stride is never used
-        q_s, k_s, v_s, do_s = ((0, *t.stride()[:2]) for t in (q, k, v, dout))
-        dq_s = (0, *dq.stride()[:2]) if need_dq else None
-        dk_s, dv_s = ((0, *dk.stride()[:2]), (0, *dv.stride()[:2])) if need_dkv else (None, None)
-        o_s = (0, *out.stride()[:2])
-        rows = q.shape[0]
-    else:
-        batch, seqlen_q, heads, _ = q.shape
-        seqlen_k, kv_heads = k.shape[1], k.shape[2]
-        q_s, k_s, v_s, do_s, o_s = (t.stride()[:3] for t in (q, k, v, dout, out))
-        dq_s = dq.stride()[:3] if need_dq else None
-        dk_s, dv_s = (dk.stride()[:3], dv.stride()[:3]) if need_dkv else (None, None)
-        rows = seqlen_q
-    d_pad = head_dim_pad(head_dim)
-    cfg = config or attention_bwd_config(d_pad, gpu_family(q.device))
-    dots = dot_options(q.dtype)
-    lse = lse.contiguous()
-    delta = torch.empty_like(lse)   # δ has the LSE's layout: (b, h, sq) or (h, tq)
-    l_s = (0, *lse.stride()) if varlen else lse.stride()
+    lse = lse if lse.is_contiguous() else lse.contiguous()
     has_dlse = dlse is not None
-    if has_dlse:
+    if has_dlse and not dlse.is_contiguous():
         dlse = dlse.contiguous()
-    # varlen: all tokens as one sequence (δ is per row)
-    attention_bwd_delta_kernel[(cdiv(rows, DELTA_ROWS), (1 if varlen else batch) * heads)](
-        out, dout, dlse if has_dlse else delta, delta, rows, heads, *o_s, *do_s, *l_s,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_M=DELTA_ROWS, HAS_DLSE=has_dlse, num_warps=4)
-    qk_scale_log2 = softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E
-    if bias is None:
-        b_s, bias_keys = (0, 0, 0, 0), 0
-    elif key_padding:   # (b, P) flags: batch stride, key stride in the first and last slots
-        b_s = (bias.stride(0), 0, 0, bias.stride(1))
-    else:
-        b_s = bias.stride()
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), out.stride(), lse.shape,
+           q.dtype, q.get_device(), has_dlse, None if bias is None else (bias.dtype, bias.shape, bias.stride()),
+           bias_keys, key_padding, None if cu_seqlens_q is None else cu_seqlens_q.shape[0], max_seqlen_q,
+           max_seqlen_k, has_left, window_left, has_right, window_right, softcap > 0, need_dq, need_dkv, config,
+           None if dq is None else dq.stride(), None if dk is None else (dk.stride(), dv.stride()),
+           aligned16(q, k, v, out, dout, dlse, bias, cu_seqlens_q, cu_seqlens_k, dq, dk, dv))
+    plan = _BACKWARD_PLANS.get(key)
+    if plan is None:
+        plan = _BackwardPlan(q, k, v, out, lse, has_dlse, dout, dq, dk, dv, bias, bias_keys, key_padding, cu_seqlens_q,
+                             max_seqlen_q, max_seqlen_k, has_left, window_left, has_right, window_right, softcap,
+                             config)
+        if len(_BACKWARD_PLANS) < MAX_PLANS:
+            _BACKWARD_PLANS[key] = plan
+    launch_key = key if key[-1] else None   # else Triton specialises each call
+    delta = torch.empty_like(lse)   # δ has the LSE's layout: (b, h, sq) or (h, tq)
+    _DELTA(launch_key, plan.delta_grid, (out, dout, dlse if has_dlse else delta, delta, *plan.delta_ints),
+           plan.delta_constexprs)
+    scales = (softmax_scale, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softcap)
     bias_t = bias if bias is not None else delta
     cu_q = cu_seqlens_q if varlen else delta
     cu_k = cu_seqlens_k if varlen else delta
-    common = (seqlen_q, seqlen_k, heads, kv_heads, bias_keys, softmax_scale, qk_scale_log2, softcap,
-              window_left, window_right)
-    meta = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0,
-                HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_BIAS=bias is not None, KEY_PADDING=bool(key_padding),
-                **dots)
-    strides = (*q_s, *k_s, *v_s, *do_s, *l_s)
     if need_dkv:
-        attention_bwd_dkdv_kernel[(cdiv(seqlen_k, cfg.BLOCK_N1), batch * kv_heads)](
-            q, k, v, dout, lse, delta, dk, dv, bias_t, cu_q, cu_k, *strides, *dk_s, *dv_s, *b_s,
-            *common, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, num_warps=cfg.num_warps1,
-            num_stages=cfg.num_stages1, **meta)
+        _DKDV(launch_key, plan.dkdv_grid, (q, k, v, dout, lse, delta, dk, dv, bias_t, cu_q, cu_k, *plan.dkdv_ints,
+                                           *scales, *plan.windows), plan.dkdv_constexprs)
     if need_dq:
-        attention_bwd_dq_kernel[(cdiv(seqlen_q, cfg.BLOCK_M2), batch * heads)](
-            q, k, v, dout, lse, delta, dq, bias_t, cu_q, cu_k, *strides, *dq_s, *b_s, *common,
-            BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, num_warps=cfg.num_warps2, num_stages=cfg.num_stages2, **meta)
+        _DQ(launch_key, plan.dq_grid, (q, k, v, dout, lse, delta, dq, bias_t, cu_q, cu_k, *plan.dq_ints, *scales,
+                                       *plan.windows), plan.dq_constexprs)
     return dq, dk, dv
+
+
+_DELTA = Launcher(attention_bwd_delta_kernel)
+_DKDV = Launcher(attention_bwd_dkdv_kernel)
+_DQ = Launcher(attention_bwd_dq_kernel)
+_BACKWARD_PLANS: dict = {}
+MAX_PLANS = 4096   # distinct launch keys kept; later ones are worked out per call
+
+
+class _BackwardPlan:
+    """What one launch key of the backward fixes: config, grids, the kernels' integer arguments
+    and constexprs (it keeps no tensor)."""
+
+    def __init__(self, q, k, v, out, lse, has_dlse, dout, dq, dk, dv, bias, bias_keys, key_padding, cu_seqlens_q,
+                 max_seqlen_q, max_seqlen_k, has_left, window_left, has_right, window_right, softcap, config):
+        varlen = cu_seqlens_q is not None
+        need_dq, need_dkv = dq is not None, dk is not None
+        head_dim = q.shape[-1]
+        if varlen:
+            batch = cu_seqlens_q.shape[0] - 1
+            heads, kv_heads = q.shape[1], k.shape[1]
+            seqlen_q, seqlen_k = max_seqlen_q, max_seqlen_k
+            # (tokens, heads, d) as a batch of one: the batch stride is never used
+            q_s, k_s, v_s, do_s = ((0, *t.stride()[:2]) for t in (q, k, v, dout))
+            dq_s = (0, *dq.stride()[:2]) if need_dq else None
+            dk_s, dv_s = ((0, *dk.stride()[:2]), (0, *dv.stride()[:2])) if need_dkv else (None, None)
+            o_s = (0, *out.stride()[:2])
+            rows = q.shape[0]
+        else:
+            batch, seqlen_q, heads, _ = q.shape
+            seqlen_k, kv_heads = k.shape[1], k.shape[2]
+            q_s, k_s, v_s, do_s, o_s = (t.stride()[:3] for t in (q, k, v, dout, out))
+            dq_s = dq.stride()[:3] if need_dq else None
+            dk_s, dv_s = (dk.stride()[:3], dv.stride()[:3]) if need_dkv else (None, None)
+            rows = seqlen_q
+        d_pad = head_dim_pad(head_dim)
+        cfg = config or attention_bwd_config(d_pad, gpu_family(q.device))
+        l_s = (0, *lse.stride()) if varlen else lse.stride()
+        # varlen: all tokens as one sequence (δ is per row)
+        self.delta_grid = (cdiv(rows, DELTA_ROWS), (1 if varlen else batch) * heads, 1)
+        self.delta_ints = (rows, heads, *o_s, *do_s, *l_s)
+        self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_M=DELTA_ROWS, HAS_DLSE=has_dlse,
+                                     num_warps=4)
+        if bias is None:
+            b_s, bias_keys = (0, 0, 0, 0), 0
+        elif key_padding:   # (b, P) flags: batch stride, key stride in the first and last slots
+            b_s = (bias.stride(0), 0, 0, bias.stride(1))
+        else:
+            b_s = bias.stride()
+        strides = (*q_s, *k_s, *v_s, *do_s, *l_s)
+        shape = (seqlen_q, seqlen_k, heads, kv_heads, bias_keys)
+        self.windows = (window_left, window_right)
+        meta = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, IS_VARLEN=varlen, HAS_SOFTCAP=softcap > 0,
+                    HAS_LEFT=has_left, HAS_RIGHT=has_right, HAS_BIAS=bias is not None,
+                    KEY_PADDING=bool(key_padding), **dot_options(q.dtype))
+        if need_dkv:
+            self.dkdv_grid = (cdiv(seqlen_k, cfg.BLOCK_N1), batch * kv_heads, 1)
+            self.dkdv_ints = (*strides, *dk_s, *dv_s, *b_s, *shape)
+            self.dkdv_constexprs = dict(BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, num_warps=cfg.num_warps1,
+                                        num_stages=cfg.num_stages1, **meta)
+        if need_dq:
+            self.dq_grid = (cdiv(seqlen_q, cfg.BLOCK_M2), batch * heads, 1)
+            self.dq_ints = (*strides, *dq_s, *b_s, *shape)
+            self.dq_constexprs = dict(BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, num_warps=cfg.num_warps2,
+                                      num_stages=cfg.num_stages2, **meta)
 
 
 def attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

@@ -1,9 +1,18 @@
-"""What the launchers (attention prefill, backward and decode; the FFN) derive alike from their inputs."""
+"""What the launchers (attention prefill, backward and decode; the FFN) share: what they derive
+alike from their inputs, and :class:`Launcher`, the launch path that does Triton's per-call work
+once per launch key."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from triton import knobs as _knobs
+from triton.runtime import driver as _driver
+from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 
 from flashflow.device import interpreting, next_pow2
+
+_HOOKS = _knobs.runtime.launch_enter_hook   # Proton's launch hooks: installed, they see every launch
 
 
 def head_dim_pad(head_dim: int) -> int:
@@ -23,3 +32,131 @@ def dot_options(dtype: torch.dtype) -> dict:
     dots, as the interpreter's bf16 ``tl.dot`` is wrong (a GPU never takes that branch)."""
     return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
             "DOT_FP32": dtype == torch.bfloat16 and interpreting()}
+
+
+# --------------------------------------------------------------------------------------------
+# launching: Triton's per-call work done once per launch key
+# --------------------------------------------------------------------------------------------
+
+_CHECK_KEYS = False
+
+
+def check_launch_keys(on: bool) -> bool:
+    """Make every cached launch also run Triton's own argument binding and compare its
+    specialisation with the one its key was cached with (the GPU tests turn this on: a key that
+    misses an argument's specialisation raises instead of launching the wrong binary). Returns
+    the previous setting."""
+    global _CHECK_KEYS
+    previous, _CHECK_KEYS = _CHECK_KEYS, bool(on)
+    return previous
+
+
+class Launcher:
+    """Launches of one ``@triton.jit`` kernel by a key its launcher computes.
+
+    ``kernel[grid](*args, **constexprs)`` binds and specialises every argument on every call
+    (whether each int is 1 or a multiple of 16, each pointer's alignment, the descriptors'
+    blocks), hashes the result, and calls the launch hooks: tens of µs for a kernel of fifty
+    arguments. The key a launcher passes here stands for all of that — the shapes, strides,
+    dtypes, flags and config its arguments and constexprs derive from, and whether every
+    pointer is 16-byte aligned — so a repeated key goes straight to the compiled kernel's
+    launch (:func:`check_launch_keys` verifies this while the GPU tests run). A first key takes
+    Triton's path (compiling if needed) and records what it launched; ``key=None`` always does.
+    Triton's interpreter and an installed launch hook (Proton) always take Triton's path.
+    """
+
+    __slots__ = ("kernel", "_entries", "_params")
+    MAX_KEYS = 4096   # per kernel; beyond it new keys take Triton's path (each still correct)
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._entries: dict = {}
+        self._params = None
+
+    def __call__(self, key, grid, args: tuple, constexprs: dict) -> None:
+        entry = self._entries.get(key) if key is not None else None
+        if entry is not None and not _HOOKS.calls:
+            run, function, metadata, tail, spec = entry
+            if _CHECK_KEYS:
+                self._check(key, spec, args, constexprs)
+            device = _driver.active.get_current_device()
+            run(grid[0], grid[1], grid[2], _driver.active.get_current_stream(device), function, metadata,
+                None, None, None, *args, *tail)
+            return
+        compiled = self.kernel[grid](*args, **constexprs)
+        if key is None or not hasattr(compiled, "function") or len(self._entries) >= self.MAX_KEYS:
+            return
+        compiled._init_handles()
+        if self._params is None:
+            self._params = [(p.name, p.default) for p in self.kernel.params]
+        # the parameters after the positional ones, in the kernel's order (constexprs, defaults)
+        tail = tuple(constexprs.get(name, default) for name, default in self._params[len(args):])
+        self._entries[key] = (compiled.run, compiled.function, compiled.packed_metadata, tail,
+                              self._specialisation(args, constexprs))
+
+    def _specialisation(self, args, constexprs):
+        device = _driver.active.get_current_device()
+        binder = self.kernel.device_caches[device][-1]
+        _, spec, options = binder(*args, **constexprs)
+        return str(spec), str(options)
+
+    def _check(self, key, spec, args, constexprs):
+        if self._specialisation(args, constexprs) != spec:
+            raise RuntimeError(f"{self.kernel.__name__}: launch key {key!r} does not determine Triton's "
+                               "specialisation of its arguments (a flashflow bug: please report it)")
+
+
+def tensor_descriptor(base: torch.Tensor, shape, strides, block_shape):
+    """Triton's host ``TensorDescriptor`` of ``base`` for a launch whose key already fixed (and
+    checked, on its first call) the shape, strides, block and alignment: built without
+    re-validating them."""
+    desc = object.__new__(_TensorDescriptor)
+    desc.base, desc.shape, desc.strides, desc.block_shape, desc.padding = base, shape, strides, block_shape, "zero"
+    return desc
+
+
+def aligned16(*tensors) -> bool:
+    """Every tensor's address is a multiple of 16 bytes (what Triton specialises pointers on;
+    None stands for no tensor)."""
+    for t in tensors:
+        if t is not None and t.data_ptr() % 16:
+            return False
+    return True
+
+
+_SCALARS = frozenset({int, float, bool, str, type(None)})
+
+
+def call_key(args) -> Optional[tuple]:
+    """A hashable key of a call's arguments for ops that check a call once per key: a tensor
+    stands for its shape, strides, dtype, device and ``requires_grad``, a scalar (int, float,
+    bool, str, None) for its type and value (``True`` and ``1`` differ), a tuple of two ints
+    (a window) for itself; the grad mode is part of it. The last element says whether every
+    tensor's address is a multiple of 16 bytes (a :class:`Launcher` key needs that). None for
+    an argument of any other kind (a list, a tensor subclass): such a call is checked in full.
+    Values inside tensors are never part of a key (reading them would synchronise)."""
+    key, aligned = [], True
+    for x in args:
+        c = x.__class__
+        if c is torch.Tensor:
+            key.append((x.shape, x.stride(), x.dtype, x.get_device(), x.is_meta, x.requires_grad))
+            if x.data_ptr() % 16:
+                aligned = False
+        elif c in _SCALARS:
+            key.append((c, x))
+        elif c is tuple and len(x) == 2 and x[0].__class__ is int and x[1].__class__ is int:
+            key.append(x)
+        else:
+            return None
+    key.append(torch.is_grad_enabled())
+    key.append(aligned)
+    return tuple(key)
+
+
+def contiguous_strides(shape) -> tuple:
+    """The strides of a contiguous tensor of ``shape`` (what ``torch.empty(shape)`` gets)."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))

@@ -21,7 +21,8 @@ import torch
 from flashflow.device import capturing, cdiv, gpu_family, next_pow2, num_sms as device_num_sms
 from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import dot_options, head_dim_pad as _head_dim_pad, unit_last_stride
+from flashflow.ops.common import (Launcher, call_key, contiguous_strides as _contiguous_strides, dot_options,
+                                  head_dim_pad as _head_dim_pad, unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_head_dim, check_heads, check_int, check_no_grad, check_qkv,
                                     check_runs_here, check_scale, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
@@ -239,6 +240,7 @@ class DecodePlan:
             self.ws_acc = self.ws_ml = self.counters = torch.empty(1, dtype=torch.float32, device=device)
         self._no_lse = torch.empty(1, dtype=torch.float32, device=device)   # never written
         self._full_lens: dict[int, torch.Tensor] = {}   # cache_seqlens=None, built outside capture
+        self._launches: dict = {}   # call key -> _DecodeLaunch
 
     def config_for(self, page_size: Optional[int]) -> DecodeConfig:
         """The tiles of a launch on a paged cache of ``page_size`` (None: contiguous): the plan's
@@ -270,7 +272,27 @@ class DecodePlan:
         A q, k or v whose last axis is not unit-stride is copied first (the kernel reads
         head_dim with unit stride); every other stride (transposed, ``expand``-ed, a slice of a
         packed qkv) is read as it is.
+
+        The checks and everything the launch derives from them run once per call key (the
+        arguments' shapes, strides, dtypes, devices, flags and scalar values,
+        :func:`flashflow.ops.common.call_key`); a step with a key seen before allocates its
+        output and launches.
         """
+        args = (q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size, softcap,
+                return_lse, kv_layout, out, k_scale, v_scale)
+        key = call_key(args)
+        launch = self._launches.get(key) if key is not None else None
+        if launch is None:
+            launch = self._prepare(*args)
+            # the kernel's key: the call's and what the plan adds (splits, tiles, rows per program)
+            launch.launch_key = (key, tuple(launch.constexprs.items())) if key is not None and key[-1] else None
+            if key is not None and len(self._launches) < MAX_LAUNCH_KEYS:
+                self._launches[key] = launch
+        return launch(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, k_scale, v_scale)
+
+    def _prepare(self, q, k_cache, v_cache, k, v, cache_seqlens, block_table, softmax_scale, causal, window_size,
+                 softcap, return_lse, kv_layout, out, k_scale, v_scale) -> "_DecodeLaunch":
+        """The checks of :meth:`run` and what its launch derives from the arguments."""
         _check_decode_inputs(q, k, v, k_cache, v_cache)
         if q.device != self._no_lse.device:
             raise ValueError(f"this plan is for {self._no_lse.device}, got q on {q.device}")
@@ -304,13 +326,8 @@ class DecodePlan:
                              f"({capacity} tokens)")
         if out is not None:
             _check_out(out, q)
-        if cache_seqlens is None and not capturing(q.device):
-            full = self._full_lens.get(capacity)
-            if full is None:
-                full = self._full_lens[capacity] = _seqlens_tensor(None, batch, capacity, q.device)
-            cache_seqlens = full
-        else:
-            cache_seqlens = _seqlens_tensor(cache_seqlens, batch, capacity - n_new, q.device)
+        if cache_seqlens is not None and not _is_int(cache_seqlens):
+            _seqlens_tensor(cache_seqlens, batch, 0, q.device)   # its form
         # the kernel indexes head_dim with unit stride, every other axis by its stride
         q = unit_last_stride(q)
         if k is not None:
@@ -319,37 +336,73 @@ class DecodePlan:
         softcap = check_softcap(softcap)
         scale = softmax_scale_or_default(softmax_scale, head_dim)
         qk_scale_log2 = scale / softcap if softcap > 0 else scale * LOG2E
-        if out is None:
-            out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty((batch, heads, seqlen_q), dtype=torch.float32, device=q.device) if return_lse \
-            else self._no_lse
-        if batch == 0 or (seqlen_q == 0 and n_new == 0):   # nothing to attend, nothing to append
-            return (out, lse) if return_lse else out
-        ls = lse.stride() if return_lse else (0, 0, 0)
-        sk = k_cache.stride()[:3]
-        sv = v_cache.stride()[:3]
+        lens = None
+        if _is_int(cache_seqlens) and not capturing(q.device):   # built once, read by every step
+            lens = _seqlens_tensor(cache_seqlens, batch, capacity - n_new, q.device)
         kn = k if k is not None else q
         vn = v if v is not None else q
+        out_stride = out.stride() if out is not None else _contiguous_strides(q.shape)
+        ls = (heads * seqlen_q, seqlen_q, 1) if return_lse else (0, 0, 0)
         cfg = self.config_for(page if layout == 1 else None)
-        block_n = cfg.BLOCK_N
-        decode_attention_kernel[(self.num_splits, batch * kv_heads)](
-            q, k_cache, v_cache, kn, vn, out, lse, cache_seqlens,
-            block_table if block_table is not None else cache_seqlens,
-            self.ws_acc, self.ws_ml, self.counters,
-            k_per_head if k_per_head is not None else self._no_lse, v_per_head if v_per_head is not None else self._no_lse,
-            q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2), *ls,
-            *sk, *sv, kn.stride(0), kn.stride(1), kn.stride(2), vn.stride(0), vn.stride(1), vn.stride(2),
-            block_table.stride(0) if block_table is not None else 0,
-            seqlen_q, n_new, heads // kv_heads, kv_heads,
-            qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val,
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=block_n,
+        tail = (*q.stride()[:3], *out_stride[:3], *ls, *k_cache.stride()[:3], *v_cache.stride()[:3],
+                *kn.stride()[:3], *vn.stride()[:3], block_table.stride(0) if block_table is not None else 0,
+                seqlen_q, n_new, heads // kv_heads, kv_heads,
+                qk_scale_log2, softcap, max(left, 0), max(right, 0), k_val, v_val)
+        constexprs = dict(
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=self.head_dim_pad, BLOCK_N=cfg.BLOCK_N,
             BLOCK_R=self.block_r, BLOCK_NEW=max(16, next_pow2(n_new)),
             NUM_SPLITS=self.num_splits, PAGE_SIZE=page, LAYOUT=layout,
             FT_X=_ft_x(k_cache.dtype) if layout == 2 else 1, KV_FP8=fp8, SCALE_PER_HEAD=k_per_head is not None,
             HAS_NEW=n_new > 0, HAS_LEFT=left >= 0, HAS_RIGHT=right >= 0, HAS_SOFTCAP=softcap > 0,
-            RETURN_LSE=return_lse, **dot_options(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return (out, lse) if return_lse else out
+            RETURN_LSE=return_lse, **dot_options(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        return _DecodeLaunch(
+            lens=lens, lens_default=capacity - n_new, batch=batch,
+            lse_shape=(batch, heads, seqlen_q) if return_lse else None,
+            empty=batch == 0 or (seqlen_q == 0 and n_new == 0),   # nothing to attend, nothing to append
+            grid=(self.num_splits, batch * kv_heads, 1), tail=tail, constexprs=constexprs, launch_key=None)
+
+
+class _DecodeLaunch:
+    """One call key of :meth:`DecodePlan.run`: checked once; what its launches share."""
+
+    __slots__ = ("lens", "lens_default", "batch", "lse_shape", "empty", "grid", "tail", "constexprs", "launch_key")
+
+    def __init__(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def __call__(self, plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table, out, k_scale, v_scale):
+        # the kernel indexes head_dim with unit stride, every other axis by its stride
+        q = unit_last_stride(q)
+        if out is None:
+            out = q.new_empty(q.shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32) if self.lse_shape else plan._no_lse
+        if self.empty:
+            return (out, lse) if self.lse_shape else out
+        if k is not None:
+            kn, vn = unit_last_stride(k), unit_last_stride(v)
+        else:
+            kn = vn = q
+        lens = cache_seqlens
+        if lens is None:
+            lens = plan._full_lens.get(self.lens_default)
+            if lens is None:
+                lens = _seqlens_tensor(None, self.batch, self.lens_default, q.device)
+                if not capturing(q.device):
+                    plan._full_lens[self.lens_default] = lens
+        elif lens.__class__ is not torch.Tensor:
+            lens = self.lens if self.lens is not None else _seqlens_tensor(lens, self.batch, 0, q.device)
+        no = plan._no_lse
+        _DECODE(self.launch_key, self.grid, (
+            q, k_cache, v_cache, kn, vn, out, lse, lens, block_table if block_table is not None else lens,
+            plan.ws_acc, plan.ws_ml, plan.counters,
+            k_scale.contiguous() if k_scale.__class__ is torch.Tensor else no,
+            v_scale.contiguous() if v_scale.__class__ is torch.Tensor else no, *self.tail), self.constexprs)
+        return (out, lse) if self.lse_shape else out
+
+
+_DECODE = Launcher(decode_attention_kernel)
+MAX_LAUNCH_KEYS = 256   # per plan: call keys kept (layouts × flags); later ones are checked per call
 
 
 _EAGER_PLANS: "OrderedDict[tuple, DecodePlan]" = OrderedDict()

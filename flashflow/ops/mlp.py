@@ -48,7 +48,7 @@ from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_TH
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
 from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
                                          parse_order)
-from flashflow.ops.common import unit_last_stride
+from flashflow.ops.common import call_key, unit_last_stride
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
@@ -407,9 +407,9 @@ def launch_cublas(x2, w1, w2, activation):
     reference's math in x's dtype. No host synchronisation: CUDA-graph and torch.compile safe."""
     f = torch.nn.functional
     h = f.linear(x2, w1)
-    if activation == "swiglu":
-        gate, up = h.chunk(2, dim=-1)
-        h = f.silu(gate) * up
+    if activation == "swiglu":   # in place in the first GEMM's output: two allocations fewer
+        inter = w2.shape[1]
+        h = f.silu(h.narrow(-1, 0, inter), inplace=True).mul_(h.narrow(-1, inter, inter))
     elif activation == "gelu":
         h = f.gelu(h, approximate="tanh")
     elif activation == "silu":
@@ -420,20 +420,26 @@ def launch_cublas(x2, w1, w2, activation):
 
 
 def _fused_mlp_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
-                    policy: str, workspace: Optional[MlpWorkspace] = None) -> torch.Tensor:
+                    policy: str, workspace: Optional[MlpWorkspace] = None, plan=None) -> torch.Tensor:
+    """``plan``: ``(name, rows, dtype to compute in)`` as :func:`_plan` gives it for these inputs."""
     dtype = x2.dtype
-    run_as = _interpreter_dtype(dtype)
+    name, rows, run_as = plan or _plan(x2, w2, activation, policy)
     if run_as != dtype:
         x2, w1, w2 = x2.to(run_as), w1.to(run_as), w2.to(run_as)
-    gated = activation == "swiglu"
-    name, rows = resolve_policy(policy, x2.shape[0], gated, w2.shape[1], x2.device)
     if name == "cublas":
         out = launch_cublas(x2, w1, w2, activation)
     elif name == "splitk":
         out = launch_splitk(x2, w1, w2, activation, workspace)
     else:
         out = launch_persistent(x2, w1, w2, activation, name, rows, workspace)
-    return out.to(dtype)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _plan(x2, w2, activation, policy) -> tuple[str, int, torch.dtype]:
+    """What a call runs as: the plan and group rows ``policy`` resolves to for its M, and the
+    dtype the kernels compute in."""
+    name, rows = resolve_policy(policy, x2.shape[0], activation == "swiglu", w2.shape[1], x2.device)
+    return name, rows, _interpreter_dtype(x2.dtype)
 
 
 def _fused_mlp_op_impl(x2: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, activation: str,
@@ -476,6 +482,11 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
         unfused FFN rounds it; accumulation is fp32. Under Triton's interpreter bf16 inputs
         are computed in fp32 (its bf16 ``tl.dot`` is wrong).
     """
+    compiling = torch.compiler.is_compiling()
+    key = call_key((x, w_gate_up, w_down, activation, policy)) if workspace is None and not compiling else None
+    run = _CALLS.get(key) if key is not None else None
+    if run is not None:   # these arguments' kinds passed the checks before: only the launch is left
+        return run(x, w_gate_up, w_down)
     _check(x, w_gate_up, w_down, activation)
     m = x.numel() // x.shape[-1]
     name, _ = parse_policy(policy)
@@ -489,13 +500,41 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
                              f"this call has hidden={x.shape[-1]} and {m} tokens: make one with "
                              f"MlpWorkspace({x.shape[-1]}, max_tokens >= {m})")
     x2, w1, w2 = _rows(x), unit_last_stride(w_gate_up), unit_last_stride(w_down)
-    if torch.compiler.is_compiling():
+    if compiling:
         if workspace is not None:
             raise ValueError("workspace is not supported under torch.compile; pass None")
         out = _fused_mlp_op(x2, w1, w2, activation, policy)
     else:
-        out = _fused_mlp_impl(x2, w1, w2, activation, policy, workspace)
+        plan = _plan(x2, w2, activation, policy)
+        if key is not None and len(_CALLS) < MAX_CALLS:
+            _CALLS[key] = _call(plan, x, w_gate_up, w_down, activation, policy)
+        out = _fused_mlp_impl(x2, w1, w2, activation, policy, workspace, plan)
     return out.reshape(x.shape)
+
+
+_CALLS: dict = {}   # call key (shapes, strides, dtypes, device, activation, policy) -> its launch
+MAX_CALLS = 4096
+
+
+def _call(plan, x, w_gate_up, w_down, activation, policy):
+    """``run(x, w_gate_up, w_down)`` for later calls of the key these arguments have: checked,
+    resolved, only the launch left. A 2-D x of unit-stride rows through cuBLAS as SwiGLU, the
+    decode step's shape, takes the shortest path (the three ops, nothing around them)."""
+    name, _, run_as = plan
+    direct = x.dim() == 2 and x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
+    if name == "cublas" and activation == "swiglu" and direct and run_as == x.dtype:
+        inter = w_down.shape[1]
+        linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
+
+        def swiglu(x, w1, w2):
+            h = linear(x, w1)
+            return linear(silu(h.narrow(1, 0, inter), inplace=True).mul_(h.narrow(1, inter, inter)), w2)
+        return swiglu
+
+    def run(x, w1, w2):
+        out = _fused_mlp_impl(_rows(x), unit_last_stride(w1), unit_last_stride(w2), activation, policy, None, plan)
+        return out.reshape(x.shape)
+    return run
 
 
 # --------------------------------------------------------------------------------------------

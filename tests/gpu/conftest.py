@@ -60,3 +60,14 @@ def fresh_seed():
     yield seed
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _launch_keys_checked():
+    """Every cached launch (flashflow.ops.common.Launcher) is checked against Triton's own
+    specialisation of its arguments while the GPU tests run."""
+    from flashflow.ops.common import check_launch_keys
+
+    previous = check_launch_keys(True)
+    yield
+    check_launch_keys(previous)

@@ -50,10 +50,11 @@ def _inputs(lens, dtype, capacity, heads=32, kv_heads=8, d=128, n_new=0, seqlen_
 
 
 def _check(args, out, lse):
+    """The float64 of a ``causal=True`` call (every call below is causal)."""
     ref, ref_lse, ref_k, ref_v = kvcache_attention_ref(
         args["q"].double(), args["k_cache"], args["v_cache"],
         None if args["k"] is None else args["k"].double(), None if args["v"] is None else args["v"].double(),
-        args["cache_seqlens"], args["block_table"], kv_layout=args["kv_layout"],
+        args["cache_seqlens"], args["block_table"], causal=True, kv_layout=args["kv_layout"],
         k_scale=args["k_scale"], v_scale=args["v_scale"])
     assert torch.isfinite(out).all()
     err = ((out.double() - ref).norm() / ref.norm()).item()
