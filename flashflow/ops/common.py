@@ -124,32 +124,35 @@ def aligned16(*tensors) -> bool:
     return True
 
 
-_SCALARS = frozenset({int, float, bool, str, type(None)})
-
-
 def call_key(args) -> Optional[tuple]:
     """A hashable key of a call's arguments for ops that check a call once per key: a tensor
-    stands for its shape, strides, dtype, device and ``requires_grad``, a scalar (int, float,
-    bool, str, None) for its type and value (``True`` and ``1`` differ), a tuple of two ints
-    (a window) for itself; the grad mode is part of it. The last element says whether every
-    tensor's address is a multiple of 16 bytes (a :class:`Launcher` key needs that). None for
-    an argument of any other kind (a list, a tensor subclass): such a call is checked in full.
-    Values inside tensors are never part of a key (reading them would synchronise)."""
+    stands for its shape, strides, dtype, device and ``requires_grad``, a scalar for its value
+    and type (``True``, ``1`` and ``1.0`` differ), a tuple of two ints (a window) for itself;
+    the grad mode is part of it. The last element says whether every tensor's address is a
+    multiple of 16 bytes (a :class:`Launcher` key needs that). None for an argument of any
+    other kind (a list, a tensor subclass): such a call is checked in full. Values inside
+    tensors are never part of a key (reading them would synchronise)."""
     key, aligned = [], True
+    append = key.append
     for x in args:
+        if x is None:
+            append(None)
+            continue
         c = x.__class__
         if c is torch.Tensor:
-            key.append((x.shape, x.stride(), x.dtype, x.get_device(), x.is_meta, x.requires_grad))
+            append((x.shape, x.stride(), x.dtype, x.get_device(), x.is_meta, x.requires_grad))
             if x.data_ptr() % 16:
                 aligned = False
-        elif c in _SCALARS:
-            key.append((c, x))
+        elif c is bool or c is str:   # equal only to themselves among the kinds a key holds
+            append(x)
+        elif c is int or c is float:   # 1 == 1.0 == True: the type tells them apart
+            append((c, x))
         elif c is tuple and len(x) == 2 and x[0].__class__ is int and x[1].__class__ is int:
-            key.append(x)
+            append(x)
         else:
             return None
-    key.append(torch.is_grad_enabled())
-    key.append(aligned)
+    append(torch.is_grad_enabled())
+    append(aligned)
     return tuple(key)
 
 
