@@ -245,8 +245,8 @@ def test_from_json_refuses_a_missing_file(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
-def test_decode_bench_cycles_cache_copies_past_l2():
-    from flashflow.bench.decode import cycling, rotation
+def test_cold_l2_timing_cycles_input_copies_past_l2():
+    from flashflow.bench.timing import cycling, rotation
 
     l2 = 50 * 2**20
     assert rotation(34 * 10**6, l2) == 5          # 1×8k GQA: 5 copies ≈ 170 MB ≥ 3 L2s
