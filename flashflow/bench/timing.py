@@ -61,12 +61,12 @@ def record(discipline: str, **params) -> dict:
 def discipline_of(result: dict) -> str | None:
     """The discipline that timed ``result`` (a suite's JSON): as recorded, or for a result
     that predates the field the one its suite used; None for results that time nothing
-    (info, memory)."""
+    (info, memory) and for results of tools the repository no longer has."""
     timing = result.get("timing")
     if isinstance(timing, dict) and "discipline" in timing:
         return timing["discipline"]
     suite = str(result.get("suite") or "")
-    if suite.startswith("tune-"):
+    if suite.startswith("tune-") and isinstance(timing, dict) and "rounds" in timing:
         return "rounds"
     return _UNNAMED.get(suite)
 
