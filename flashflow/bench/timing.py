@@ -31,7 +31,7 @@ import statistics
 import time
 
 DISCIPLINES = {
-    "warm": "do_bench median of eager calls on the same inputs (L2 warm)",
+    "warm": "do_bench of eager calls on the same inputs (L2 warm)",
     "graph": "do_bench median of CUDA-graph replays of `steps` back-to-back calls, per call",
     "cold-l2": "graph replays over input copies spanning three L2s, the calls cycling through them",
     "rounds": "providers timed in interleaved rounds, the order rotated each round, median round",
@@ -47,6 +47,8 @@ L2_SPAN = 3
 # suites written before results named their discipline, and the one their code used
 _UNNAMED = {"attention": "warm", "train": "warm", "qwen-image": "warm", "decode": "cold-l2",
             "mlp": "rounds", "host": "host", "dataflow": "warm"}
+# ... and for ``rounds``, the discipline the rounds repeated
+_UNNAMED_OF = {"mlp": "graph"}
 
 
 def record(discipline: str, **params) -> dict:
@@ -77,8 +79,10 @@ def describe(result: dict) -> str:
     if name is None:
         return ""
     timing = result.get("timing") if isinstance(result.get("timing"), dict) else {}
-    inner = timing.get("of")
-    return f"Timing `{name}`{f' of `{inner}`' if inner else ''}: {DISCIPLINES[name]}."
+    inner = timing.get("of") or (_UNNAMED_OF.get(result.get("suite")) if "discipline" not in timing else None)
+    mode = timing.get("return_mode")
+    return (f"Timing `{name}`{f' of `{inner}`' if inner else ''}{f', {mode}' if mode else ''}: "
+            f"{DISCIPLINES[name]}.")
 
 
 def short_error(e: BaseException) -> str:
