@@ -110,31 +110,8 @@ def print_result(result: dict, markdown: bool = False) -> None:
     if suite == "attention":
         print(runner.markdown_table(result["rows"]) if markdown else runner.text_table(result["rows"]))
         _print_accuracy(result["rows"])
-    elif suite == "decode":
-        from flashflow.bench.decode import markdown_table
-
-        print(markdown_table(result))
-    elif suite == "train":
-        from flashflow.bench.train import markdown_table
-        print(markdown_table(result))
-    elif suite == "mlp":
-        from flashflow.bench import mlp_suite
-
-        for metric in ("us", "tbs", "tflops"):
-            print(mlp_suite.markdown_table(result, metric) + "\n")
-        print(mlp_suite.compact_table(result))
-    elif suite == "memory":
-        from flashflow.bench import memory
-
-        print(memory.caption(result) + "\n\n" + memory.markdown_table(result["rows"]))
-    elif suite == "dataflow":
-        from flashflow.bench import dataflow
-
-        print(dataflow.report(result))
-    elif suite == "qwen-image":
-        from flashflow.bench import qwen_image
-
-        print(qwen_image.report(result))
+    elif suite in RUNNERS:
+        print(importlib.import_module(RUNNERS[suite].module).report(result))
     elif suite == "info":
         from flashflow.bench import info
         from flashflow.bench.ops import spec

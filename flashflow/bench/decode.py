@@ -318,3 +318,8 @@ def markdown_table(result) -> str:
             f"| {f(t.get('flashflow-fp8-ft-append'))} | {f(r.get('fp8_vs_cudnn'))} "
             f"| {f(r.get('fp8_rel_err_vs_bf16'), '{:.4f}')} |")
     return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a decode result."""
+    return markdown_table(result)

@@ -122,3 +122,8 @@ def markdown_table(result) -> str:
         for name, note in r.get("notes", {}).items():
             lines.append(f"| {r['entry']} | {name} | {note} |")
     return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a host result."""
+    return markdown_table(result)

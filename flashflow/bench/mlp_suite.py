@@ -225,6 +225,13 @@ def compact_table(result: dict) -> str:
     return "\n".join(lines + [f"error {e}" for e in errors])
 
 
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of an mlp result: µs, TB/s and TFLOP/s per
+    provider, then the narrow summary."""
+    return "\n\n".join([markdown_table(result, metric) for metric in ("us", "tbs", "tflops")]
+                       + [compact_table(result)])
+
+
 def run(args) -> int:
     """Entry point of ``flashflow bench --suite mlp`` (args: dtype, quick, warmup, rep, providers, out;
     the CLI has checked them and that a GPU is there)."""

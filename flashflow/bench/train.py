@@ -136,3 +136,8 @@ def markdown_table(result) -> str:
             f"| {f(pk.get('flashflow'))} / {f(pk.get('sdpa-cudnn'))} / {f(pk.get('sdpa-flash'))} "
             f"| {'—' if err is None else ', '.join(f'{e:.1e}' for e in err)} |")
     return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a train result."""
+    return markdown_table(result)
