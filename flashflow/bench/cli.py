@@ -17,7 +17,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from flashflow.bench import runner, suites
+from flashflow.bench import runner, suites, timing
 from flashflow.progress import progress as Progress
 from flashflow.bench.suites import ATTENTION_DEFAULTS, ATTENTION_OPTIONS, RUNNERS, SUITES
 
@@ -110,36 +110,14 @@ def print_result(result: dict, markdown: bool = False) -> None:
     if suite == "attention":
         print(runner.markdown_table(result["rows"]) if markdown else runner.text_table(result["rows"]))
         _print_accuracy(result["rows"])
-    elif suite == "decode":
-        from flashflow.bench.decode import markdown_table
-
-        print(markdown_table(result))
-    elif suite == "train":
-        from flashflow.bench.train import markdown_table
-        print(markdown_table(result))
-    elif suite == "mlp":
-        from flashflow.bench import mlp_suite
-
-        for metric in ("us", "tbs", "tflops"):
-            print(mlp_suite.markdown_table(result, metric) + "\n")
-        print(mlp_suite.compact_table(result))
-    elif suite == "memory":
-        from flashflow.bench import memory
-
-        print(memory.caption(result) + "\n\n" + memory.markdown_table(result["rows"]))
-    elif suite == "dataflow":
-        from flashflow.bench import dataflow
-
-        print(dataflow.report(result))
-    elif suite == "qwen-image":
-        from flashflow.bench import qwen_image
-
-        print(qwen_image.report(result))
+    elif suite in RUNNERS:
+        print(importlib.import_module(RUNNERS[suite].module).report(result))
     elif suite == "info":
         from flashflow.bench import info
+        from flashflow.bench.ops import spec
 
         for op in dict.fromkeys(r["op"] for r in result["rows"]):
-            print(f"{info._TITLES[op]}:\n")
+            print(f"{spec(op).info_title}:\n")
             print(info.format_table([r for r in result["rows"] if r["op"] == op], result.get("compiled", True)) + "\n")
     else:
         raise ValueError(f"not a flashflow bench result (its suite is {suite!r}, not one of "
@@ -274,7 +252,7 @@ def main(args: argparse.Namespace) -> int:
         "schema_version": runner.SCHEMA_VERSION, "suite": suite.name, **env,
         "dtype": args.dtype, "quick": args.quick, "providers": providers, "ours": suite.ours,
         "ceiling_tflops": runner.MATMUL_CEILING_TFLOPS,
-        "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
+        "timing": timing.record("warm", warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
         "rows": rows,
     }
     if suite.reference is not None:

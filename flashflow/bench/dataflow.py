@@ -44,6 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 import triton
 
+from flashflow.bench import timing
 from flashflow.dataflow import orders as _orders
 from flashflow.dataflow.bounds import compulsory_read_bytes
 from flashflow.dataflow.model import H100, H100_PARTITIONED, Hardware, simulate, simulate_on
@@ -349,8 +350,8 @@ def measure(settings: Settings, log=print) -> dict:
                                "num_stages": settings.num_stages, "tiles_per_sm": per_sm,
                                "block": [settings.block_m, settings.block_n, settings.block_k]}
             hw = Hardware(num_sms=sms, l2_bytes=l2, tiles_per_sm=kernel_info["tiles_per_sm"])
-            ms = triton.testing.do_bench(
-                lambda: launch(a, b, c, perm, shape, settings.num_warps, settings.num_stages))
+            ms = timing.warm_ms(lambda: launch(a, b, c, perm, shape, settings.num_warps, settings.num_stages),
+                                first_call=False, return_mode="mean")
             t0 = time.time()
             model_lru = predict(shape, spec, hw, "lru")
             model_partitioned = predict(shape, spec, partitioned(hw), "lru")
@@ -387,6 +388,7 @@ def measure(settings: Settings, log=print) -> dict:
         "ncu_command": "ncu --clock-control none --metrics " + ",".join(METRICS) +
                        " --csv --print-units base (default cache control: L2 flushed)",
         "note": MODEL_NOTE, "results": results,
+        "timing": timing.record("warm", warmup_ms=25, rep_ms=100, return_mode="mean"),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
@@ -423,22 +425,22 @@ def all_variants() -> list[str]:
     ``placement`` of tiles on sides; flashflow/dataflow/cache.py and machine.py). The model's
     H100_PARTITIONED is ``drift/p2-home-halves``."""
     out = []
-    for timing in ("lockstep", "drift"):
-        out += [f"{timing}/unified", f"{timing}/unified-half"]
-        out += [f"{timing}/p2-{s}-{p}" for s, p in itertools.product(SHARINGS, PLACEMENTS)]
+    for phases in ("lockstep", "drift"):
+        out += [f"{phases}/unified", f"{phases}/unified-half"]
+        out += [f"{phases}/p2-{s}-{p}" for s, p in itertools.product(SHARINGS, PLACEMENTS)]
     return out
 
 
 def variant_kwargs(name: str, l2_bytes: int) -> tuple[int, dict]:
     """'drift/p2-home-random' -> (cache bytes, simulate() keyword arguments). ``driftF`` spreads
     the phases over a fraction F of a tile (a free parameter: a sensitivity check only)."""
-    timing, _, l2 = name.partition("/")
-    if timing == "lockstep":
+    phases, _, l2 = name.partition("/")
+    if phases == "lockstep":
         kw = {"drift": 0.0}
-    elif timing == "drift":
+    elif phases == "drift":
         kw = {"drift": 1.0}
-    elif timing.startswith("drift") and _is_fraction(timing[5:]):
-        kw = {"drift": float(timing[5:])}
+    elif phases.startswith("drift") and _is_fraction(phases[5:]):
+        kw = {"drift": float(phases[5:])}
     else:
         raise ValueError(f"variant timing must be lockstep, drift or driftF (F in [0, 1]), got {name!r}")
     if l2 == "unified":

@@ -34,14 +34,14 @@ count their clones from their own (halved) bytes.
 """
 from __future__ import annotations
 
-import itertools
-import math
 import sys
 from datetime import datetime, timezone
 
 import torch
 
-GRAPH_STEPS = 16
+from flashflow.bench import timing
+from flashflow.bench.timing import GRAPH_STEPS, cycling, rotation
+
 PAGE_SIZE = 64
 
 
@@ -65,66 +65,6 @@ def decode_shapes(quick: bool):
 
 def kv_bytes(b, s, kv_heads, d, elt=2):
     return 2 * b * kv_heads * s * d * elt
-
-
-def read_ceiling_tbs() -> float:
-    """Best of a few large read-only reductions (bytes read / time)."""
-    import triton
-
-    x = torch.randn(2**31 // 2, device="cuda", dtype=torch.bfloat16)  # 2 GiB
-    y = torch.randn(2**31 // 2, device="cuda", dtype=torch.bfloat16)
-    best = 0.0
-    for fn in (lambda: x.sum(dtype=torch.float32), lambda: y.view(-1, 8192).sum(dim=1, dtype=torch.float32)):
-        t = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-        best = max(best, x.numel() * 2 / (t * 1e-3) / 1e12)
-    return best
-
-
-def capture_graph(fn, steps: int = 1):
-    """``(graph, output of the last captured call)`` of ``steps`` back-to-back calls of ``fn``,
-    after one warm-up call on a side stream (compiles, and allocations stay out of the graph)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    out = None
-    with torch.cuda.graph(g):
-        for _ in range(steps):
-            out = fn()
-    return g, out
-
-
-def graph_time_ms(fn, steps=GRAPH_STEPS, warmup: int = 25, rep: int = 100) -> float:
-    """Median time of one call, from CUDA-graph replays of ``steps`` back-to-back calls (what a
-    serving loop runs: no launch gaps, no Python in the loop)."""
-    import triton
-
-    g, _ = capture_graph(fn, steps)
-    ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=rep, return_mode="median") / steps
-    del g
-    return ms
-
-
-def eager_time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
-    import triton
-
-    fn()
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def rotation(nbytes: int, l2_bytes: int, steps: int = GRAPH_STEPS) -> int:
-    """How many copies of a step's inputs the timed steps cycle through: enough that one pass
-    over them is three L2s, at most ``steps``."""
-    return max(1, min(steps, math.ceil(3 * l2_bytes / max(nbytes, 1))))
-
-
-def cycling(make, copies: int):
-    """A zero-argument callable that runs ``make(i)``'s callables in turn, i = 0..copies-1."""
-    it = itertools.cycle([make(i) for i in range(copies)])
-    return lambda: next(it)()
 
 
 def paged_copy(k_cache, v_cache, page: int, generator=None):
@@ -155,7 +95,7 @@ def make_providers(b, s, h, hk, d, dtype):
     v_cache = torch.randn(b, s, hk, d, device="cuda", dtype=dtype, generator=g)
     seqlens = torch.full((b,), s, dtype=torch.int32, device="cuda")
     plan = flashflow.plan_decode(b, h, hk, d, s, device="cuda")
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    l2 = timing.l2_bytes()
     nbytes, nbytes8 = kv_bytes(b, s, hk, d), kv_bytes(b, s, hk, d, elt=1)
     copies, copies8 = rotation(nbytes, l2), rotation(nbytes8, l2)
 
@@ -276,7 +216,7 @@ def run(args) -> int:
     started = datetime.now(timezone.utc)
     env = runner.environment(started)
     print("measuring the read ceiling (a 2 GiB reduction)", file=sys.stderr, flush=True)
-    ceiling = read_ceiling_tbs()
+    ceiling = timing.read_ceiling_tbs()
     print(f"measured read ceiling: {ceiling:.2f} TB/s", flush=True)
     rows = []
     shapes = decode_shapes(args.quick)
@@ -297,11 +237,11 @@ def run(args) -> int:
         ms = {}
         for name, fn in provs.items():
             try:
-                tg = graph_time_ms(fn, warmup=args.warmup, rep=args.rep)
+                tg = timing.graph_ms(fn, GRAPH_STEPS, args.warmup, args.rep)
             except Exception as e:  # noqa: BLE001
                 tg = None
                 row["notes"][name] = f"graph capture failed: {type(e).__name__}"
-            te = eager_time_ms(fn, args.warmup, args.rep)
+            te = timing.warm_ms(fn, args.warmup, args.rep)
             row["graph_us"][name] = None if tg is None else tg * 1e3
             row["eager_us"][name] = te * 1e3
             best = ms[name] = tg if tg is not None else te
@@ -321,7 +261,9 @@ def run(args) -> int:
         del provs
         torch.cuda.empty_cache()
     result = {"suite": "decode", **env, "dtype": args.dtype, "read_ceiling_tbs": ceiling,
-              "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"},
+              "timing": timing.record("cold-l2", warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median",
+                                      graph_steps=GRAPH_STEPS, l2_span=timing.L2_SPAN,
+                                      eager_us="the same cycling calls launched eagerly (do_bench median)"),
               "graph_steps": GRAPH_STEPS, "page_size": PAGE_SIZE, "rows": rows}
     path = runner.write_result(result, args.out)
     print(f"results: {path}")
@@ -376,3 +318,8 @@ def markdown_table(result) -> str:
             f"| {f(t.get('flashflow-fp8-ft-append'))} | {f(r.get('fp8_vs_cudnn'))} "
             f"| {f(r.get('fp8_rel_err_vs_bf16'), '{:.4f}')} |")
     return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a decode result."""
+    return markdown_table(result)

@@ -13,29 +13,14 @@ torch: ``F.linear``, ``silu(gate)·up``, ``F.linear``).
 """
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from datetime import datetime, timezone
 
 import torch
 
+from flashflow.bench import timing
+
 CALLS, ROUNDS, WARMUP = 200, 7, 50
-
-
-def host_us(fn, calls: int = CALLS, rounds: int = ROUNDS, warmup: int = WARMUP) -> float:
-    """Median over ``rounds`` of the wall time per call of ``calls`` back-to-back calls, µs."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    per_call = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        per_call.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(per_call)
 
 
 def _sdpa(backend, q, k, v, **kw):
@@ -113,13 +98,14 @@ def run(args) -> int:
         for name, fn in providers.items():
             print(f"{entry}: {name}", file=sys.stderr, flush=True)
             try:
-                row["us"][name] = host_us(fn)
+                row["us"][name] = timing.host_us(fn, CALLS, ROUNDS, WARMUP)
             except Exception as e:  # noqa: BLE001 — an anchor that refuses the shape
                 row["notes"][name] = f"{type(e).__name__}: {str(e)[:200]}"
         rows.append(row)
     result = {"suite": "host", **env, "dtype": "bf16",
-              "timing": {"calls": CALLS, "rounds": ROUNDS, "warmup_calls": WARMUP,
-                         "what": "wall µs per call of back-to-back calls, one synchronize per round, median round"},
+              "timing": timing.record("host", calls=CALLS, rounds=ROUNDS, warmup_calls=WARMUP,
+                                      what="wall µs per call of back-to-back calls, one synchronize per round, "
+                                           "median round"),
               "rows": rows}
     path = runner.write_result(result, args.out)
     print(f"results: {path}")
@@ -136,3 +122,8 @@ def markdown_table(result) -> str:
         for name, note in r.get("notes", {}).items():
             lines.append(f"| {r['entry']} | {name} | {note} |")
     return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a host result."""
+    return markdown_table(result)

@@ -167,3 +167,8 @@ def run(args) -> int:
     path = runner.write_result(result, args.out)
     print(f"results: {path}\n\n{caption(result)}\n\n{markdown_table(rows)}")
     return 0
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a memory result."""
+    return caption(result) + "\n\n" + markdown_table(result["rows"])

@@ -23,7 +23,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from flashflow.bench.decode import read_ceiling_tbs
+from flashflow.bench import timing
 
 MODELS = (("llama3-8b", "swiglu", 4096, 14336), ("llama3-70b", "swiglu", 8192, 28672),
           ("gpt3-4096x14336-gelu", "gelu", 4096, 14336))
@@ -113,14 +113,10 @@ def bench_case(model, activation, hidden, inter, m, dtype, providers=PROVIDERS, 
     """One (FFN, M) row: every provider's µs, TB/s, TFLOP/s, ratio to the anchor, error.
 
     Each provider's calls are captured in one CUDA graph; the graphs are then timed in ``rounds``
-    interleaved rounds, each round in a rotated order, and a provider's time is the median over
+    interleaved rounds (:mod:`flashflow.bench.timing`'s ``rounds`` of ``graph``), each round in a rotated order, and a provider's time is the median over
     its rounds. The H100's clock follows its temperature: one provider timed right after a hot
     one is slower, and a fixed order would charge that to whoever comes last. A measurement runs
     for at least ``rep`` ms and ``MIN_REPLAYS`` replays (a 4096-token step takes milliseconds)."""
-    import triton
-
-    from flashflow.bench.decode import capture_graph
-
     x, w1, w2 = make_inputs(activation, hidden, inter, m, dtype)
     provs = make_providers(x, w1, w2, activation, providers)
     wbytes = weight_bytes(activation, hidden, inter, x.element_size())
@@ -138,20 +134,14 @@ def bench_case(model, activation, hidden, inter, m, dtype, providers=PROVIDERS, 
             out = fn().float()
             torch.cuda.synchronize()
             res["rel_err"] = ((out - ref).norm() / ref.norm()).item()
-            graphs[name], _ = capture_graph(fn, steps)
+            graphs[name], _ = timing.capture_graph(fn, steps)
         except Exception as e:  # noqa: BLE001 — keep the other providers' numbers
             res["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-    times = {name: [] for name in graphs}
-    names = list(graphs)
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)] if names else ():
-            g = graphs[name]
-            g.replay()
-            torch.cuda.synchronize()
-            t0 = triton.testing.do_bench(g.replay, warmup=0, rep=1, return_mode="median")
-            ms = triton.testing.do_bench(g.replay, warmup=warmup, rep=max(rep, MIN_REPLAYS * t0),
-                                         return_mode="median")
-            times[name].append(ms / steps)
+    times, errors = timing.rounds(
+        graphs, lambda g: timing.replay_ms(g, steps, warmup, rep, min_replays=MIN_REPLAYS), rounds)
+    for name, error in errors.items():
+        row["results"][name]["error"] = error
+        del times[name]
     for name, ts in times.items():
         ms = sorted(ts)[len(ts) // 2]
         row["results"][name].update(us=ms * 1e3, tbs=wbytes / (ms * 1e-3) / 1e12,
@@ -173,10 +163,10 @@ def run_bench(quick=False, dtype=torch.bfloat16, warmup=5, rep=20, models=MODELS
     started = datetime.now(timezone.utc)
     result = {"suite": "mlp", **runner.environment(started), "dtype": str(dtype).replace("torch.", ""),
               "quick": quick, "providers": list(providers), "anchor": ANCHOR,
-              "timing": {"warmup_ms": warmup, "rep_ms": rep, "return_mode": "median", "rounds": ROUNDS,
-                         "min_replays": MIN_REPLAYS,
-                         "graph_steps": {str(m): steps_for(m) for m in tokens}},
-              "read_ceiling_tbs": read_ceiling_tbs(), "rows": []}
+              "timing": timing.record("rounds", of="graph", warmup_ms=warmup, rep_ms=rep, return_mode="median",
+                                      rounds=ROUNDS, min_replays=MIN_REPLAYS,
+                                      graph_steps={str(m): steps_for(m) for m in tokens}),
+              "read_ceiling_tbs": timing.read_ceiling_tbs(), "rows": []}
     for model, act, hidden, inter in models:
         for m in tokens:
             row = bench_case(model, act, hidden, inter, m, dtype, providers, warmup, rep)
@@ -233,6 +223,13 @@ def compact_table(result: dict) -> str:
                      f"{best:>13} {f(b, 'us', '8.1f')} {f(b, 'vs_torch', '6.2f')} {f(a, 'rel_err', '7.1e')}")
     errors = sorted({f"{p}: {v['error']}" for r in result["rows"] for p, v in r["results"].items() if v.get("error")})
     return "\n".join(lines + [f"error {e}" for e in errors])
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of an mlp result: µs, TB/s and TFLOP/s per
+    provider, then the narrow summary."""
+    return "\n\n".join([markdown_table(result, metric) for metric in ("us", "tbs", "tflops")]
+                       + [compact_table(result)])
 
 
 def run(args) -> int:

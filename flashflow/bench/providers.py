@@ -113,3 +113,24 @@ def accuracy(out: torch.Tensor, ref: torch.Tensor) -> dict:
     from flashflow.reference.metrics import cosine, rel_l1
 
     return {"cosine": cosine(out, ref), "rel_l1": rel_l1(out, ref)}
+
+
+def sdpa_anchor(qt, kt, vt, causal, gqa=False, mask=None):
+    """SDPA on cuDNN (where cuDNN refuses the shape, FlashAttention's backend, or the
+    memory-efficient one for a ``mask``, which FlashAttention's does not take); output in
+    FlashAttention's (b, s, h, d) layout."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    second = SDPBackend.FLASH_ATTENTION if mask is None else SDPBackend.EFFICIENT_ATTENTION
+    for backend in (SDPBackend.CUDNN_ATTENTION, second):
+        def run(backend=backend):
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    qt, kt, vt, attn_mask=mask, is_causal=causal, enable_gqa=gqa).transpose(1, 2)
+        try:
+            run()
+        except RuntimeError:
+            continue
+        run.backend = "sdpa-" + backend.name.split("_")[0].lower()
+        return run
+    raise RuntimeError(f"neither cuDNN nor {second.name} SDPA runs this shape")

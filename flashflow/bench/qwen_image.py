@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flashflow.bench import timing
+
 DEFAULT = "diffusers"
 COMPILED_DEFAULT = "diffusers+compile"
 PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile", "diffusers+graph", "flashflow+graph",
@@ -228,7 +230,9 @@ def kernel_split(kernels, steps: int = 1, top: int = 12) -> dict:
 
 
 class CudaBackend:
-    """How a step is timed, its memory measured and its kernels listed on the GPU."""
+    """How a step is timed (:mod:`flashflow.bench.timing`: ``warm``, a captured step as ``graph``
+    replays, the host's share as ``issue``), its memory measured and its kernels listed on the
+    GPU; tests pass a stand-in."""
 
     def __init__(self, warmup_ms: int, rep_ms: int):
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
@@ -239,29 +243,16 @@ class CudaBackend:
         torch.cuda.synchronize()
 
     def time_ms(self, fn) -> float:
-        import triton.testing
-
-        return triton.testing.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median")
+        return timing.warm_ms(fn, self.warmup_ms, self.rep_ms, first_call=False)
 
     def capture(self, fn):
         """(CUDA graph of one call of ``fn``, its output), after a warm-up call."""
-        from flashflow.bench.decode import capture_graph
-
-        return capture_graph(fn, 1)
+        return timing.capture_graph(fn, 1)
 
     def host_ms(self, fn, calls: int = 3) -> float:
-        """CPU time to issue one call (Python, validation, launches), the GPU not waited for:
-        a step whose host time reaches its GPU time is launch-bound, and only a CUDA graph or
-        fewer launches make it faster."""
-        import torch
-
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = (time.perf_counter() - t0) / calls
-        torch.cuda.synchronize()
-        return host * 1e3
+        """``issue`` time of one call: a step whose host time reaches its GPU time is
+        launch-bound, and only a CUDA graph or fewer launches make it faster."""
+        return timing.issue_ms(fn, calls)
 
     def peak(self, fn) -> tuple[int, int]:
         """(peak bytes allocated during one call, the part of it beyond what was resident before)."""
@@ -300,11 +291,6 @@ class CudaBackend:
         import torch
 
         return isinstance(e, torch.cuda.OutOfMemoryError)
-
-
-def _short_error(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
 
 
 def _integration():
@@ -354,7 +340,7 @@ def measure(model, shapes, providers, inputs: dict, backend, integration=_integr
                     disable = undo
                 forward = compile_fn(model) if compiled else model
             except Exception as e:  # noqa: BLE001 — recorded on every shape of this provider
-                setup_error = _short_error(e)
+                setup_error = timing.short_error(e)
             try:
                 for row, s in zip(rows, shapes):
                     if bar is not None:
@@ -402,7 +388,7 @@ def _measure_one(forward, kwargs: dict, ref, backend, profile: bool) -> dict:
         if profile:
             res["split"] = kernel_split(backend.kernels(step, PROFILE_STEPS), PROFILE_STEPS)
     except Exception as e:  # noqa: BLE001 — a provider's failure is a row entry, not the end
-        res["error"] = _short_error(e)
+        res["error"] = timing.short_error(e)
         if backend.is_oom(e):
             backend.free()
     return res
@@ -416,7 +402,7 @@ def _measure_graphed(forward, kwargs: dict, ref, backend) -> dict:
         graph, out = backend.capture(lambda: forward(**kwargs)[0])
     except Exception as e:  # noqa: BLE001
         backend.free()
-        return {"ms": None, "error": f"CUDA graph capture: {_short_error(e)}"}
+        return {"ms": None, "error": f"CUDA graph capture: {timing.short_error(e)}"}
 
     def replay(**_):
         graph.replay()
@@ -589,8 +575,9 @@ def run(args) -> int:
         "model": "QwenImageTransformer2DModel", "config": {**CONFIG, "num_layers": args.blocks},
         "blocks": args.blocks, "parameters": params, "quick": args.quick,
         "providers": list(args.providers),
-        "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median",
-                   "profile_steps": PROFILE_STEPS, "no_grad": True},
+        "timing": timing.record("warm", warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median",
+                                profile_steps=PROFILE_STEPS, no_grad=True,
+                                graph_providers="graph (one step per graph)", host_ms="issue"),
         "compile": {"mode": "default", "dynamic": False, "scope": "whole model, once per shape"},
         "kernel_classes": {"attention": list(ATTENTION_KERNELS), "gemm": list(GEMM_KERNELS)},
         "rows": rows,

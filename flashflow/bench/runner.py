@@ -20,6 +20,7 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 
+from flashflow.bench import timing
 from flashflow.progress import progress as Progress
 
 log = logging.getLogger(__name__)
@@ -41,15 +42,10 @@ SCHEMA_VERSION = 1
 # --------------------------------------------------------------------------------------------
 
 
-def _short_error(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
-
-
 def time_provider(make, shape, inputs, warmup_ms: int, rep_ms: int):
-    """(result dict, output or None). An exception, e.g. an unsupported head_dim, is recorded."""
+    """(result dict, output or None), timed ``warm``. An exception, e.g. an unsupported
+    head_dim, is recorded."""
     import torch
-    import triton.testing
 
     try:
         fn = make(shape, *inputs)
@@ -57,11 +53,11 @@ def time_provider(make, shape, inputs, warmup_ms: int, rep_ms: int):
         # before do_bench starts counting.
         out = fn()
         torch.cuda.synchronize()
-        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        ms = timing.warm_ms(fn, warmup_ms, rep_ms, first_call=False)
     except Exception as e:  # noqa: BLE001 — any provider failure becomes a null entry
         if isinstance(e, torch.cuda.OutOfMemoryError):
             torch.cuda.empty_cache()
-        return {"ms": None, "tflops": None, "error": _short_error(e)}, None
+        return {"ms": None, "tflops": None, "error": timing.short_error(e)}, None
     return {"ms": ms, "tflops": shape.flops / ms * 1e-9, "error": None}, out
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from flashflow.bench import timing
+
 DEVICE = "nvidia-h100-80gb-hbm3"   # the device whose results the docs show
 OFFLINE = "offline-sm90"           # `flashflow info --offline --family sm90`
 
@@ -20,7 +22,10 @@ def _load(results: Path, suite: str, device: str):
 
 
 def _header(d: dict, name: str) -> str:
-    return f"{d.get('device')}, torch {d.get('torch')}, triton {d.get('triton')} (`bench/results/{name}`)."
+    """Where a result was measured, its file, and the timing discipline that made its numbers."""
+    how = timing.describe(d)
+    return (f"{d.get('device')}, torch {d.get('torch')}, triton {d.get('triton')} (`bench/results/{name}`)."
+            + (f" {how}" if how else ""))
 
 
 def accuracy_table(rows: list[dict]) -> str:
@@ -53,7 +58,7 @@ def attention_section(results, device=DEVICE) -> str:
     if d is None:
         return ""
     text = (f"### Prefill / diffusion attention forward ({d['dtype']}, `flashflow bench`)\n\n" + _header(d, name)
-            + " Median of `triton.testing.do_bench`; ratios are flashflow's TF/s over the anchor's in the "
+            + " Ratios are flashflow's TF/s over the anchor's in the "
             "same run; causal TF/s count half the FLOPs.\n\n" + runner.markdown_table(d["rows"]) + "\n")
     accuracy = accuracy_table(d["rows"])
     if accuracy:

@@ -3,7 +3,7 @@ and FLASH backends in one run.
 
 Each provider runs ``out = attention(q, k, v); out.backward(dout)`` on the same bf16/fp16
 inputs (FlashAttention layout for flashflow, ``(b, h, s, d)`` for SDPA), timed with
-``triton.testing.do_bench`` (median, gradients reset to None between calls). TFLOP/s count 3.5×
+``triton.testing.do_bench`` (timing ``warm``: median, gradients reset to None between calls). TFLOP/s count 3.5×
 the forward's FLOPs (forward 1×, backward 2.5×: FlashAttention's convention), halved for causal.
 Peak memory is ``torch.cuda.max_memory_allocated`` over one step beyond the inputs. The gradients
 of every provider are compared with SDPA-FLASH's (relative L2).
@@ -58,9 +58,7 @@ def _grads(run, tensors, transpose):
 
 
 def run(args) -> int:
-    import triton
-
-    from flashflow.bench import runner
+    from flashflow.bench import runner, timing
 
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     env = runner.environment(datetime.now(timezone.utc))
@@ -92,7 +90,7 @@ def run(args) -> int:
                     for t in tensors:
                         t.grad = None
                     step()
-                ms = triton.testing.do_bench(timed, warmup=args.warmup, rep=args.rep, return_mode="median")
+                ms = timing.warm_ms(timed, args.warmup, args.rep, first_call=False)
                 row["ms"][name] = ms
                 row["tflops"][name] = 3.5 * fwd_flops(b, h, s, d, causal) / (ms * 1e-3) / 1e12
             except Exception as e:  # noqa: BLE001 — a backend that refuses the shape
@@ -111,7 +109,8 @@ def run(args) -> int:
         del q, k, v, dout, grads
         torch.cuda.empty_cache()
     result = {"suite": "train", **env, "dtype": args.dtype, "flops_convention": "3.5x forward, halved for causal",
-              "timing": {"warmup_ms": args.warmup, "rep_ms": args.rep, "return_mode": "median"}, "rows": rows}
+              "timing": timing.record("warm", warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
+              "rows": rows}
     path = runner.write_result(result, args.out)
     print(f"results: {path}")
     print(markdown_table(result))
@@ -137,3 +136,8 @@ def markdown_table(result) -> str:
             f"| {f(pk.get('flashflow'))} / {f(pk.get('sdpa-cudnn'))} / {f(pk.get('sdpa-flash'))} "
             f"| {'—' if err is None else ', '.join(f'{e:.1e}' for e in err)} |")
     return "\n".join(lines)
+
+
+def report(result: dict) -> str:
+    """What ``flashflow bench --from-json`` prints of a train result."""
+    return markdown_table(result)

@@ -245,8 +245,8 @@ def test_from_json_refuses_a_missing_file(tmp_path, capsys):
     assert "cannot read" in capsys.readouterr().err
 
 
-def test_decode_bench_cycles_cache_copies_past_l2():
-    from flashflow.bench.decode import cycling, rotation
+def test_cold_l2_timing_cycles_input_copies_past_l2():
+    from flashflow.bench.timing import cycling, rotation
 
     l2 = 50 * 2**20
     assert rotation(34 * 10**6, l2) == 5          # 1×8k GQA: 5 copies ≈ 170 MB ≥ 3 L2s
@@ -370,9 +370,23 @@ def test_from_json_prints_any_suite_result(capsys):
                          ("mlp-nvidia-h100-80gb-hbm3.json", "torch-graph µs"),
                          ("memory-nvidia-h100-80gb-hbm3.json", "| seqlen | naive peak MiB |"),
                          ("dataflow-nvidia-h100-80gb-hbm3.json", "Rank agreement"),
-                         ("info-nvidia-h100-80gb-hbm3.json", "attention_merge_kernel")):
+                         ("info-nvidia-h100-80gb-hbm3.json", "attention_merge_kernel"),
+                         ("host-nvidia-h200.json", "| entry | provider | µs per call |"),
+                         ("train-nvidia-h100-80gb-hbm3.json", "| batch | heads | seqlen |"),
+                         ("qwen-image-nvidia-h100-80gb-hbm3.json", "Qwen-Image transformer")):
         assert cli.main(["bench", "--from-json", str(ROOT / "bench/results" / name)]) == 0, name
         assert expect in capsys.readouterr().out, name
+
+
+def test_every_suite_with_a_runner_module_reports_a_saved_result():
+    """--from-json prints through the suite module's own report(result): no list of suites."""
+    import importlib
+
+    from flashflow.bench.suites import RUNNERS
+
+    for name, runner_spec in RUNNERS.items():
+        module = importlib.import_module(runner_spec.module)
+        assert callable(getattr(module, "report", None)) and callable(module.run), name
 
 
 def test_from_json_refuses_a_file_of_no_suite(tmp_path, capsys):

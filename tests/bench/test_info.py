@@ -8,8 +8,11 @@ import torch
 
 from flashflow import cli
 from flashflow.bench import info
+from flashflow.bench.ops import attention as attention_spec
+from flashflow.bench.ops import decode as decode_spec
+from flashflow.bench.ops import mlp as mlp_spec
 from flashflow.tuning import families, table
-from flashflow.tuning.attention import AttentionConfig
+from flashflow.tuning.attention import AttentionConfig, config_from_entry
 
 TABLE = table("attention")
 FAMILIES = families("attention")
@@ -33,8 +36,8 @@ def test_info_json_without_gpu_lists_every_shipped_config(capsys):
                for r in out["rows"])
     # every op is there, each case once
     assert {r["op"] for r in out["rows"]} == set(info.OPS)
-    assert [r["case"] for r in out["rows"] if r["op"] == "decode"] == [c.label for c in info.decode_cases()]
-    assert [r["case"] for r in out["rows"] if r["op"] == "mlp"] == [c.label for c in info.mlp_cases()]
+    assert [r["case"] for r in out["rows"] if r["op"] == "decode"] == [c.label for c in decode_spec.info_cases()]
+    assert [r["case"] for r in out["rows"] if r["op"] == "mlp"] == [c.label for c in mlp_spec.info_cases()]
 
 
 @no_gpu
@@ -72,30 +75,30 @@ def test_kernel_resource_report_without_gpu_returns_configs_with_no_figures():
 
 
 def test_cases_reach_every_kernel_class_of_the_decode_and_mlp_ops():
-    decode = [c.label for c in info.decode_cases()]
+    decode = [c.label for c in decode_spec.info_cases()]
     # the suite's batch-1 shapes, the other head sizes, a paged cache, a large batch
     assert {"b1 s8192 h32/8 d128", "b1 s8192 h32/8 d64", "b1 s8192 h32/8 d256",
             "b1 s8192 h32/8 d128 paged 64", "b64 s4096 h32/8 d128"} <= set(decode)
     assert len(set(decode)) == len(decode)
     from flashflow.bench.mlp_suite import MODELS
 
-    tokens = {int(c.label.split("M=", 1)[1].split()[0]) for c in info.mlp_cases()}
-    assert {c.label.split()[-1].split(":")[0] for c in info.mlp_cases()} == {"splitk", "seqsplit", "multirow",
+    tokens = {int(c.label.split("M=", 1)[1].split()[0]) for c in mlp_spec.info_cases()}
+    assert {c.label.split()[-1].split(":")[0] for c in mlp_spec.info_cases()} == {"splitk", "seqsplit", "multirow",
                                                                             "two-kernels"}
     assert min(tokens) == 1 and max(tokens) > 512   # split-K and the persistent kernel's large tiles
-    assert {c.label.split()[0] for c in info.mlp_cases()} == {name for name, *_ in MODELS}
+    assert {c.label.split()[0] for c in mlp_spec.info_cases()} == {name for name, *_ in MODELS}
 
 
 def test_variants_force_both_tail_split_paths():
     from flashflow.ops.attention import tail_splits
 
     cfg = AttentionConfig(128, 128, 8, 2, use_tma=True)
-    names = [name for name, _, _ in info.attention_variants(cfg, causal=True)]
+    names = [name for name, _, _ in attention_spec.variants(cfg, causal=True)]
     assert names == ["main"]
-    (_, main, main_kw), (_, split, split_kw) = info.attention_variants(cfg, causal=False)
+    (_, main, main_kw), (_, split, split_kw) = attention_spec.variants(cfg, causal=False)
     assert main.tail_split is False and main_kw == {}
-    tiles = -(-info._SEQLEN // cfg.BLOCK_M) * info._HEADS * info._BATCH
-    kv_blocks = -(-info._SEQLEN // cfg.BLOCK_N)
+    tiles = -(-attention_spec.SEQLEN // cfg.BLOCK_M) * attention_spec.HEADS * attention_spec.BATCH
+    kv_blocks = -(-attention_spec.SEQLEN // cfg.BLOCK_N)
     assert split.tail_split is True
     assert tail_splits(tiles, split_kw["num_sms"], kv_blocks) > 1  # the ops really split
 
@@ -122,7 +125,7 @@ def test_gpu_report_rows_cover_every_config_causal_and_code_path(monkeypatch, ca
     rows = info.kernel_resource_report()
     expected = []
     for e in TABLE["sm90"]:
-        tail = getattr(info.config_from_entry(e), "tail_split", False)
+        tail = getattr(config_from_entry(e), "tail_split", False)
         for causal in ((False, True) if e["causal"] is None else (e["causal"],)):
             expected.append((e["head_dim_max"], causal, "main"))
             if tail and not causal and not e.get("bias"):
@@ -137,7 +140,7 @@ def test_gpu_report_rows_cover_every_config_causal_and_code_path(monkeypatch, ca
     failed = [r for r in rows if r["error"]]
     assert all(r["head_dim_max"] == 256 and r["causal"] and r["n_spills"] is None for r in failed)
     assert all(r["n_spills"] == 0 for r in rows if not r["error"])
-    assert [r["case"] for r in rows if r["op"] == "decode"] == [c.label for c in info.decode_cases()]
+    assert [r["case"] for r in rows if r["op"] == "decode"] == [c.label for c in decode_spec.info_cases()]
     assert {r["family"] for r in rows} == {"sm90"}
 
     assert cli.main(["info"]) == (1 if failed else 0)

@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from flashflow import cli
-from flashflow.bench import tune
+from flashflow.bench import spec, timing, tune
+from flashflow.bench.ops import TUNABLE
+from flashflow.bench.ops import attention as attention_spec
+from flashflow.bench.ops import decode as decode_spec
+from flashflow.bench.ops import mlp as mlp_spec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +27,7 @@ def _parse(*argv):
 def test_defaults_are_the_ops_axes_three_rounds_and_bench_results():
     args = _parse("decode")
     assert (args.op, args.rounds, str(args.out), args.vary, args.product) == ("decode", 3, "bench/results", None, False)
-    assert tune.parse_vary(args.vary, "decode") == tune.AXES["decode"]
+    assert tune.parse_vary(args.vary, "decode") == TUNABLE["decode"].axes
 
 
 def test_help_shows_defaults_and_every_op(capsys):
@@ -45,8 +49,8 @@ def test_vary_values_are_typed_and_fields_checked():
 
 
 def test_every_default_axis_is_a_field_or_a_plan_option():
-    for op, axes in tune.AXES.items():
-        assert set(axes) <= set(tune.tunable(op)), op
+    for op, s in TUNABLE.items():
+        assert set(s.axes) <= set(tune.tunable(op)), op
 
 
 def test_candidates_one_field_at_a_time_or_every_combination():
@@ -61,14 +65,14 @@ def test_candidates_one_field_at_a_time_or_every_combination():
 
 def test_a_candidate_replaces_fields_of_the_shipped_config():
     base = _Config(64, 3)
-    assert tune.replace_fields(base, {"num_stages": 4}) == _Config(64, 4)
-    assert tune.replace_fields(base, {"BLOCK_N": 128, "num_splits": 8}, ("num_splits",)) == _Config(128, 3)
+    assert spec.replace_fields(base, {"num_stages": 4}) == _Config(64, 4)
+    assert spec.replace_fields(base, {"BLOCK_N": 128, "num_splits": 8}, ("num_splits",)) == _Config(128, 3)
     assert base == _Config(64, 3)   # frozen: the shipped config is not touched
-    with pytest.raises(tune.NotApplicable, match="BLOCK_I"):
-        tune.replace_fields(base, {"BLOCK_I": 64})
-    assert tune._same_as_shipped(base, {"num_stages": 3}, {})
-    assert tune._same_as_shipped(base, {"num_splits": 4}, {"num_splits": 4})
-    assert not tune._same_as_shipped(base, {"num_stages": 3, "num_splits": 8}, {"num_splits": 4})
+    with pytest.raises(spec.NotApplicable, match="BLOCK_I"):
+        spec.replace_fields(base, {"BLOCK_I": 64})
+    assert spec.same_as_shipped(base, {"num_stages": 3}, {})
+    assert spec.same_as_shipped(base, {"num_splits": 4}, {"num_splits": 4})
+    assert not spec.same_as_shipped(base, {"num_stages": 3, "num_splits": 8}, {"num_splits": 4})
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -77,6 +81,8 @@ def test_a_candidate_replaces_fields_of_the_shipped_config():
     (["decode", "--rounds", "0"], "--rounds must be >= 1"),
     (["attention", "--fp8"], "--fp8 applies to decode only"),
     (["mlp", "--paged"], "--paged applies to decode only"),
+    (["attention-bwd", "--mask"], "--mask applies to attention only, not attention-bwd"),
+    (["attention", "--tokens", "8"], "--tokens applies to mlp only, not attention"),
 ])
 def test_bad_options_are_argparse_errors_naming_the_value(capsys, argv, message):
     with pytest.raises(SystemExit) as e:
@@ -93,7 +99,7 @@ def test_bad_token_list_is_refused_by_argparse(capsys):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path taken without a GPU")
-@pytest.mark.parametrize("op", sorted(tune.AXES))
+@pytest.mark.parametrize("op", sorted(TUNABLE))
 def test_without_a_gpu_one_line_error_and_exit_2(capsys, tmp_path, op):
     assert cli.main(["tune", op, "--out", str(tmp_path)]) == 2
     captured = capsys.readouterr()
@@ -104,20 +110,18 @@ def test_without_a_gpu_one_line_error_and_exit_2(capsys, tmp_path, op):
 def test_shape_selection_follows_the_options():
     args = argparse.Namespace(quick=True, head_dims=(128,), paged=True, models=("llama3-8b",), tokens=(8, 64),
                               mask=False)
-    assert all(s.head_dim == 128 for s in tune._attention_shapes(args))
-    assert any(s.causal for s in tune._attention_shapes(args))
-    masked = tune._attention_shapes(argparse.Namespace(**{**vars(args), "mask": True}))
+    assert all(s.head_dim == 128 for s in attention_spec.tune_shapes(args))
+    assert any(s.causal for s in attention_spec.tune_shapes(args))
+    masked = attention_spec.tune_shapes(argparse.Namespace(**{**vars(args), "mask": True}))
     assert masked and not any(s.causal for s in masked)   # SDPA takes a mask or is_causal, not both
-    shapes = tune._decode_shapes(args)
+    shapes = decode_spec.tune_shapes(args)
     assert [s[-1] for s in shapes[:2]] == [False, True] and len(shapes) % 2 == 0
-    assert tune._mlp_shapes(args) == [("llama3-8b", "swiglu", 4096, 14336, 8), ("llama3-8b", "swiglu", 4096, 14336, 64)]
+    assert mlp_spec.tune_shapes(args) == [("llama3-8b", "swiglu", 4096, 14336, 8), ("llama3-8b", "swiglu", 4096, 14336, 64)]
 
 
 def test_a_case_checks_skips_and_times_candidates_against_the_anchor(monkeypatch):
     """tune_case with stand-in kernels and clock: a wrong output is reported and not timed, a
     candidate that does not exist is skipped, the fastest correct one is the best."""
-    from flashflow.bench import decode
-
     ref = torch.ones(8)
     speed = {"anchor": 10.0, "shipped": 8.0, "num_stages=4": 5.0}
 
@@ -133,10 +137,10 @@ def test_a_case_checks_skips_and_times_candidates_against_the_anchor(monkeypatch
             return timed("num_stages=4", ref * 1.001)
         if ov == {"num_stages": 5}:
             return timed("num_stages=5", ref * 2)    # wrong
-        raise tune.NotApplicable("not for this shape")
+        raise spec.NotApplicable("not for this shape")
 
-    monkeypatch.setattr(decode, "graph_time_ms", lambda fn, steps, warmup, rep: speed[fn.name] / 1e3)
-    case = tune.Case("s", {}, timed("anchor", ref), make, work=1e6, steps=1, shipped={})
+    monkeypatch.setattr(timing, "graph_ms", lambda fn, steps, warmup, rep: speed[fn.name] / 1e3)
+    case = spec.TuneCase("s", {}, timed("anchor", ref), make, work=1e6, steps=1, shipped={})
     cands = tune.candidates({"num_stages": (4, 5), "BLOCK_N": (64,)})
     done = []
 
@@ -161,16 +165,15 @@ def test_attention_fp8_axes_are_its_config_fields_and_the_qk_format():
     assert "qk_format" in names and "pv_fp32_sum" in names and "BLOCK_N" in names
     base = AttentionFp8Config(64, 128, 4, 3)
     # a plan option leaves the config as it is; a field replaces it
-    assert tune.replace_fields(base, {"qk_format": "fp8"}, tune.PLAN_OPTIONS["attention-fp8"]) == base
-    assert tune.replace_fields(base, {"BLOCK_N": 64}, tune.PLAN_OPTIONS["attention-fp8"]).BLOCK_N == 64
-    assert tune.TOLERANCES["attention-fp8"] > tune.TOLERANCE
+    plan_options = TUNABLE["attention-fp8"].plan_options
+    assert spec.replace_fields(base, {"qk_format": "fp8"}, plan_options) == base
+    assert spec.replace_fields(base, {"BLOCK_N": 64}, plan_options).BLOCK_N == 64
+    assert TUNABLE["attention-fp8"].tolerance > spec.TOLERANCE
 
 
 def test_a_backward_case_times_eagerly_and_refuses_run_to_run_different_gradients(monkeypatch):
     """attention-bwd: steps = 0 times the call itself (autograd, no CUDA graph); with
     repeat_check a candidate whose bits change between runs is reported, not timed."""
-    from flashflow.bench import decode
-
     ref = torch.ones(8)
     calls = {"n": 0}
 
@@ -184,12 +187,12 @@ def test_a_backward_case_times_eagerly_and_refuses_run_to_run_different_gradient
     def eager(fn, warmup, rep):
         return speed.get(id(fn), 10.0) / 1e3
 
-    monkeypatch.setattr(decode, "eager_time_ms", eager)
-    monkeypatch.setattr(decode, "graph_time_ms", lambda *a: pytest.fail("attention-bwd is timed eagerly"))
+    monkeypatch.setattr(timing, "warm_ms", eager)
+    monkeypatch.setattr(timing, "graph_ms", lambda *a: pytest.fail("attention-bwd is timed eagerly"))
 
     def make(ov):
         return {(): steady, (("BLOCK_M1", 32),): racy}[tuple(ov.items())]
-    case = tune.Case("s", {}, lambda: ref, make, work=1e6, steps=0, shipped={}, repeat_check=3)
+    case = spec.TuneCase("s", {}, lambda: ref, make, work=1e6, steps=0, shipped={}, repeat_check=3)
 
     class Bar:
         def update(self, n=1):
@@ -197,4 +200,4 @@ def test_a_backward_case_times_eagerly_and_refuses_run_to_run_different_gradient
     row = tune.tune_case(case, tune.candidates({"BLOCK_M1": (32,)}), rounds=2, warmup=1, rep=1, bar=Bar())
     assert row["candidates"]["BLOCK_M1=32"]["error"] == "run-to-run different over 3 runs"
     assert row["best"] == "shipped" and row["candidates"]["shipped"]["us"] == 4.0
-    assert set(tune.AXES["attention-bwd"]) <= set(tune.tunable("attention-bwd"))
+    assert set(TUNABLE["attention-bwd"].axes) <= set(tune.tunable("attention-bwd"))

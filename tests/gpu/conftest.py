@@ -26,7 +26,7 @@ class Gpu:
     @staticmethod
     def capture(fn, steps: int = 1):
         """(graph, output of its last call) of ``steps`` calls of ``fn``, warmed up first."""
-        from flashflow.bench.decode import capture_graph
+        from flashflow.bench.timing import capture_graph
 
         return capture_graph(fn, steps)
 
