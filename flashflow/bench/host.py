@@ -1,9 +1,10 @@
 """`flashflow bench --suite host`: the host time of one call, flashflow beside its anchors.
 
 At a tiny shape the GPU work of a call (a few µs) is far below what the host spends to issue it,
-so back-to-back calls run at the host's pace: ``rounds`` times, ``calls`` calls are issued and
-the GPU synchronised once; µs per call = the round's wall time / calls, the median round is
-kept. What it measures is everything between the Python call and the launch: argument checks,
+so back-to-back calls run at the host's pace: ``calls`` calls are issued and the GPU
+synchronised once; µs per call = the round's wall time / calls. An entry's providers take turns,
+a round each, ``rounds`` times (the order rotated), and each keeps its median round: a drift of
+the host's speed moves them alike, so their ratios hold. What it measures is everything between the Python call and the launch: argument checks,
 config lookup, allocations, Triton's launcher, autograd's bookkeeping.
 
 Entries (bf16, the anchors in the same run): the attention forward (``flash_attn_func`` vs SDPA
@@ -13,6 +14,7 @@ torch: ``F.linear``, ``silu(gate)·up``, ``F.linear``).
 """
 from __future__ import annotations
 
+import statistics
 import sys
 from datetime import datetime, timezone
 
@@ -94,18 +96,25 @@ def run(args) -> int:
     env = runner.environment(datetime.now(timezone.utc))
     rows = []
     for entry, providers in cases().items():
-        row = {"entry": entry, "us": {}, "notes": {}}
-        for name, fn in providers.items():
-            print(f"{entry}: {name}", file=sys.stderr, flush=True)
+        print(entry, file=sys.stderr, flush=True)
+        for fn in providers.values():   # compile and warm every provider before any is timed
             try:
-                row["us"][name] = timing.host_us(fn, CALLS, ROUNDS, WARMUP)
-            except Exception as e:  # noqa: BLE001 — an anchor that refuses the shape
-                row["notes"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+                for _ in range(WARMUP):
+                    fn()
+            except Exception:  # noqa: BLE001 — timed (and its error kept) below
+                pass
+        # the providers interleaved, one round of CALLS calls each per round: a drift of the
+        # host's clock or load moves every provider alike, so the ratios hold
+        samples, errors = timing.rounds(providers, lambda fn: timing.host_us(fn, CALLS, 1, 0), ROUNDS)
+        row = {"entry": entry, "us": {}, "notes": dict(errors)}
+        for name, times in samples.items():
+            if name not in errors:
+                row["us"][name] = statistics.median(times)
         rows.append(row)
     result = {"suite": "host", **env, "dtype": "bf16",
-              "timing": timing.record("host", calls=CALLS, rounds=ROUNDS, warmup_calls=WARMUP,
+              "timing": timing.record("rounds", of="host", calls=CALLS, rounds=ROUNDS, warmup_calls=WARMUP,
                                       what="wall µs per call of back-to-back calls, one synchronize per round, "
-                                           "median round"),
+                                           "the providers interleaved round by round, median round"),
               "rows": rows}
     path = runner.write_result(result, args.out)
     print(f"results: {path}")

@@ -84,8 +84,9 @@ class Launcher:
                 None, None, None, *args, *tail)
             return
         compiled = self.kernel[grid](*args, **constexprs)
-        if key is None or not hasattr(compiled, "function") or len(self._entries) >= self.MAX_KEYS:
-            return
+        if key is None or len(self._entries) >= self.MAX_KEYS or not getattr(args[0], "is_cuda", False) \
+                or not hasattr(compiled, "function"):
+            return   # (CPU tensors: the interpreter, or compiling offline for a GPU not here)
         compiled._init_handles()
         if self._params is None:
             self._params = [(p.name, p.default) for p in self.kernel.params]

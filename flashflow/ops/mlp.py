@@ -48,7 +48,7 @@ from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_TH
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
 from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
                                          parse_order)
-from flashflow.ops.common import call_key, unit_last_stride
+from flashflow.ops.common import unit_last_stride
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
@@ -483,10 +483,17 @@ def fused_mlp(x, w_gate_up, w_down, activation="swiglu", policy="auto", workspac
         are computed in fp32 (its bf16 ``tl.dot`` is wrong).
     """
     compiling = torch.compiler.is_compiling()
-    key = call_key((x, w_gate_up, w_down, activation, policy)) if workspace is None and not compiling else None
-    run = _CALLS.get(key) if key is not None else None
-    if run is not None:   # these arguments' kinds passed the checks before: only the launch is left
-        return run(x, w_gate_up, w_down)
+    key = None
+    if workspace is None and not compiling and x.__class__ is torch.Tensor and w_gate_up.__class__ is torch.Tensor \
+            and w_down.__class__ is torch.Tensor and activation.__class__ is str and policy.__class__ is str:
+        # what the checks and the plan read (a decode step's FFN is a few µs of GPU work: the
+        # generic call_key's alignment and meta flags, which no launch here needs, are left out)
+        key = (x.shape, x.stride(), x.dtype, x.device, x.requires_grad, w_gate_up.shape, w_gate_up.stride(),
+               w_gate_up.dtype, w_gate_up.device, w_gate_up.requires_grad, w_down.shape, w_down.stride(),
+               w_down.dtype, w_down.device, w_down.requires_grad, activation, policy, torch.is_grad_enabled())
+        run = _CALLS.get(key)
+        if run is not None:   # these arguments' kinds passed the checks before: only the launch is left
+            return run(x, w_gate_up, w_down)
     _check(x, w_gate_up, w_down, activation)
     m = x.numel() // x.shape[-1]
     name, _ = parse_policy(policy)
@@ -524,11 +531,11 @@ def _call(plan, x, w_gate_up, w_down, activation, policy):
     direct = x.dim() == 2 and x.stride(-1) == 1 and w_gate_up.stride(-1) == 1 and w_down.stride(-1) == 1
     if name == "cublas" and activation == "swiglu" and direct and run_as == x.dtype:
         inter = w_down.shape[1]
-        linear, silu = torch.nn.functional.linear, torch.nn.functional.silu
+        linear, silu_ = torch.nn.functional.linear, torch._C._nn.silu_   # what F.silu(inplace=True) calls
 
         def swiglu(x, w1, w2):
             h = linear(x, w1)
-            return linear(silu(h.narrow(1, 0, inter), inplace=True).mul_(h.narrow(1, inter, inter)), w2)
+            return linear(silu_(h.narrow(1, 0, inter)).mul_(h.narrow(1, inter, inter)), w2)
         return swiglu
 
     def run(x, w1, w2):
