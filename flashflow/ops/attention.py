@@ -26,7 +26,7 @@ from flashflow.ops.common import (Launcher, aligned16, contiguous_strides as _co
 from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
                                     check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
-from flashflow.tuning.attention import AttentionConfig, attention_config
+from flashflow.tuning.attention import AttentionConfig, attention_config, tail_splits
 
 # --------------------------------------------------------------------------------------------
 # launch
@@ -72,20 +72,6 @@ def _rows_view(shape, stride):
     if (h == 1 or sh == s * ss) and (b == 1 or sb == h * sh):
         return h * s, s, 0, b * h * s, d, ss
     return None
-
-
-def tail_splits(total_tiles: int, num_sms: int, kv_blocks: int, max_splits: int = 16) -> int:
-    """How many key-range pieces to cut each tile of the last partial wave into (1 = none).
-
-    With ``rem = total % num_sms`` tiles left for the last wave, cutting each into
-    ``num_sms // rem`` pieces lets that wave finish in ~1/splits of a tile's time. Worth it only
-    when the wave is at most half full and each piece keeps >= 2 key blocks.
-    """
-    rem = total_tiles % num_sms
-    if rem == 0 or rem > num_sms // 2:
-        return 1
-    splits = min(num_sms // rem, kv_blocks // 2, max_splits)
-    return splits if splits >= 2 else 1
 
 
 def pick_config(q: torch.Tensor, causal: bool, bias: bool = False) -> AttentionConfig:

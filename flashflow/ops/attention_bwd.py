@@ -16,9 +16,7 @@ from flashflow.kernels.attention_bwd import (attention_bwd_delta_kernel, attenti
                                              attention_bwd_dq_kernel)
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import Launcher, aligned16, dot_options, head_dim_pad, unit_last_stride
-from flashflow.tuning.attention_bwd import AttentionBwdConfig, attention_bwd_config
-
-DELTA_ROWS = 64   # rows per program of the δ pass (a streaming row reduction)
+from flashflow.tuning.attention_bwd import DELTA_ROWS, AttentionBwdConfig, attention_bwd_config
 
 
 def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_left: bool, window_left: int,

@@ -26,7 +26,7 @@ from flashflow.ops.common import (Launcher, call_key, contiguous_strides as _con
 from flashflow.ops.validate import (check_flag, check_head_dim, check_heads, check_int, check_no_grad, check_qkv,
                                     check_runs_here, check_scale, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
-from flashflow.tuning.decode import DecodeConfig, decode_config
+from flashflow.tuning.decode import DecodeConfig, decode_config, num_splits_heuristic
 
 KV_LAYOUTS = ("NHD", "FT")
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
@@ -81,36 +81,6 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
             return True
         span += stride * (size - 1)
     return False
-
-
-def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
-                         max_splits: int = 32, kv_fp8: bool = False) -> int:
-    """About one program per SM, each with >= 2 key blocks; no split once the (sequence, KV
-    head) pairs alone fill three quarters of the SMs.
-
-    One program per (sequence, KV head) leaves most SMs idle at small batch (8 programs for one
-    sequence of Llama-3-8B on 132 SMs); splitting the sequence fills them. More splits than SMs
-    only add partials to merge: on the H100 1×8k ran best at 16 splits, not 32.
-
-    An FP8 cache (``kv_fp8``) costs a program more work per byte (the tiles are widened on
-    chip), so it takes about two programs per SM, at most 16 splits, down to one key block a
-    split, and no split from 1.5 programs per SM on: on the H100 8 × 8k GQA ran best at 4-6
-    splits (1.67x cuDNN bf16 against 1.35x at 2), 16 × 16k at 2 (1.83x against 1.29x
-    unsplit), 32 × 4k unsplit, 1 × 1k and 1 × 2k at 8 and 16 (one block each: 9-20% faster
-    than 4 and 8).
-    """
-    if batch_kv_heads == 0:
-        return 1
-    n_blocks = cdiv(max(max_seqlen_k, 1), block_n)
-    if kv_fp8:
-        if 2 * batch_kv_heads >= 3 * num_sms:
-            return 1
-        want = max(1, round(2 * num_sms / batch_kv_heads))
-        return max(1, min(want, n_blocks, 16))
-    if 4 * batch_kv_heads >= 3 * num_sms:
-        return 1
-    want = max(1, num_sms // batch_kv_heads)
-    return max(1, min(want, n_blocks // 2, max_splits))
 
 
 def _cache_geometry(q, k_cache, v_cache, block_table, kv_layout):

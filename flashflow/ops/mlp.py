@@ -313,8 +313,7 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     if cfg.group:
         spin = _spin_limit(x2.device)
         h = torch.empty((m, inter), dtype=w1.dtype, device=x2.device)
-        # about `group` GEMM1 items per group (as many items as slices), of whole BLOCK_N steps
-        chunk_n = cdiv(cdiv(hidden, cfg.group), cfg.BLOCK_N) * cfg.BLOCK_N
+        chunk_n = tuning.chunk_n(hidden, cfg.group, cfg.BLOCK_N)
         n_chunks = cdiv(hidden, chunk_n)
         grid = min(n_slices, 2 * num_sms(x2.device))
         mlp_splitk_grouped_kernel[(grid,)](

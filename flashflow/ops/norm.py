@@ -38,6 +38,7 @@ from flashflow.device import cdiv, next_pow2
 from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
                                     joint_qkv_norm_rope_kernel, layernorm_modulate_kernel, rmsnorm_rope_kernel)
 from flashflow.ops.validate import check_no_grad, check_runs_here, check_scale, check_tensor
+from flashflow.tuning.norm import heads_per_program as _heads_per_program, row_warps as _num_warps
 
 __all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
            "joint_qkv_norm_rope", "MAX_DIM"]
@@ -48,21 +49,6 @@ MAX_DIM = 16384
 RESIDUAL_BLOCK = 4096
 # rmsnorm_rope and joint_qkv_norm_rope pack heads of one token into a tile of at most this many elements
 ROPE_TILE = 4096
-
-
-def _num_warps(block: int) -> int:
-    """Warps for a row of ``block`` lanes: 8 fp32 values a thread up to 8 warps (3072-wide
-    rows, 4096 lanes: 8 warps, 16 values a thread)."""
-    return max(1, min(8, block // 256))
-
-
-def _heads_per_program(heads: int, most: int) -> int:
-    """The largest power of two ≤ ``most`` heads per program that leaves at most 1/8 of the
-    tiles' lanes masked (24 heads: 8, not 32)."""
-    block = max(1, min(next_pow2(heads), most))
-    while block > 1 and 8 * (cdiv(heads, block) * block - heads) > cdiv(heads, block) * block:
-        block //= 2
-    return block
 
 
 # --------------------------------------------------------------------------------------------

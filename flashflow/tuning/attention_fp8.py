@@ -6,15 +6,15 @@ other GPUs with an error that says so. ``interpreter`` is Triton's CPU interpret
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 
-from flashflow.tuning import families, table
+from flashflow.tuning import Config, ConfigTable
 
 TABLE = "attention_fp8"
 
 
 @dataclass(frozen=True)
-class AttentionFp8Config:
+class AttentionFp8Config(Config):
     BLOCK_M: int
     BLOCK_N: int          # also the key block of K's quantization scale
     num_warps: int
@@ -22,24 +22,16 @@ class AttentionFp8Config:
     warp_specialize: bool = False
     pv_fp32_sum: bool = True   # P·V of each key block summed in fp32 outside the MMA
 
-    def replace(self, **kw) -> "AttentionFp8Config":
-        return replace(self, **kw)
 
-    def as_dict(self) -> dict:
-        return asdict(self)
+CONFIGS = ConfigTable(TABLE, AttentionFp8Config, keys=("head_dim", "causal"), what="FP8 attention")
 
 
 def supported_families() -> list[str]:
-    return families(TABLE)
+    return CONFIGS.families()
 
 
 @functools.lru_cache(maxsize=None)
 def attention_fp8_config(head_dim: int, causal: bool, family: str) -> AttentionFp8Config:
     """The shipped config for ``head_dim``, causal or not, on ``family``
     (:func:`flashflow.device.gpu_family`); the first matching entry of ``attention_fp8.json``."""
-    if family not in families(TABLE):
-        raise ValueError(f"no FP8 attention configs for GPU family {family!r}; known: {', '.join(families(TABLE))}")
-    for entry in table(TABLE)[family]:
-        if head_dim <= entry["head_dim_max"] and entry["causal"] in (None, causal):
-            return AttentionFp8Config(**{k: entry[k] for k in AttentionFp8Config.__dataclass_fields__ if k in entry})
-    raise ValueError(f"no FP8 attention config for head_dim {head_dim} on {family}")
+    return CONFIGS.config(family, head_dim=head_dim, causal=causal)

@@ -3,7 +3,7 @@
 The shipped tables in this folder are the default. With autotuning on, the first call of each
 shape class (GPU, dtype, padded head_dim, causal, seqlen bucket) times a few candidate configs
 around the table's entry on the call's own inputs and keeps the fastest for the rest of the
-process. The cache below is the only mutable global state of the library.
+process. The cache below is one of the few global states docs/DESIGN.md allows.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
-"""The fused FFN's configs: what ``fused_mlp`` runs, per GPU family, read from ``mlp.json``.
+"""The fused FFN's configs: what ``fused_mlp`` runs, per GPU family, read from ``mlp.json``, and
+its launch rules (:func:`slice_width`, :func:`chunk_n`).
 
-Three tables, each a list of entries per family (``"sm90"``, ``"sm80"``, ``"interpreter"``);
-the first entry whose match keys all hold wins:
+Three tables, each a list of entries per family (``"sm90"``, ``"sm80"``, ``"interpreter"``),
+matched by :mod:`flashflow.tuning`'s one rule (the first entry that holds wins):
 
 * ``"plan"`` — what ``policy="auto"`` runs: ``"splitk"`` (the decode kernel), a persistent-kernel
   tile order (``"seqsplit:8"``, ``"multirow:8"``, …) or ``"cublas"`` (``F.linear``, the
@@ -11,26 +12,22 @@ the first entry whose match keys all hold wins:
 
 Match keys: ``gated`` (SwiGLU or not), ``slice`` (the split-K slice width, :func:`slice_width`:
 how wide the intermediate is against the SM count, 64 for Llama-3-8B and 128 for Llama-3-70B
-on an H100), ``m_max`` (the entry holds for M ≤ m_max tokens) and ``dtype``. A key an entry
-leaves out matches anything; keys starting with ``_`` are notes (why, and the measurement
-file). ``"_rejected"`` lists the options that were measured and lost, one line each.
+on an H100), ``m_max`` (the entry holds for M ≤ m_max tokens) and ``dtype``.
 """
 from __future__ import annotations
 
 import functools
-import json
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Optional
 
 from flashflow.device import cdiv, next_pow2
+from flashflow.tuning import Config, ConfigTable, table as _table
 
-FAMILIES = ("sm90", "sm80", "interpreter")
-_MATCH_KEYS = ("gated", "slice", "m_max", "dtype")
+TABLE = "mlp"
 
 
 @dataclass(frozen=True)
-class SplitKConfig:
+class SplitKConfig(Config):
     """The decode kernel (``flashflow.kernels.mlp_splitk``): one program per ``BLOCK_I`` slice
     of the intermediate."""
     BLOCK_I: int        # intermediate columns per program
@@ -50,7 +47,7 @@ class SplitKConfig:
 
 
 @dataclass(frozen=True)
-class PersistentConfig:
+class PersistentConfig(Config):
     """The prefill kernel (``flashflow.kernels.mlp.mlp_persistent_kernel``), one program per SM."""
     BLOCK_M: int
     BLOCK_N0: int       # intermediate columns per GEMM0 tile (gate and up each, when gated)
@@ -61,11 +58,23 @@ class PersistentConfig:
     use_tma: bool = False   # host TMA descriptors for x, W1, H, W_down (sm90+, fp16/bf16)
 
 
-@functools.lru_cache(maxsize=None)
+@dataclass(frozen=True)
+class Plan(Config):
+    """What ``policy="auto"`` runs (a ``"plan"`` entry)."""
+    plan: str
+
+
+PLANS = ConfigTable(TABLE, Plan, keys=("gated", "slice", "m"), what="mlp plan", kind="plan")
+SPLITK = ConfigTable(TABLE, SplitKConfig, keys=("gated", "slice", "m"), what="mlp splitk", kind="splitk",
+                     supplied=(("BLOCK_I", 64),))
+PERSISTENT = ConfigTable(TABLE, PersistentConfig, keys=("gated", "m", "dtype"), what="mlp persistent",
+                         kind="persistent")
+FAMILIES = tuple(PLANS.families())
+
+
 def table() -> dict:
     """``mlp.json``, parsed once."""
-    with open(Path(__file__).with_name("mlp.json")) as f:
-        return json.load(f)
+    return _table(TABLE)
 
 
 def slice_width(inter: int, sms: int) -> int:
@@ -74,42 +83,29 @@ def slice_width(inter: int, sms: int) -> int:
     return max(16, min(128, next_pow2(cdiv(inter, 2 * sms))))
 
 
-def _lookup(kind: str, family: str, **keys) -> dict:
-    if family not in FAMILIES:
-        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
-    for entry in table()[kind][family]:
-        if all(k not in entry or _holds(k, entry[k], keys.get(k)) for k in _MATCH_KEYS):
-            return entry
-    raise LookupError(f"mlp.json has no {kind!r} entry of {family} for {keys}")
+def chunk_n(hidden: int, group: int, block_n: int) -> int:
+    """Output columns per GEMM1 item of the grouped split-K kernel: about ``group`` items per
+    group (as many items as slices), of whole ``block_n`` steps."""
+    return cdiv(cdiv(hidden, group), block_n) * block_n
 
 
-def _holds(key, want, got) -> bool:
-    if key == "m_max":
-        return got is not None and got <= want
-    return got == want
-
-
-def _build(cls, entry: dict, **defaults):
-    return cls(**{f.name: entry.get(f.name, defaults.get(f.name)) for f in fields(cls)
-                  if f.name in entry or f.name in defaults})
-
-
+@functools.lru_cache(maxsize=4096)
 def splitk_config(family: str, gated: bool, m: int, inter: int, sms: int) -> SplitKConfig:
     """The decode kernel's config for M = ``m`` tokens; ``BLOCK_I`` is :func:`slice_width`
     unless the entry names one."""
     width = slice_width(inter, sms)
-    entry = _lookup("splitk", family, gated=gated, slice=width, m_max=m)
-    return _build(SplitKConfig, entry, BLOCK_I=width)
+    return SPLITK.config(family, {"BLOCK_I": width}, gated=gated, slice=width, m=m)
 
 
+@functools.lru_cache(maxsize=4096)
 def persistent_config(family: str, gated: bool, m: Optional[int] = None, dtype: Optional[str] = None
                       ) -> PersistentConfig:
     """The prefill kernel's config for M = ``m`` tokens (None: the large-M entry) and the
     inputs' dtype name (``"bfloat16"``, ``"float16"``, ``"float32"``)."""
-    entry = _lookup("persistent", family, gated=gated, m_max=m, dtype=dtype)
-    return _build(PersistentConfig, entry)
+    return PERSISTENT.config(family, gated=gated, m=m, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=4096)
 def auto_plan(family: str, gated: bool, m: int, inter: int, sms: int) -> str:
     """What ``policy="auto"`` runs for M = ``m``: ``"splitk"``, ``"cublas"`` or a tile order."""
-    return _lookup("plan", family, gated=gated, slice=slice_width(inter, sms), m_max=m)["plan"]
+    return PLANS.config(family, gated=gated, slice=slice_width(inter, sms), m=m).plan

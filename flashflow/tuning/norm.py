@@ -1,0 +1,21 @@
+"""The diffusion block's norms (:mod:`flashflow.ops.norm`) have no config table: each launch is
+one pass over rows held in registers, and its launch parameters follow from the row's width by
+the rules below."""
+from __future__ import annotations
+
+from flashflow.device import cdiv, next_pow2
+
+
+def row_warps(block: int) -> int:
+    """Warps for a row of ``block`` lanes: 8 fp32 values a thread up to 8 warps (3072-wide
+    rows, 4096 lanes: 8 warps, 16 values a thread)."""
+    return max(1, min(8, block // 256))
+
+
+def heads_per_program(heads: int, most: int) -> int:
+    """The largest power of two ≤ ``most`` heads per program that leaves at most 1/8 of the
+    tiles' lanes masked (24 heads: 8, not 32)."""
+    block = max(1, min(next_pow2(heads), most))
+    while block > 1 and 8 * (cdiv(heads, block) * block - heads) > cdiv(heads, block) * block:
+        block //= 2
+    return block
