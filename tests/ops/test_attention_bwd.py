@@ -5,7 +5,7 @@ import torch
 
 import flashflow
 from flashflow.device import interpreting
-from flashflow.reference import full_key_padding
+from flashflow.reference import full_key_padding_mask
 from flashflow.reference.attention import attention_naive
 from flashflow.reference.metrics import rel_l2 as rel
 
@@ -16,21 +16,22 @@ TOL = {torch.float16: 2e-3, torch.bfloat16: 2e-2, torch.float32: 1e-5}
 
 
 def grads(b=2, sq=37, sk=45, h=4, hk=2, d=32, causal=False, window=(-1, -1), softcap=0.0, dtype=torch.float16,
-          kpm_len=None, need=(True, True, True), with_lse=False, seed=0):
+          mask_keys=None, need=(True, True, True), with_lse=False, seed=0):
     """(flashflow's grads, float64 reference grads) of a random loss through the attention."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(b, s, n, d, generator=g).to(dtype).to(DEVICE)
                for s, n in ((sq, h), (sk, hk), (sk, hk)))
     do = torch.randn(b, sq, h, d, generator=g).to(dtype).to(DEVICE)
     dl = torch.randn(b, h, sq, generator=g).to(DEVICE)
-    kpm = None
-    if kpm_len is not None:
-        kpm = torch.rand(b, kpm_len, generator=g).to(DEVICE) > 0.4
+    key_padding_mask = None
+    if mask_keys is not None:
+        key_padding_mask = torch.rand(b, mask_keys, generator=g).to(DEVICE) > 0.4
     ins = [t.clone().requires_grad_(n) for t, n in zip((q, k, v), need)]
-    res = flashflow.flash_attn_func(*ins, causal=causal, window_size=window, softcap=softcap, key_padding_mask=kpm,
+    res = flashflow.flash_attn_func(*ins, causal=causal, window_size=window, softcap=softcap,
+                                    key_padding_mask=key_padding_mask,
                                     return_lse=with_lse)
     refs = [t.detach().double().requires_grad_(n) for t, n in zip((q, k, v), need)]
-    full = None if kpm is None else full_key_padding(kpm, sk)
+    full = None if key_padding_mask is None else full_key_padding_mask(key_padding_mask, sk)
     ref = attention_naive(*refs, None, causal, window, softcap, key_padding_mask=full, return_lse=with_lse)
     if with_lse:
         out, lse = res
@@ -77,8 +78,8 @@ def test_gqa_mqa_sum_over_the_group(h, hk):
 
 
 def test_key_padding_mask():
-    check(kpm_len=20)
-    check(kpm_len=45, causal=True)
+    check(mask_keys=20)
+    check(mask_keys=45, causal=True)
 
 
 @pytest.mark.parametrize("d", [16, 80, 96, 128])
@@ -210,7 +211,7 @@ def test_sdpa_entry_with_a_mask(kind):
 
 
 @pytest.mark.parametrize("tiles", [(16, 32, 4, 1, 32, 16, 4, 1), (32, 16, 4, 1, 16, 32, 4, 1)])
-@pytest.mark.parametrize("case", [dict(causal=True), dict(window=(9, 3)), dict(kpm_len=20, causal=True),
+@pytest.mark.parametrize("case", [dict(causal=True), dict(window=(9, 3)), dict(mask_keys=20, causal=True),
                                   dict(sq=45, sk=37, causal=True, softcap=5.0)])
 def test_unequal_tiles(tiles, case, monkeypatch):
     """Query and key tiles of different sizes: the masked / unmasked / masked split of each

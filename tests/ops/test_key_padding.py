@@ -12,7 +12,7 @@ import torch
 import flashflow
 from flashflow.device import interpreting
 from flashflow.ops.attention import attention_forward
-from flashflow.reference import attention_naive, full_key_padding
+from flashflow.reference import attention_naive, full_key_padding_mask
 
 pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
                                 reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
@@ -35,7 +35,7 @@ def check(b, sq, sk, h, hk, d, p, dtype=torch.float16, causal=False, window=(-1,
     out, lse = flashflow.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True,
                                          key_padding_mask=mask)
     ref, ref_lse = attention_naive(q.double(), k.double(), v.double(), None, causal, window,
-                                   key_padding_mask=full_key_padding(mask, sk), return_lse=True)
+                                   key_padding_mask=full_key_padding_mask(mask, sk), return_lse=True)
     assert out.shape == q.shape and lse.shape == (b, h, sq)
     assert not torch.isnan(out).any()
     assert rel(out, ref) < TOL[dtype], rel(out, ref)
@@ -109,7 +109,7 @@ def test_keys_past_bias_keys_are_never_read_from_the_bias():
     bias = torch.full((b, 1, 1, sk), float("-inf"), device=DEVICE)
     bias[:, 0, 0, :p] = torch.zeros(b, p, device=DEVICE).masked_fill(~mask, float("-inf"))
     out, _ = attention_forward(q, k, v, bias=bias.expand(b, h, sq, sk), bias_keys=p, softmax_scale=d ** -0.5)
-    ref = attention_naive(q.double(), k.double(), v.double(), key_padding_mask=full_key_padding(mask, sk))
+    ref = attention_naive(q.double(), k.double(), v.double(), key_padding_mask=full_key_padding_mask(mask, sk))
     assert rel(out, ref) < TOL[torch.float16]
 
 
