@@ -202,10 +202,14 @@ def test_refusals():
         enable(nn.Linear(4, 4).eval())
     with pytest.raises(TypeError, match="QwenImageTransformer2DModel"):
         disable(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8'\), got 'int8'"):
+    with pytest.raises(ValueError, match=r"one of \('exact', 'fp8'\), got 'int8'"):
         enable(model, attention="int8")
-    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8'\), got 'FP8'"):
+    with pytest.raises(ValueError, match=r"one of \('exact', 'fp8'\), got 'FP8'"):
         enable(model, attention="FP8")
+    for refused in (lambda: enable(model, attention="bf16"), lambda: FlashflowQwenAttnProcessor(attention="bf16")):
+        with pytest.raises(ValueError, match=r"attention must be one of \('exact', 'fp8'\), got 'bf16': exact "
+                                             r"attention in the model's own dtype .* is attention='exact'"):
+            refused()
     with pytest.raises(TypeError, match="attention must be a str"):
         enable(model, attention=None)
     model.train()
@@ -265,14 +269,14 @@ def test_attention_mode_switches_and_disable_restores():
     kwargs = inputs(1, True, torch.float16)
     processors = [b.attn.processor for b in model.transformer_blocks]
     want = run(model, kwargs)
-    exact = run(enable(model, attention="bf16"), kwargs)
+    exact = run(enable(model, attention="exact"), kwargs)
     ours = [b.attn.processor for b in model.transformer_blocks]
     fp8 = run(enable(model, attention="fp8"), kwargs)
     assert [b.attn.processor for b in model.transformer_blocks] == ours   # switched in place
     assert all(p.attention == "fp8" for p in ours) and is_enabled(model)
     assert not torch.equal(fp8, exact)
     assert torch.equal(run(enable(model), kwargs), exact)   # and back
-    assert all(p.attention == "bf16" for p in ours)
+    assert all(p.attention == "exact" for p in ours)
     enable(model, attention="fp8")
     disable(model)
     assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, processors))
@@ -298,7 +302,7 @@ def test_fp8_attention_refuses_a_fp32_model_before_changing_it():
     enable(model)   # an enabled fp32 model is refused too, and keeps exact attention
     with pytest.raises(ValueError, match="bfloat16 or float16 model"):
         enable(model, attention="fp8")
-    assert all(b.attn.processor.attention == "bf16" for b in model.transformer_blocks)
+    assert all(b.attn.processor.attention == "exact" for b in model.transformer_blocks)
 
 
 def test_fp8_attention_refuses_a_head_dim_it_has_no_kernel_for():
@@ -320,7 +324,7 @@ def test_fp8_attention_gives_the_ops_error_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(ffd, "flash_attn_fp8_func", no_fp8)
     model = tiny_model(torch.bfloat16, **HEAD_DIM_64)
     with pytest.raises(ValueError, match=r"attention='fp8' cannot run on cpu: FP8 attention needs FP8 tensor "
-                                         r"cores .*attention='bf16'"):
+                                         r"cores .*attention='exact'"):
         enable(model, attention="fp8")
     assert seen == [((1, 0, 2, 64), torch.bfloat16, "cpu")]
     assert not is_enabled(model)
@@ -407,7 +411,7 @@ def cp_config(degrees):
 
 
 CP_REFUSED = (r"enable_parallelism\(config=ContextParallelConfig\(ring_degree={ring}, ulysses_degree={ulysses}\)\) .*"
-              r"flashflow's attention processors do not support context parallelism yet: each rank's attention would "
+              r"flashflow's attention processors do not support context parallelism: each rank's attention would "
               r"see only its own part of the sequence .* call flashflow\.integrations\.diffusers\.disable"
               r"\(transformer\) first")
 
@@ -457,7 +461,7 @@ def test_enable_refuses_a_model_that_runs_context_parallel():
     model._parallel_config = cp_config(dict(ulysses_degree=2))
     with pytest.raises(ValueError, match=r"transformer runs with context parallelism .*ContextParallelConfig\("
                                          r"ring_degree=1, ulysses_degree=2\)\): flashflow's attention processors do "
-                                         r"not support context parallelism yet"):
+                                         r"not support context parallelism: each rank"):
         enable(model)
     assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
@@ -515,7 +519,7 @@ def _two_rank_worker(rank, init_method):
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed's gloo")
 def test_enable_parallelism_on_two_ranks(tmp_path):
     """The real scenario, two processes: enable, then enable_parallelism(ContextParallelConfig(
-    ulysses_degree=2)) raises on both ranks (before, it ran, and each rank's attention saw half the
-    sequence); disable, and diffusers' own parallel run matches the one-process output; enable on
+    ulysses_degree=2)) raises on both ranks (were it to run, each rank's attention would see half
+    the sequence); disable, and diffusers' own parallel run matches the one-process output; enable on
     that model is refused."""
     torch.multiprocessing.spawn(_two_rank_worker, args=(f"file://{tmp_path / 'rendezvous'}",), nprocs=2)
