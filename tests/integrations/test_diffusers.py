@@ -15,7 +15,7 @@ diffusers = pytest.importorskip("diffusers")
 import flashflow.integrations.diffusers as ffd  # noqa: E402
 from flashflow.integrations.diffusers import FlashflowQwenAttnProcessor, disable, enable, is_enabled  # noqa: E402
 from flashflow.reference.metrics import cosine  # noqa: E402
-from flashflow.reference.metrics import rel_l2 as rel  # noqa: E402
+from flashflow.reference.metrics import rel_l2  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.float16: 2e-2}
 TXT = 7
@@ -73,7 +73,7 @@ def test_enable_matches_the_original(images, padded, dtype):
     got = run(model, kwargs)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.isfinite(got).all()
-    assert rel(got, want) < TOL[dtype]
+    assert rel_l2(got, want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -83,7 +83,7 @@ def test_zero_cond_t_modulate_index(dtype):
     kwargs = inputs(2, True, dtype)
     want = run(model, kwargs)
     enable(model)
-    assert rel(run(model, kwargs), want) < TOL[dtype]
+    assert rel_l2(run(model, kwargs), want) < TOL[dtype]
 
 
 def test_the_padding_mask_is_applied():
@@ -92,7 +92,7 @@ def test_the_padding_mask_is_applied():
     masked, unmasked = inputs(1, True), inputs(1, False)
     a, b = run(model, masked), run(model, unmasked)
     assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
-    assert rel(a[1], b[1]) > 1e-3
+    assert rel_l2(a[1], b[1]) > 1e-3
 
 
 def test_attention_gets_a_key_padding_mask_never_a_dense_one(monkeypatch):
@@ -125,7 +125,7 @@ def test_enabled_model_under_torch_compile():
     compiled = torch.compile(enable(model), backend="eager", dynamic=False)
     with torch.no_grad():
         got = compiled(**kwargs)[0]
-    assert rel(got, want) < TOL[torch.float32]
+    assert rel_l2(got, want) < TOL[torch.float32]
 
 
 def test_without_rotary_embedding():
@@ -141,7 +141,7 @@ def test_without_rotary_embedding():
         enable(model)
         got = block(**args)
     for g_, w_ in zip(got, want):
-        assert rel(g_, w_) < 1e-3
+        assert rel_l2(g_, w_) < 1e-3
 
 
 def test_text_mask_of_the_wrong_shape_is_refused():
@@ -253,15 +253,15 @@ def test_fp8_attention_matches_the_original(padded, monkeypatch):
     assert calls == [((2, seq, 2, 64), torch.float16, (2, TXT) if padded else None)] * 2
     assert got.dtype == want.dtype and got.shape == want.shape and torch.isfinite(got).all()
     assert cosine(got, want) > 0.99
-    assert rel(exact, want) < rel(got, want)   # the 8-bit products do change the output
+    assert rel_l2(exact, want) < rel_l2(got, want)   # the 8-bit products do change the output
 
 
 def test_fp8_attention_applies_the_padding_mask():
     model = enable(tiny_model(torch.float16, **HEAD_DIM_64), attention="fp8")
     masked, unmasked = inputs(1, True, torch.float16), inputs(1, False, torch.float16)
     a, b = run(model, masked), run(model, unmasked)
-    assert rel(a[0], b[0]) < 1e-3    # the first prompt is not padded: up to rounding, the same
-    assert rel(a[1], b[1]) > 2e-3    # the last one is: 3 of its 7 text keys masked
+    assert rel_l2(a[0], b[0]) < 1e-3    # the first prompt is not padded: up to rounding, the same
+    assert rel_l2(a[1], b[1]) > 2e-3    # the last one is: 3 of its 7 text keys masked
 
 
 def test_attention_mode_switches_and_disable_restores():
@@ -291,7 +291,7 @@ def test_fp8_attention_under_torch_compile():
     compiled = torch.compile(model, backend="eager", dynamic=False)
     with torch.no_grad():
         got = compiled(**kwargs)[0]
-    assert rel(got, eager) < 1e-3 and cosine(got, want) > 0.99
+    assert rel_l2(got, eager) < 1e-3 and cosine(got, want) > 0.99
 
 
 def test_fp8_attention_refuses_a_fp32_model_before_changing_it():
@@ -399,7 +399,7 @@ def test_fused_gelu_epilogue_is_gelu_tanh(dtype, monkeypatch):
         want = ff.net[2](torch.nn.functional.gelu(proj(x).float(), approximate="tanh").to(dtype))
         got = ffd._feed_forward(ff, x)
     assert calls == [{"use_gelu": True}]   # the epilogue path ran, not the module's
-    assert rel(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert rel_l2(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 # ------------------------------------------------------------------- diffusers' context parallelism
@@ -509,7 +509,7 @@ def _two_rank_worker(rank, init_method):
         disable(model)
         model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
         got = run(model, kwargs)    # diffusers' own Ulysses attention over both ranks' halves
-        assert rel(got, want) < 1e-5, rel(got, want)
+        assert rel_l2(got, want) < 1e-5, rel_l2(got, want)
         with pytest.raises(ValueError, match="transformer runs with context parallelism"):
             enable(model)
     finally:

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import flashflow
-from flashflow.device import cdiv, gpu_family, interpreting
+from flashflow.device import cdiv, gpu_family
 from flashflow.ops import attention_fp8 as fp8_ops
 from flashflow.ops.attention_fp8 import (
     flash_attn_fp8_func,
@@ -37,12 +37,11 @@ from flashflow.reference import (attention_fp8_reference, attention_naive, full_
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
+from kernel_device import DEVICE
 from nonfinite_cases import exact_attention_over
 
-DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 pytestmark = [
-    pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                       reason="needs TRITON_INTERPRET=1 or a CUDA GPU"),
+    pytest.mark.kernels,
     pytest.mark.skipif(DEVICE == "cuda" and gpu_family(torch.device(DEVICE)) != "sm90",
                        reason="FP8 attention runs on Hopper (sm90) and newer"),
 ]
