@@ -312,7 +312,7 @@ def test_bad_window_and_softcap(device):
 
 
 def test_flags_and_window_must_be_what_they_say(device):
-    # "no" is truthy and 1.5 truncates: both used to run silently as something else
+    # "no" is truthy and 1.5 truncates: read as such, both would run silently as something else
     x = rand(1, 8, 2, 32, device=device)
     with pytest.raises(TypeError, match="window_size must be a pair of ints"):
         flashflow.flash_attn_func(x, x, x, window_size=(1.5, 2))

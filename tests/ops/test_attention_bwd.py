@@ -222,8 +222,8 @@ def test_unequal_tiles(device, tiles, case, monkeypatch):
 
 
 def test_double_backward_is_refused(device):
-    # create_graph=True used to return a gradient with no graph: a gradient penalty through the
-    # attention silently lost its second-order term
+    # a gradient with no graph under create_graph=True would silently drop the second-order term
+    # of a gradient penalty through the attention
     q, k, v = (torch.randn(1, 9, 2, 16, device=device).requires_grad_() for _ in range(3))
     out = flashflow.flash_attn_func(q, k, v)
     with pytest.raises(NotImplementedError, match="no double backward"):

@@ -257,7 +257,7 @@ def test_block_table_padding_past_each_sequence_is_not_checked(device):
     out = flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens,
                                             block_table=table)
     assert rel_l2(out, ref) < TOL
-    # one page too few for row 2 once its appended token counts: now it is checked, and named
+    # one page too few for row 2 once its appended token counts: checked, and the row named
     table[2, 0] = -1
     with pytest.raises(ValueError, match=r"block_table\[2\] holds page indices outside \[0, \d+\).*\[-1\]"):
         flashflow.flash_attn_with_kvcache(q, k_cache, v_cache, new, new, cache_seqlens=seqlens,
@@ -582,7 +582,7 @@ def test_unimplemented_flash_attention_arguments_are_refused(device, name):
 
 
 def test_old_positions_and_names_are_refused(device):
-    # cache_seqlens in the old 6th place now lands on rotary_cos; return_lse is not an alias
+    # FlashAttention's 6th positional argument is rotary_cos, not cache_seqlens; return_lse is not an alias
     q = torch.randn(2, 1, 4, 32, dtype=torch.float16, device=device)
     kc = torch.randn(2, 64, 2, 32, dtype=torch.float16, device=device)
     lens = torch.tensor([3, 4], dtype=torch.int32, device=device)

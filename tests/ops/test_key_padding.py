@@ -109,7 +109,7 @@ def test_keys_past_bias_keys_are_never_read_from_the_bias(device):
 
 
 def test_sdpa_key_padding_mask_over_many_blocks(device):
-    # SDPA's (B, 1, 1, S_k) boolean mask: the whole key range is biased, as before
+    # SDPA's (B, 1, 1, S_k) boolean mask: the mask covers the whole key range
     b, h, sq, sk = 2, 4, 45, 200
     q, k, v = rand(b, h, sq, 64, device=device), rand(b, h, sk, 64, device=device), rand(b, h, sk, 64, device=device)
     mask = torch.rand(b, 1, 1, sk, device=device) > 0.4
