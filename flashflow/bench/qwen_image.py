@@ -52,8 +52,8 @@ PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile", "diffu
 # provider -> (flashflow's attention mode, None: not enabled; torch.compile'd; one step captured in
 # a CUDA graph per shape)
 _MODES = {DEFAULT: (None, False, False), COMPILED_DEFAULT: (None, True, False),
-          "flashflow": ("bf16", False, False), "flashflow+compile": ("bf16", True, False),
-          "diffusers+graph": (None, False, True), "flashflow+graph": ("bf16", False, True),
+          "flashflow": ("exact", False, False), "flashflow+compile": ("exact", True, False),
+          "diffusers+graph": (None, False, True), "flashflow+graph": ("exact", False, True),
           "flashflow-fp8": ("fp8", False, False), "flashflow-fp8+graph": ("fp8", False, True)}
 # the GPU time split is read from the eager providers: compiled kernels are Inductor's fusions,
 # named after aten ops, which would all land in "other"
@@ -316,7 +316,7 @@ def measure(model, shapes, providers, inputs: dict, backend, integration=_integr
     """One row per shape: every provider's result on ``inputs[shape.name, shape.text_valid]``.
 
     ``integration()`` returns ``(enable, disable)``, called as ``enable(model, attention=mode)``
-    with the provider's attention mode (``"bf16"`` or ``"fp8"``); ``compile_fn(model)`` the
+    with the provider's attention mode (``"exact"`` or ``"fp8"``); ``compile_fn(model)`` the
     compiled callable.
     Providers run one after the other over all shapes, so each is set up (enabled, compiled)
     once and torn down (disabled, compiled code dropped, memory freed) before the next.

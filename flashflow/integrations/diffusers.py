@@ -2,12 +2,12 @@
 
 ``enable(transformer)`` swaps, in every ``QwenImageTransformerBlock``:
 
-- the attention processor for :class:`FlashflowQwenAttnProcessor`: the six projections as
-  before, then one ``joint_qkv_norm_rope`` launch for q, k and v of both streams (the four q/k
+- the attention processor for :class:`FlashflowQwenAttnProcessor`: diffusers' six
+  projections, then one ``joint_qkv_norm_rope`` launch for q, k and v of both streams (the four q/k
   RMSNorm + RoPE passes, written straight into the joint ``[text, image]`` buffers, and the v
   concatenation: no ``torch.cat``; a pass per stream where the four norms' weights differ in
   dtype, or without RoPE), then flashflow's attention over the joint sequence, exact
-  (``flash_attn_func``, ``attention="bf16"``) or with 8-bit products (``flash_attn_fp8_func``,
+  (``flash_attn_func``, ``attention="exact"``) or with 8-bit products (``flash_attn_fp8_func``,
   ``attention="fp8"``); with a text padding mask, the op's ``key_padding_mask`` over the text
   keys alone: the image keys run the kernel's unmasked loop, and no dense mask is ever built;
 - the block's ``forward`` for one that does the same math with fused passes:
@@ -55,16 +55,16 @@ __all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUP
            "ATTENTION_MODES"]
 
 SUPPORTED_MODELS = (QwenImageTransformer2DModel,)
-# "bf16": exact attention in the model's own dtype (bf16, fp16 or fp32 models alike);
+# "exact": flash_attn_func, exact attention in the model's own dtype (bf16, fp16 or fp32 models alike);
 # "fp8": flash_attn_fp8_func, Q·Kᵀ in INT8 and P·V in e4m3 (bf16 or fp16 models, Hopper or newer).
-ATTENTION_MODES = ("bf16", "fp8")
+ATTENTION_MODES = ("exact", "fp8")
 _FP8_DTYPES = (torch.bfloat16, torch.float16)
 
 # The original (processor, instance-level forward or None) of a block, kept on the block itself.
 _ORIGINAL = "_flashflow_original"
 
 _CONTEXT_PARALLEL_UNSUPPORTED = (
-    "flashflow's attention processors do not support context parallelism yet: each rank's attention would see "
+    "flashflow's attention processors do not support context parallelism: each rank's attention would see "
     "only its own part of the sequence (a silently wrong result)")
 
 # cuBLASLt's bias + GELU epilogue is the tanh approximation; CPU builds of this private op use the
@@ -158,14 +158,14 @@ def _norm_rope_into(norm: nn.Module, x: torch.Tensor, freqs, out: torch.Tensor) 
 class FlashflowQwenAttnProcessor:
     """Joint [text, image] attention of a Qwen-Image block through flashflow's kernels; a
     drop-in for diffusers' ``QwenDoubleStreamAttnProcessor2_0`` (same call, same outputs up to
-    rounding with ``attention="bf16"``, up to FP8 attention's error with ``"fp8"``).
+    rounding with ``attention="exact"``, up to FP8 attention's error with ``"fp8"``).
 
     ``attention``: one of :data:`ATTENTION_MODES`; :func:`enable` sets it (and checks that the
     model can run it). It refuses, with a ``ValueError``, the context-parallel config that diffusers'
     ``enable_parallelism`` hands it, and a call while autograd records with parameters or inputs
     that require grad (no backward)."""
 
-    def __init__(self, attention: str = "bf16"):
+    def __init__(self, attention: str = "exact"):
         self.attention = _check_attention(attention)
         self._given_parallel_config = None
 
@@ -353,6 +353,9 @@ def _block_forward(
 def _check_attention(attention) -> str:
     if not isinstance(attention, str):
         raise TypeError(f"attention must be a str, one of {ATTENTION_MODES}, got {attention!r}")
+    if attention == "bf16":
+        raise ValueError(f"attention must be one of {ATTENTION_MODES}, got 'bf16': exact attention in the model's "
+                         "own dtype (bf16, fp16 or fp32 alike) is attention='exact'")
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
     return attention
@@ -376,13 +379,13 @@ def _check_fp8(transformer, blocks) -> None:
     if dtype not in _FP8_DTYPES:
         raise ValueError(f"attention='fp8' needs a bfloat16 or float16 model (FP8 attention quantizes 16-bit "
                          f"q, k, v), got a {dtype} model; convert it (transformer.to(torch.bfloat16)) or use "
-                         "attention='bf16'")
+                         "attention='exact'")
     head_shapes = {}
     for i, block in enumerate(blocks):
         heads, head_dim = block.attn.heads, block.attn.inner_dim // block.attn.heads
         if head_dim not in FP8_HEAD_DIMS:
             raise ValueError(f"attention='fp8' needs head_dim in {FP8_HEAD_DIMS}; transformer_blocks[{i}] has "
-                             f"head_dim {head_dim}; use attention='bf16'")
+                             f"head_dim {head_dim}; use attention='exact'")
         head_shapes[heads, head_dim] = None
     if device.type == "cuda" or interpreting():
         for heads, head_dim in head_shapes:
@@ -390,8 +393,8 @@ def _check_fp8(transformer, blocks) -> None:
             try:
                 flash_attn_fp8_func(probe, probe, probe)
             except (TypeError, ValueError) as e:
-                raise ValueError(f"attention='fp8' cannot run on {device}: {e} (with enable(), exact "
-                                 "attention is attention='bf16')") from e
+                raise ValueError(f"attention='fp8' cannot run on {device}: {e} (use "
+                                 "attention='exact' for exact attention)") from e
 
 
 def _forward_is_ours(block) -> bool:
@@ -408,13 +411,13 @@ def is_enabled(transformer) -> bool:
     return bool(blocks) and all(_forward_is_ours(b) and _processor_is_ours(b) for b in blocks)
 
 
-def enable(transformer, attention: str = "bf16"):
+def enable(transformer, attention: str = "exact"):
     """Run ``transformer`` (diffusers' ``QwenImageTransformer2DModel``) through flashflow, in place.
 
     Args:
         transformer: the model, in eval mode (``pipe.transformer``), on a CUDA device (or on the
             CPU under Triton's interpreter). Its weights are not touched or copied.
-        attention: ``"bf16"`` (default): exact attention in the model's dtype (bf16, fp16 or
+        attention: ``"exact"`` (default): exact attention in the model's dtype (bf16, fp16 or
             fp32 models). ``"fp8"``: :func:`flashflow.ops.attention_fp8.flash_attn_fp8_func`,
             Q·Kᵀ in INT8 and P·V in e4m3 (about 0.999 cosine to exact attention per call,
             docs/diffusion.md); it needs a bf16 or fp16 model (a ``ValueError`` otherwise), head_dim
@@ -429,7 +432,7 @@ def enable(transformer, attention: str = "bf16"):
 
     Every block is checked before any is changed, so a refused model is left as it was. A model
     that runs diffusers' context parallelism is refused, and so is ``enable_parallelism`` on an
-    enabled model, both with a ``ValueError``: flashflow's processor does not support it yet.
+    enabled model, both with a ``ValueError``: flashflow's processor does not support it.
     """
     attention = _check_attention(attention)
     blocks = _check_transformer(transformer)

@@ -61,9 +61,9 @@ def int32_as_float(x):
 
 
 @triton.jit
-def _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, hi, KD, VD, KS, KPM, k_row0, v_row0, offs_m, seqlen_k,
-                 kpm_keys, diag_offset,
-                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr,
+def _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, hi, KD, VD, KS, KEY_PADDING_MASK, k_row0, v_row0, offs_m,
+                 seqlen_k, mask_keys, diag_offset,
+                 BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr,
                  QK_FP8: tl.constexpr, EMULATE_FP8: tl.constexpr, PV_FP32_SUM: tl.constexpr,
                  WARP_SPECIALIZE: tl.constexpr):
     """Fold key blocks [lo, hi) into (acc, l, m); ``MASKED=False`` is the hot loop (no masks)."""
@@ -90,8 +90,8 @@ def _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, hi, KD, VD, KS, KPM, k_row0, v_r
             s = qk * row_scale[:, None] - offset[:, None]
             allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n[None, :], offs_m[:, None] + diag_offset, 0, 0,
                                   False, CAUSAL)
-            if HAS_KPM:
-                keep = tl.load(KPM + offs_n, mask=offs_n < kpm_keys, other=1)
+            if KEY_PADDING:
+                keep = tl.load(KEY_PADDING_MASK + offs_n, mask=offs_n < mask_keys, other=1)
                 allowed &= (keep != 0)[None, :]
             s = tl.where(allowed, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -122,16 +122,18 @@ def _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, hi, KD, VD, KS, KPM, k_row0, v_r
 
 @triton.jit
 def attention_fp8_fwd_kernel(
-    QD, KD, VD, QS, KS, VS, QC, O, LSE, KPM,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_kpm,
-    seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, kpm_keys,
+    QD, KD, VD, QS, KS, VS, QC, O, LSE, KEY_PADDING_MASK,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_key_padding_mask,
+    seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, mask_keys,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_KPM: tl.constexpr, RETURN_LSE: tl.constexpr, QK_FP8: tl.constexpr,
+    CAUSAL: tl.constexpr, KEY_PADDING: tl.constexpr, RETURN_LSE: tl.constexpr, QK_FP8: tl.constexpr,
     EMULATE_FP8: tl.constexpr, PV_FP32_SUM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """1-D grid over (m-block, head, batch) tiles, m-block fastest (tiles that run together
     share K/V in L2); causal tiles heaviest first. ``QD/KD/VD``: tensor descriptors over the
-    2-D views ``(b·h·sq_pad, D)``, ``(b·hk·sk_pad, D)`` and ``(b·hk·D, sk_pad)``."""
+    2-D views ``(b·h·sq_pad, D)``, ``(b·hk·sk_pad, D)`` and ``(b·hk·D, sk_pad)``. With
+    ``KEY_PADDING``, ``KEY_PADDING_MASK (b, ≥ mask_keys)`` holds a bool per key (False: hidden)
+    over the first ``mask_keys`` keys, ``stride_key_padding_mask`` apart per batch."""
     tile = tl.program_id(0)
     pid_m = tile % num_m_blocks
     head = (tile // num_m_blocks) % heads
@@ -150,27 +152,27 @@ def attention_fp8_fwd_kernel(
     k_row0 = bhk * sk_pad
     v_row0 = bhk * HEAD_DIM
     ks = KS + bhk * (sk_pad // BLOCK_N)
-    kpm = KPM + batch.to(tl.int64) * stride_kpm
+    key_padding_mask = KEY_PADDING_MASK + batch.to(tl.int64) * stride_key_padding_mask
 
     diag_offset = seqlen_k - seqlen_q
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
-    lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, 0, 0, kpm_keys, BLOCK_N,
-                                          False, CAUSAL, HAS_KPM)
+    lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, 0, 0, mask_keys, BLOCK_N,
+                                          False, CAUSAL, KEY_PADDING)
     mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    acc, l_i, m_i = _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, mid_lo, KD, VD, ks, kpm, k_row0, v_row0, offs_m,
-                                 seqlen_k, kpm_keys, diag_offset, BLOCK_N, True, CAUSAL, HAS_KPM, QK_FP8,
-                                 EMULATE_FP8, PV_FP32_SUM, False)
-    acc, l_i, m_i = _fp8_kv_loop(acc, l_i, m_i, q, q_scale, mid_lo, mid_hi, KD, VD, ks, kpm, k_row0, v_row0,
-                                 offs_m, seqlen_k, kpm_keys, diag_offset, BLOCK_N, False, CAUSAL, HAS_KPM,
+    acc, l_i, m_i = _fp8_kv_loop(acc, l_i, m_i, q, q_scale, lo, mid_lo, KD, VD, ks, key_padding_mask, k_row0,
+                                 v_row0, offs_m, seqlen_k, mask_keys, diag_offset, BLOCK_N, True, CAUSAL, KEY_PADDING,
+                                 QK_FP8, EMULATE_FP8, PV_FP32_SUM, False)
+    acc, l_i, m_i = _fp8_kv_loop(acc, l_i, m_i, q, q_scale, mid_lo, mid_hi, KD, VD, ks, key_padding_mask, k_row0,
+                                 v_row0, offs_m, seqlen_k, mask_keys, diag_offset, BLOCK_N, False, CAUSAL, KEY_PADDING,
                                  QK_FP8, EMULATE_FP8, PV_FP32_SUM, WARP_SPECIALIZE)
     # past every key-padding block: no mask to load there
-    acc, l_i, m_i = _fp8_kv_loop(acc, l_i, m_i, q, q_scale, mid_hi, hi, KD, VD, ks, kpm, k_row0, v_row0, offs_m,
-                                 seqlen_k, kpm_keys, diag_offset, BLOCK_N, True, CAUSAL, False, QK_FP8,
-                                 EMULATE_FP8, PV_FP32_SUM, False)
+    acc, l_i, m_i = _fp8_kv_loop(acc, l_i, m_i, q, q_scale, mid_hi, hi, KD, VD, ks, key_padding_mask, k_row0,
+                                 v_row0, offs_m, seqlen_k, mask_keys, diag_offset, BLOCK_N, True, CAUSAL, False,
+                                 QK_FP8, EMULATE_FP8, PV_FP32_SUM, False)
 
     v_scale = tl.load(VS + bhk * HEAD_DIM + offs_d)
     out = normalize(acc, l_i) * v_scale[None, :]

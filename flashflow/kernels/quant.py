@@ -164,21 +164,23 @@ def _kv_head_stats(KSUM, VMAX, bh, chunks, seqlen_k, offs_d, HEAD_DIM: tl.conste
 
 
 @triton.jit
-def _hidden_as_zero(x, KPM, offs_s, kpm_keys):
+def _hidden_as_zero(x, KEY_PADDING_MASK, offs_s, mask_keys):
     """``x`` ``(keys, D)`` with its non-finite values at keys the key-padding mask hides (False
-    in ``KPM[:kpm_keys]``) taken as 0: such a key reaches no output, and must not mark one."""
-    keep = tl.load(KPM + offs_s, mask=offs_s < kpm_keys, other=1) != 0
+    in ``KEY_PADDING_MASK[:mask_keys]``) taken as 0: such a key reaches no output, and must not
+    mark one."""
+    keep = tl.load(KEY_PADDING_MASK + offs_s, mask=offs_s < mask_keys, other=1) != 0
     return tl.where(keep[:, None] | is_finite(x), x, 0.0)
 
 
 @triton.jit
 def attention_quantize_kernel(
-    Q, K, V, Q8, QS, QC, K8, KS, VT8, VS, KSUM, VMAX, KPM,
-    seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, kpm_keys,
+    Q, K, V, Q8, QS, QC, K8, KS, VT8, VS, KSUM, VMAX, KEY_PADDING_MASK,
+    seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_kpm, qk_scale_log2, softmax_scale,
+    stride_key_padding_mask, qk_scale_log2, softmax_scale,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, QK_FP8: tl.constexpr, SMOOTH_K: tl.constexpr,
-    LSE_CORRECTION: tl.constexpr, CHUNKS_PAD: tl.constexpr, HAS_KPM: tl.constexpr, EMULATE_FP8: tl.constexpr,
+    LSE_CORRECTION: tl.constexpr, CHUNKS_PAD: tl.constexpr, KEY_PADDING: tl.constexpr,
+    EMULATE_FP8: tl.constexpr,
 ):
     """Q, K and V of an attention call to 8 bits, padded to whole blocks, in one launch.
 
@@ -195,9 +197,9 @@ def attention_quantize_kernel(
 
     Non-finite values (module docstring): ``QS`` of a token holding one and ``KS`` of a block
     holding one are NaN (the 8-bit values of such a token or block are unspecified), ``VT8``
-    holds e4m3's NaN in its place. ``KPM (b, ≥ kpm_keys)`` with ``HAS_KPM``: the key-padding
-    mask over the first ``kpm_keys`` keys; a non-finite K or V value at a key it hides is taken
-    as 0. ``EMULATE_FP8``: under Triton's interpreter (its fp32 → e4m3 conversion loses NaN).
+    holds e4m3's NaN in its place. ``KEY_PADDING_MASK (b, ≥ mask_keys)`` with ``KEY_PADDING``:
+    the key-padding mask over the first ``mask_keys`` keys; a non-finite K or V value at a key it
+    hides is taken as 0. ``EMULATE_FP8``: under Triton's interpreter (its fp32 → e4m3 conversion loses NaN).
 
     Bytes: Q, K, V read once and written once at one byte an element, plus the scales.
     """
@@ -236,16 +238,16 @@ def attention_quantize_kernel(
         rows = (offs_s < seqlen_k)[:, None]
         kmean, vmax = _kv_head_stats(KSUM, VMAX, b * kv_heads + h, chunks, seqlen_k, offs_d, HEAD_DIM, CHUNKS_PAD)
         bh = (b * kv_heads + h).to(tl.int64)
-        kpm = KPM + b.to(tl.int64) * stride_kpm
+        key_padding_mask = KEY_PADDING_MASK + b.to(tl.int64) * stride_key_padding_mask
         # the blocks of the key-padding mask's prefix: past it, no key is hidden, no work
-        hides = blk * BLOCK_S < kpm_keys
+        hides = blk * BLOCK_S < mask_keys
         if is_k:
             k = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
                         + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=rows, other=0.0)
             k = k.to(tl.float32)
-            if HAS_KPM:
+            if KEY_PADDING:
                 if hides:
-                    k = _hidden_as_zero(k, kpm, offs_s, kpm_keys)
+                    k = _hidden_as_zero(k, key_padding_mask, offs_s, mask_keys)
             if SMOOTH_K:
                 k = tl.where(rows, k - kmean[None, :], 0.0)
             # a block holding a non-finite value: a NaN or inf amax, a NaN scale
@@ -259,9 +261,9 @@ def attention_quantize_kernel(
             v = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
                         + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=rows, other=0.0)
             v = v.to(tl.float32)
-            if HAS_KPM:
+            if KEY_PADDING:
                 if hides:
-                    v = _hidden_as_zero(v, kpm, offs_s, kpm_keys)
+                    v = _hidden_as_zero(v, key_padding_mask, offs_s, mask_keys)
             # a non-finite value becomes NaN (inf too) and stays NaN on the grid: e4m3's NaN. Its
             # select takes the place of the saturation: |v| <= amax, the channel's finite max
             v = tl.where(is_finite(v), v, float("nan"))

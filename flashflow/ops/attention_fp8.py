@@ -130,28 +130,28 @@ def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4,
     )
-    kpm, kpm_keys = _kpm(q, key_padding_mask)
+    key_padding_mask, mask_keys = _mask_for_kernels(q, key_padding_mask)
     attention_quantize_kernel[(max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)](
-        q, k, v, q8, q_scale, q_corr, k8, k_scale, vt8.view(torch.int8), v_scale, ksum, vmax, kpm,
-        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, kpm_keys,
+        q, k, v, q8, q_scale, q_corr, k8, k_scale, vt8.view(torch.int8), v_scale, ksum, vmax, key_padding_mask,
+        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), kpm.stride(0) if kpm_keys else 0,
+        v.stride(0), v.stride(1), v.stride(2), key_padding_mask.stride(0) if mask_keys else 0,
         softmax_scale * LOG2E, softmax_scale,
         HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
-        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), HAS_KPM=kpm_keys > 0,
+        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), KEY_PADDING=mask_keys > 0,
         EMULATE_FP8=interpreting(), num_warps=4,
     )
     return dict(q8=q8, q_scale=q_scale, q_corr=q_corr, k8=k8, k_scale=k_scale, vt8=vt8, v_scale=v_scale,
                 sq_pad=sq_pad, sk_pad=sk_pad)
 
 
-def _kpm(q, key_padding_mask):
+def _mask_for_kernels(q, key_padding_mask):
     """(the mask as the kernels read it, unit-stride along the keys, or ``q`` where there is none
     (never read then); the number of keys it covers)."""
     if key_padding_mask is None or key_padding_mask.shape[1] == 0:
         return q, 0
-    kpm = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
-    return kpm, kpm.shape[1]
+    key_padding_mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+    return key_padding_mask, key_padding_mask.shape[1]
 
 
 def _attention_fp8_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
@@ -183,14 +183,15 @@ def attention_fp8_forward(q, k, v, key_padding_mask, softmax_scale: float, causa
     qd = TensorDescriptor(qz["q8"], [batch * heads * sq_pad, head_dim], [head_dim, 1], [cfg.BLOCK_M, head_dim])
     kd = TensorDescriptor(qz["k8"], [batch * kv_heads * sk_pad, head_dim], [head_dim, 1], [cfg.BLOCK_N, head_dim])
     vd = TensorDescriptor(qz["vt8"], [batch * kv_heads * head_dim, sk_pad], [sk_pad, 1], [head_dim, cfg.BLOCK_N])
-    kpm, kpm_keys = _kpm(q, key_padding_mask)
+    key_padding_mask, mask_keys = _mask_for_kernels(q, key_padding_mask)
     num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
     lse_strides = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
     attention_fp8_fwd_kernel[(num_m_blocks * heads * batch,)](
-        qd, kd, vd, qz["q_scale"], qz["k_scale"], qz["v_scale"], qz["q_corr"], out, lse, kpm,
-        out.stride(0), out.stride(1), out.stride(2), *lse_strides, kpm.stride(0) if kpm_keys else 0,
-        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, kpm_keys,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CAUSAL=causal, HAS_KPM=kpm_keys > 0,
+        qd, kd, vd, qz["q_scale"], qz["k_scale"], qz["v_scale"], qz["q_corr"], out, lse, key_padding_mask,
+        out.stride(0), out.stride(1), out.stride(2), *lse_strides,
+        key_padding_mask.stride(0) if mask_keys else 0,
+        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, mask_keys,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CAUSAL=causal, KEY_PADDING=mask_keys > 0,
         RETURN_LSE=return_lse, QK_FP8=qk_format == "fp8", EMULATE_FP8=interpreting(), PV_FP32_SUM=cfg.pv_fp32_sum,
         WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -282,14 +283,14 @@ def scaled_dot_product_attention_fp8(query, key, value, attn_mask=None, is_causa
     if is_causal and query.shape[2] != key.shape[2]:
         raise ValueError("is_causal with seqlen_q != seqlen_k is aligned top-left in SDPA; FP8 attention takes "
                          "causal masks where seqlen_q == seqlen_k only (flash_attn_fp8_func aligns bottom-right)")
-    kpm = None
+    key_padding_mask = None
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor) or attn_mask.dtype != torch.bool or attn_mask.dim() != 4 \
                 or attn_mask.shape[1] != 1 or attn_mask.shape[2] != 1 or attn_mask.shape[3] != key.shape[2] \
                 or attn_mask.shape[0] not in (1, query.shape[0]):
             raise ValueError("attn_mask must be None or a bool key-padding mask of shape (batch, 1, 1, seqlen_k) "
                              "for FP8 attention; use flashflow.scaled_dot_product_attention for other masks")
-        kpm = attn_mask[:, 0, 0, :].expand(query.shape[0], key.shape[2])
+        key_padding_mask = attn_mask[:, 0, 0, :].expand(query.shape[0], key.shape[2])
     out = flash_attn_fp8_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, is_causal,
-                              key_padding_mask=kpm, qk_format=qk_format)
+                              key_padding_mask=key_padding_mask, qk_format=qk_format)
     return out.transpose(1, 2)

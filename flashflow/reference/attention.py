@@ -41,14 +41,15 @@ def attention_mask(seqlen_q: int, seqlen_k: int, causal: bool = False,
     return allowed
 
 
-def full_key_padding(mask, seqlen_k: int):
+def full_key_padding_mask(key_padding_mask, seqlen_k: int):
     """A key-padding mask over a prefix of the keys, ``(batch, P)`` as flashflow's ops take it,
     as the ``(batch, seqlen_k)`` one the references take: keys from P on are attended. None
     stays None."""
-    if mask is None:
+    if key_padding_mask is None:
         return None
-    tail = torch.ones(mask.shape[0], seqlen_k - mask.shape[1], dtype=torch.bool, device=mask.device)
-    return torch.cat([mask, tail], dim=1)
+    tail = torch.ones(key_padding_mask.shape[0], seqlen_k - key_padding_mask.shape[1], dtype=torch.bool,
+                      device=key_padding_mask.device)
+    return torch.cat([key_padding_mask, tail], dim=1)
 
 
 def _expand_kv(k: torch.Tensor, heads: int) -> torch.Tensor:

@@ -222,13 +222,13 @@ def _narrow_run(providers, integration=None, compile_fn=None):
     shapes = [qi.StepShape("qwen-image-1024px", 1, 4, 8, None), qi.StepShape("qwen-image-1024px", 1, 4, 8, 5)]
     inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", torch.float32) for s in shapes}
     state = {"enabled": False, "compiled": 0, "reset": 0, "log": [], "via_compiled": False}
-    times = {(False, False): 10.0, (False, True): 8.0, ("bf16", False): 5.0, ("bf16", True): 4.0,
+    times = {(False, False): 10.0, (False, True): 8.0, ("exact", False): 5.0, ("exact", True): 4.0,
              ("fp8", False): 3.0}
 
     def enable(m, attention):
         assert m is model and not state["enabled"]
         state["enabled"] = attention
-        state["log"].append("enable" if attention == "bf16" else f"enable {attention}")
+        state["log"].append("enable" if attention == "exact" else f"enable {attention}")
 
     def disable(m):
         assert m is model and state["enabled"]
@@ -286,7 +286,7 @@ def test_fp8_providers_enable_fp8_attention_and_are_measured_by_default():
     assert {"flashflow-fp8", "flashflow-fp8+graph"} <= set(qi.PROVIDERS)
     assert qi._MODES["flashflow-fp8"] == ("fp8", False, False)
     assert qi._MODES["flashflow-fp8+graph"] == ("fp8", False, True)
-    assert all(qi._MODES[p][0] == "bf16" for p in ("flashflow", "flashflow+compile", "flashflow+graph"))
+    assert all(qi._MODES[p][0] == "exact" for p in ("flashflow", "flashflow+compile", "flashflow+graph"))
     assert "flashflow-fp8" in qi.PROFILED   # its GPU time split, attention's share included
     args = SimpleNamespace(blocks=6, warmup=200, rep=1000, providers="flashflow-fp8+graph,flashflow-fp8")
     assert qi.check_args(args) is None and args.providers == ["flashflow-fp8+graph", "flashflow-fp8"]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import flashflow
-from flashflow.reference import full_key_padding
+from flashflow.reference import full_key_padding_mask
 from flashflow.reference.attention import attention_naive
 from flashflow.reference.metrics import rel_l2
 
@@ -28,7 +28,7 @@ CASES = {
     "softcap": dict(softcap=30.0, causal=True),
     "gqa-8/2": dict(h=8, hk=2, causal=True),
     "mqa": dict(h=8, hk=1),
-    "key-padding": dict(kpm=300),
+    "key-padding": dict(mask_keys=300),
     "d64": dict(d=64, causal=True),
     "d80": dict(d=80),
     "d96-odd": dict(d=96, sq=333, sk=517, causal=True),
@@ -39,18 +39,18 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_gradients_against_float64(name, dtype):
-    c = dict(b=2, sq=512, sk=512, h=4, hk=4, d=128, causal=False, window=(-1, -1), softcap=0.0, kpm=None)
+    c = dict(b=2, sq=512, sk=512, h=4, hk=4, d=128, causal=False, window=(-1, -1), softcap=0.0, mask_keys=None)
     c.update(CASES[name])
     q, k, v, do = _inputs(c["b"], c["sq"], c["sk"], c["h"], c["hk"], c["d"], dtype)
-    kpm = None
-    if c["kpm"]:
-        kpm = torch.rand(c["b"], c["kpm"], device="cuda") > 0.3
+    key_padding_mask = None
+    if c["mask_keys"]:
+        key_padding_mask = torch.rand(c["b"], c["mask_keys"], device="cuda") > 0.3
     ins = [t.clone().requires_grad_() for t in (q, k, v)]
     out = flashflow.flash_attn_func(*ins, causal=c["causal"], window_size=c["window"], softcap=c["softcap"],
-                                    key_padding_mask=kpm)
+                                    key_padding_mask=key_padding_mask)
     out.backward(do)
     refs = [t.double().requires_grad_() for t in (q, k, v)]
-    full = None if kpm is None else full_key_padding(kpm, c["sk"])
+    full = None if key_padding_mask is None else full_key_padding_mask(key_padding_mask, c["sk"])
     attention_naive(*refs, None, c["causal"], c["window"], c["softcap"], key_padding_mask=full).backward(do.double())
     for n, a, r in zip(("dq", "dk", "dv"), ins, refs):
         err = rel_l2(a.grad, r.grad)

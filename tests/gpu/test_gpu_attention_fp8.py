@@ -19,7 +19,7 @@ from flashflow.ops.attention_fp8 import (
     quantize_attention_inputs,
     scaled_dot_product_attention_fp8,
 )
-from flashflow.reference import attention_fp8_reference, attention_naive, full_key_padding, stress_qkv
+from flashflow.reference import attention_fp8_reference, attention_naive, full_key_padding_mask, stress_qkv
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
@@ -140,17 +140,18 @@ def exact_bounds(fmt, kind):
     return (0.99, 0.13) if kind == "peaked" else (0.996, 0.08)
 
 
-def check(q, k, v, fmt, causal, kind, kpm=None):
+def check(q, k, v, fmt, causal, kind, key_padding_mask=None):
     b, sq, h, d = q.shape
     sk = k.shape[1]
     scale = d ** -0.5
     with poisoned():
-        out, lse = flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True, key_padding_mask=kpm, qk_format=fmt)
+        out, lse = flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True, key_padding_mask=key_padding_mask,
+                                       qk_format=fmt)
     torch.cuda.synchronize()
     assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (b, h, sq)
     assert torch.isfinite(out).all(), "NaN/inf in out (an element left unwritten?)"
 
-    mask = full_key_padding(kpm, sk)
+    mask = full_key_padding_mask(key_padding_mask, sk)
     cfg = attention_fp8_config(d, causal, gpu_family(q.device))
     qz = quantize_attention_inputs(q, k, v, scale, cfg.BLOCK_M, cfg.BLOCK_N, fmt, lse_correction=True)
     exact, exact_lse, bound = exact_and_lse_bound(q, k, v, scale, causal, mask, qz, cfg.BLOCK_N)
@@ -212,13 +213,14 @@ MASKED = {
 def test_key_padding_mask(gpu, dtype, case, fmt):
     b, sq, sk, h, hk, d, causal, prefix, valid = MASKED[case]
     q, k, v = inputs(b, sq, sk, h, hk, d, dtype)
-    kpm = _text_mask(b, prefix, valid)
-    out, lse = check(q, k, v, fmt, causal, "gaussian", kpm)
+    key_padding_mask = _text_mask(b, prefix, valid)
+    out, lse = check(q, k, v, fmt, causal, "gaussian", key_padding_mask)
     if causal and 0 in valid:   # the case does reach rows with no key: 0 out, -inf LSE
         assert torch.isneginf(lse).any()
     # the output without the LSE is the same up to the compiler's own rounding (a kernel compiled
     # without the LSE store may contract its multiplies and adds differently)
-    assert rel_l2(flash_attn_fp8_func(q, k, v, causal=causal, key_padding_mask=kpm, qk_format=fmt), out) < 1e-3
+    again = flash_attn_fp8_func(q, k, v, causal=causal, key_padding_mask=key_padding_mask, qk_format=fmt)
+    assert rel_l2(again, out) < 1e-3
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,10 +231,11 @@ def test_key_padding_mask(gpu, dtype, case, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_cuda_graph_capture_and_replay(gpu, fmt):
     q, k, v = inputs(2, 333, 333, 8, 2, 128, torch.bfloat16)
-    kpm = _text_mask(2, 100, [37, 100])
+    key_padding_mask = _text_mask(2, 100, [37, 100])
 
     def fn():
-        return flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm, qk_format=fmt)
+        return flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask,
+                                   qk_format=fmt)
 
     want, want_lse = fn()
     graph, (out, lse) = gpu.capture(fn)
@@ -251,14 +254,16 @@ def test_cuda_graph_capture_and_replay(gpu, fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_torch_compile_fullgraph_equals_eager(gpu, fmt):
     q, k, v = inputs(2, 333, 333, 8, 2, 128, torch.bfloat16)
-    kpm = _text_mask(2, 100, [37, 100])
+    key_padding_mask = _text_mask(2, 100, [37, 100])
 
     @torch.compile(fullgraph=True)
-    def f(q, k, v, kpm):
-        return flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm, qk_format=fmt)
+    def f(q, k, v, key_padding_mask):
+        return flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask,
+                                   qk_format=fmt)
 
-    out, lse = f(q, k, v, kpm)
-    want, want_lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm, qk_format=fmt)
+    out, lse = f(q, k, v, key_padding_mask)
+    want, want_lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask,
+                                         qk_format=fmt)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
 
 
@@ -305,18 +310,18 @@ def layout_views(layout, b, s, h, hk, d, dtype):
 def test_layouts(gpu, dtype, layout):
     b, s, h, hk, d = 2, 333, 8, 2, 128
     q, k, v = layout_views(layout, b, s, h, hk, d, dtype)
-    kpm = _text_mask(b, 100, [37, 100])
+    key_padding_mask = _text_mask(b, 100, [37, 100])
     with poisoned():
-        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm)
+        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask)
         sdpa = scaled_dot_product_attention_fp8(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                 enable_gqa=True)
     torch.cuda.synchronize()
     want, want_lse = flash_attn_fp8_func(*(t.contiguous() for t in (q, k, v)), causal=True, return_lse=True,
-                                         key_padding_mask=kpm)
+                                         key_padding_mask=key_padding_mask)
     assert torch.equal(out, want) and torch.equal(lse, want_lse)
     min_cos, max_l1 = exact_bounds("int8", "gaussian")
     exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5, causal=True,
-                            key_padding_mask=full_key_padding(kpm, s))
+                            key_padding_mask=full_key_padding_mask(key_padding_mask, s))
     assert cosine(out, exact) >= min_cos and rel_l1(out, exact) <= max_l1
     exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5)
     assert cosine(sdpa.transpose(1, 2), exact) >= min_cos and rel_l1(sdpa.transpose(1, 2), exact) <= max_l1
@@ -373,13 +378,13 @@ def test_non_finite_inputs(gpu, dtype, which, causal, mask_kind, fmt):
     shape = b, sq, sk, h, hk, d = 2, 333, 400, 8, 4, 128
     cfg = attention_fp8_config(d, causal, gpu_family(torch.device("cuda")))
     tensors = dict(zip("qkv", inputs(b, sq, sk, h, hk, d, dtype)))
-    pos, kpm = BAD_AT[which], None
+    pos, key_padding_mask = BAD_AT[which], None
     if mask_kind is not None:
-        kpm = _text_mask(b, 100, [80, 100])
+        key_padding_mask = _text_mask(b, 100, [80, 100])
         if which != "q":
             pos = (0, 50, 1, 7)
-            kpm[0, 50] = mask_kind == "shows-it"
-    mask = full_key_padding(kpm, sk)
+            key_padding_mask[0, 50] = mask_kind == "shows-it"
+    mask = full_key_padding_mask(key_padding_mask, sk)
     want = reached(which, pos, shape, causal, mask, cfg.BLOCK_M, cfg.BLOCK_N)
     want_rows = want.any(dim=-1).transpose(1, 2) if which != "v" else torch.zeros_like(want[..., 0]).transpose(1, 2)
     empty = ~allowed_keys(b, sq, sk, causal, mask).any(dim=-1).expand(b, h, sq)
@@ -388,8 +393,8 @@ def test_non_finite_inputs(gpu, dtype, which, causal, mask_kind, fmt):
     for value in (float("nan"), float("inf")):
         tensors[which][pos] = value
         with poisoned():
-            out, lse = flash_attn_fp8_func(*tensors.values(), causal=causal, return_lse=True, key_padding_mask=kpm,
-                                           qk_format=fmt)
+            out, lse = flash_attn_fp8_func(*tensors.values(), causal=causal, return_lse=True,
+                                           key_padding_mask=key_padding_mask, qk_format=fmt)
         torch.cuda.synchronize()
         exact, exact_lse = exact_attention(*tensors.values(), d ** -0.5, causal, mask)
         bad = ~torch.isfinite(out)

@@ -15,7 +15,7 @@ diffusers = pytest.importorskip("diffusers")
 import flashflow.integrations.diffusers as ffd  # noqa: E402
 from flashflow.integrations.diffusers import FlashflowQwenAttnProcessor, disable, enable, is_enabled  # noqa: E402
 from flashflow.reference.metrics import cosine  # noqa: E402
-from flashflow.reference.metrics import rel_l2 as rel  # noqa: E402
+from flashflow.reference.metrics import rel_l2  # noqa: E402
 
 TOL = {torch.float32: 1e-3, torch.float16: 2e-2}
 TXT = 7
@@ -73,7 +73,7 @@ def test_enable_matches_the_original(images, padded, dtype):
     got = run(model, kwargs)
     assert got.dtype == want.dtype and got.shape == want.shape
     assert torch.isfinite(got).all()
-    assert rel(got, want) < TOL[dtype]
+    assert rel_l2(got, want) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
@@ -83,7 +83,7 @@ def test_zero_cond_t_modulate_index(dtype):
     kwargs = inputs(2, True, dtype)
     want = run(model, kwargs)
     enable(model)
-    assert rel(run(model, kwargs), want) < TOL[dtype]
+    assert rel_l2(run(model, kwargs), want) < TOL[dtype]
 
 
 def test_the_padding_mask_is_applied():
@@ -92,7 +92,7 @@ def test_the_padding_mask_is_applied():
     masked, unmasked = inputs(1, True), inputs(1, False)
     a, b = run(model, masked), run(model, unmasked)
     assert torch.allclose(a[0], b[0], rtol=1e-5, atol=1e-6)
-    assert rel(a[1], b[1]) > 1e-3
+    assert rel_l2(a[1], b[1]) > 1e-3
 
 
 def test_attention_gets_a_key_padding_mask_never_a_dense_one(monkeypatch):
@@ -125,7 +125,7 @@ def test_enabled_model_under_torch_compile():
     compiled = torch.compile(enable(model), backend="eager", dynamic=False)
     with torch.no_grad():
         got = compiled(**kwargs)[0]
-    assert rel(got, want) < TOL[torch.float32]
+    assert rel_l2(got, want) < TOL[torch.float32]
 
 
 def test_without_rotary_embedding():
@@ -141,7 +141,7 @@ def test_without_rotary_embedding():
         enable(model)
         got = block(**args)
     for g_, w_ in zip(got, want):
-        assert rel(g_, w_) < 1e-3
+        assert rel_l2(g_, w_) < 1e-3
 
 
 def test_text_mask_of_the_wrong_shape_is_refused():
@@ -202,10 +202,14 @@ def test_refusals():
         enable(nn.Linear(4, 4).eval())
     with pytest.raises(TypeError, match="QwenImageTransformer2DModel"):
         disable(nn.Linear(4, 4))
-    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8'\), got 'int8'"):
+    with pytest.raises(ValueError, match=r"one of \('exact', 'fp8'\), got 'int8'"):
         enable(model, attention="int8")
-    with pytest.raises(ValueError, match=r"one of \('bf16', 'fp8'\), got 'FP8'"):
+    with pytest.raises(ValueError, match=r"one of \('exact', 'fp8'\), got 'FP8'"):
         enable(model, attention="FP8")
+    for refused in (lambda: enable(model, attention="bf16"), lambda: FlashflowQwenAttnProcessor(attention="bf16")):
+        with pytest.raises(ValueError, match=r"attention must be one of \('exact', 'fp8'\), got 'bf16': exact "
+                                             r"attention in the model's own dtype .* is attention='exact'"):
+            refused()
     with pytest.raises(TypeError, match="attention must be a str"):
         enable(model, attention=None)
     model.train()
@@ -249,15 +253,15 @@ def test_fp8_attention_matches_the_original(padded, monkeypatch):
     assert calls == [((2, seq, 2, 64), torch.float16, (2, TXT) if padded else None)] * 2
     assert got.dtype == want.dtype and got.shape == want.shape and torch.isfinite(got).all()
     assert cosine(got, want) > 0.99
-    assert rel(exact, want) < rel(got, want)   # the 8-bit products do change the output
+    assert rel_l2(exact, want) < rel_l2(got, want)   # the 8-bit products do change the output
 
 
 def test_fp8_attention_applies_the_padding_mask():
     model = enable(tiny_model(torch.float16, **HEAD_DIM_64), attention="fp8")
     masked, unmasked = inputs(1, True, torch.float16), inputs(1, False, torch.float16)
     a, b = run(model, masked), run(model, unmasked)
-    assert rel(a[0], b[0]) < 1e-3    # the first prompt is not padded: up to rounding, the same
-    assert rel(a[1], b[1]) > 2e-3    # the last one is: 3 of its 7 text keys masked
+    assert rel_l2(a[0], b[0]) < 1e-3    # the first prompt is not padded: up to rounding, the same
+    assert rel_l2(a[1], b[1]) > 2e-3    # the last one is: 3 of its 7 text keys masked
 
 
 def test_attention_mode_switches_and_disable_restores():
@@ -265,14 +269,14 @@ def test_attention_mode_switches_and_disable_restores():
     kwargs = inputs(1, True, torch.float16)
     processors = [b.attn.processor for b in model.transformer_blocks]
     want = run(model, kwargs)
-    exact = run(enable(model, attention="bf16"), kwargs)
+    exact = run(enable(model, attention="exact"), kwargs)
     ours = [b.attn.processor for b in model.transformer_blocks]
     fp8 = run(enable(model, attention="fp8"), kwargs)
     assert [b.attn.processor for b in model.transformer_blocks] == ours   # switched in place
     assert all(p.attention == "fp8" for p in ours) and is_enabled(model)
     assert not torch.equal(fp8, exact)
     assert torch.equal(run(enable(model), kwargs), exact)   # and back
-    assert all(p.attention == "bf16" for p in ours)
+    assert all(p.attention == "exact" for p in ours)
     enable(model, attention="fp8")
     disable(model)
     assert all(b.attn.processor is p for b, p in zip(model.transformer_blocks, processors))
@@ -287,7 +291,7 @@ def test_fp8_attention_under_torch_compile():
     compiled = torch.compile(model, backend="eager", dynamic=False)
     with torch.no_grad():
         got = compiled(**kwargs)[0]
-    assert rel(got, eager) < 1e-3 and cosine(got, want) > 0.99
+    assert rel_l2(got, eager) < 1e-3 and cosine(got, want) > 0.99
 
 
 def test_fp8_attention_refuses_a_fp32_model_before_changing_it():
@@ -298,7 +302,7 @@ def test_fp8_attention_refuses_a_fp32_model_before_changing_it():
     enable(model)   # an enabled fp32 model is refused too, and keeps exact attention
     with pytest.raises(ValueError, match="bfloat16 or float16 model"):
         enable(model, attention="fp8")
-    assert all(b.attn.processor.attention == "bf16" for b in model.transformer_blocks)
+    assert all(b.attn.processor.attention == "exact" for b in model.transformer_blocks)
 
 
 def test_fp8_attention_refuses_a_head_dim_it_has_no_kernel_for():
@@ -320,7 +324,7 @@ def test_fp8_attention_gives_the_ops_error_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(ffd, "flash_attn_fp8_func", no_fp8)
     model = tiny_model(torch.bfloat16, **HEAD_DIM_64)
     with pytest.raises(ValueError, match=r"attention='fp8' cannot run on cpu: FP8 attention needs FP8 tensor "
-                                         r"cores .*attention='bf16'"):
+                                         r"cores .*attention='exact'"):
         enable(model, attention="fp8")
     assert seen == [((1, 0, 2, 64), torch.bfloat16, "cpu")]
     assert not is_enabled(model)
@@ -395,7 +399,7 @@ def test_fused_gelu_epilogue_is_gelu_tanh(dtype, monkeypatch):
         want = ff.net[2](torch.nn.functional.gelu(proj(x).float(), approximate="tanh").to(dtype))
         got = ffd._feed_forward(ff, x)
     assert calls == [{"use_gelu": True}]   # the epilogue path ran, not the module's
-    assert rel(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
+    assert rel_l2(got, want) < (1e-4 if dtype == torch.float32 else 1e-2)
 
 
 # ------------------------------------------------------------------- diffusers' context parallelism
@@ -407,7 +411,7 @@ def cp_config(degrees):
 
 
 CP_REFUSED = (r"enable_parallelism\(config=ContextParallelConfig\(ring_degree={ring}, ulysses_degree={ulysses}\)\) .*"
-              r"flashflow's attention processors do not support context parallelism yet: each rank's attention would "
+              r"flashflow's attention processors do not support context parallelism: each rank's attention would "
               r"see only its own part of the sequence .* call flashflow\.integrations\.diffusers\.disable"
               r"\(transformer\) first")
 
@@ -457,7 +461,7 @@ def test_enable_refuses_a_model_that_runs_context_parallel():
     model._parallel_config = cp_config(dict(ulysses_degree=2))
     with pytest.raises(ValueError, match=r"transformer runs with context parallelism .*ContextParallelConfig\("
                                          r"ring_degree=1, ulysses_degree=2\)\): flashflow's attention processors do "
-                                         r"not support context parallelism yet"):
+                                         r"not support context parallelism: each rank"):
         enable(model)
     assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
@@ -505,7 +509,7 @@ def _two_rank_worker(rank, init_method):
         disable(model)
         model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
         got = run(model, kwargs)    # diffusers' own Ulysses attention over both ranks' halves
-        assert rel(got, want) < 1e-5, rel(got, want)
+        assert rel_l2(got, want) < 1e-5, rel_l2(got, want)
         with pytest.raises(ValueError, match="transformer runs with context parallelism"):
             enable(model)
     finally:
@@ -515,7 +519,7 @@ def _two_rank_worker(rank, init_method):
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed's gloo")
 def test_enable_parallelism_on_two_ranks(tmp_path):
     """The real scenario, two processes: enable, then enable_parallelism(ContextParallelConfig(
-    ulysses_degree=2)) raises on both ranks (before, it ran, and each rank's attention saw half the
-    sequence); disable, and diffusers' own parallel run matches the one-process output; enable on
+    ulysses_degree=2)) raises on both ranks (were it to run, each rank's attention would see half
+    the sequence); disable, and diffusers' own parallel run matches the one-process output; enable on
     that model is refused."""
     torch.multiprocessing.spawn(_two_rank_worker, args=(f"file://{tmp_path / 'rendezvous'}",), nprocs=2)

@@ -4,9 +4,8 @@ allocations."""
 import pytest
 import torch
 
-from flashflow.device import interpreting
+from kernel_device import DEVICE
 
-DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}
 
 

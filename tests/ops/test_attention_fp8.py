@@ -25,24 +25,23 @@ import pytest
 import torch
 
 import flashflow
-from flashflow.device import cdiv, gpu_family, interpreting
+from flashflow.device import cdiv, gpu_family
 from flashflow.ops import attention_fp8 as fp8_ops
 from flashflow.ops.attention_fp8 import (
     flash_attn_fp8_func,
     quantize_attention_inputs,
     scaled_dot_product_attention_fp8,
 )
-from flashflow.reference import (attention_fp8_reference, attention_naive, full_key_padding,
+from flashflow.reference import (attention_fp8_reference, attention_naive, full_key_padding_mask,
                                  quantize_qkv_reference, stress_qkv)
 from flashflow.reference.attention_fp8 import LN2
 from flashflow.reference.metrics import cosine, rel_l1, rel_l2
 from flashflow.tuning.attention_fp8 import attention_fp8_config
+from kernel_device import DEVICE
 from nonfinite_cases import exact_attention_over
 
-DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
 pytestmark = [
-    pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                       reason="needs TRITON_INTERPRET=1 or a CUDA GPU"),
+    pytest.mark.kernels,
     pytest.mark.skipif(DEVICE == "cuda" and gpu_family(torch.device(DEVICE)) != "sm90",
                        reason="FP8 attention runs on Hopper (sm90) and newer"),
 ]
@@ -254,16 +253,17 @@ def test_forward_against_reference_and_exact(case):
     scale = d ** -0.5
     cfg = config(d, causal)
     q, k, v = qkv(b, sq, sk, h, hk, d, DTYPES[dtype], kind, seed)
-    kpm = None if mask_kind is None else prefix_mask(b, mask_kind == "strided", torch.Generator().manual_seed(seed))
+    key_padding_mask = (None if mask_kind is None
+                        else prefix_mask(b, mask_kind == "strided", torch.Generator().manual_seed(seed)))
     with poisoned():
-        out, lse = flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True, key_padding_mask=kpm,
+        out, lse = flash_attn_fp8_func(q, k, v, causal=causal, return_lse=True, key_padding_mask=key_padding_mask,
                                        qk_format=fmt)
     msg = f"seed {seed}"
     assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
     assert torch.isfinite(out).all(), f"{msg}: NaN/inf in out (an element left unwritten?)"
 
-    mask = full_key_padding(kpm, sk)
+    mask = full_key_padding_mask(key_padding_mask, sk)
     ref, ref_lse = fp8_reference(q, k, v, fmt, causal, mask)
     exact, exact_lse = attention_naive(q.double(), k.double(), v.double(), scale, causal=causal,
                                        key_padding_mask=mask, return_lse=True)
@@ -311,7 +311,7 @@ def test_forward_against_reference_and_exact(case):
 
     if mask_kind is not None:   # the LSE's extra work leaves the output's bits alone
         with poisoned():
-            out2 = flash_attn_fp8_func(q, k, v, causal=causal, key_padding_mask=kpm, qk_format=fmt)
+            out2 = flash_attn_fp8_func(q, k, v, causal=causal, key_padding_mask=key_padding_mask, qk_format=fmt)
         assert torch.equal(out2, out), msg
 
 
@@ -388,13 +388,13 @@ def test_layouts_equal_contiguous_inputs_and_exact(layout):
     seed = fresh_seed()
     b, s, h, hk, d = 2, 45, 4, 2, 64
     q, k, v = layout_views(layout, b, s, h, hk, d, seed)
-    kpm = prefix_mask(b, False, torch.Generator().manual_seed(seed))
+    key_padding_mask = prefix_mask(b, False, torch.Generator().manual_seed(seed))
     msg = f"{layout}, seed {seed}"
-    mask = full_key_padding(kpm, s)
+    mask = full_key_padding_mask(key_padding_mask, s)
     with poisoned():
-        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm)
+        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask)
     want, want_lse = flash_attn_fp8_func(*(t.contiguous() for t in (q, k, v)), causal=True, return_lse=True,
-                                         key_padding_mask=kpm)
+                                         key_padding_mask=key_padding_mask)
     assert torch.equal(out, want) and torch.equal(lse, want_lse), msg
     exact = attention_naive(q.double(), k.double(), v.double(), d ** -0.5, causal=True, key_padding_mask=mask)
     live = exact.transpose(1, 2)[~torch.isneginf(want_lse)]   # rows with a key (the rest are 0 in both)
@@ -467,20 +467,20 @@ def test_non_finite_inputs_reach_every_output_exact_attention_does(which, causal
     fmt = "fp8" if causal else "int8"
     cfg = config(d, causal)
     q, k, v = qkv(b, sq, sk, h, hk, d, torch.float16, "gaussian", seed)
-    (nan_at, inf_at), kpm = BAD_AT[which], None
+    (nan_at, inf_at), key_padding_mask = BAD_AT[which], None
     if mask_kind is not None:
-        kpm = prefix_mask(b, False, torch.Generator().manual_seed(seed))
+        key_padding_mask = prefix_mask(b, False, torch.Generator().manual_seed(seed))
         if which != "q":
             nan_at, inf_at = (0, PREFIX_KEY, 1, 7), (1, PREFIX_KEY, 0, 9)
-            kpm[:, PREFIX_KEY] = mask_kind == "shows-it"
-    mask = full_key_padding(kpm, sk)
+            key_padding_mask[:, PREFIX_KEY] = mask_kind == "shows-it"
+    mask = full_key_padding_mask(key_padding_mask, sk)
     inputs = {"q": q, "k": k, "v": v}
     inputs[which] = inputs[which].clone()
     inputs[which][nan_at], inputs[which][inf_at] = float("nan"), float("inf")
     msg = f"{which}[{nan_at}] = nan, {which}[{inf_at}] = inf, seed {seed}"
     with poisoned():
-        out, lse = flash_attn_fp8_func(*inputs.values(), causal=causal, return_lse=True, key_padding_mask=kpm,
-                                       qk_format=fmt)
+        out, lse = flash_attn_fp8_func(*inputs.values(), causal=causal, return_lse=True,
+                                       key_padding_mask=key_padding_mask, qk_format=fmt)
     exact, exact_lse = exact_attention(*inputs.values(), d ** -0.5, causal, mask)
     bad = ~torch.isfinite(out)
     assert bad[~torch.isfinite(exact)].all(), f"{msg}: finite where exact attention is not"
@@ -512,17 +512,19 @@ def test_quantize_non_finite_equals_reference(fmt):
     seed = fresh_seed()
     b, sq, sk, h, hk, d, bn = 2, 21, 45, 2, 1, 64, 16
     q, k, v = (t.clone() for t in qkv(b, sq, sk, h, hk, d, torch.float16, "gaussian", seed))
-    kpm = torch.ones(b, 10, dtype=torch.bool, device=DEVICE)
-    kpm[0, 3] = False
+    key_padding_mask = torch.ones(b, 10, dtype=torch.bool, device=DEVICE)
+    key_padding_mask[0, 3] = False
     q[0, 4, 1, 5], q[1, 20, 0, 0] = float("nan"), float("-inf")
     k[0, 3, 0, 2], k[0, 30, 0, 9], k[1, 44, 0, 1] = float("nan"), float("inf"), float("nan")   # key 3 hidden
     v[0, 3, 0, 2], v[0, 17, 0, 63], v[1, 0, 0, 0] = float("inf"), float("nan"), float("-inf")
     zeros = [t.nan_to_num(0.0, 0.0, 0.0) for t in (q, k, v)]
     with poisoned():
-        qz = quantize_attention_inputs(q, k, v, d ** -0.5, 32, bn, fmt, lse_correction=True, key_padding_mask=kpm)
-        qz0 = quantize_attention_inputs(*zeros, d ** -0.5, 32, bn, fmt, lse_correction=True, key_padding_mask=kpm)
+        qz = quantize_attention_inputs(q, k, v, d ** -0.5, 32, bn, fmt, lse_correction=True,
+                                       key_padding_mask=key_padding_mask)
+        qz0 = quantize_attention_inputs(*zeros, d ** -0.5, 32, bn, fmt, lse_correction=True,
+                                        key_padding_mask=key_padding_mask)
     ref = quantize_qkv_reference(q.float(), k.float(), v.float(), d ** -0.5, fmt, q_block=1, k_block=bn,
-                                 key_padding_mask=full_key_padding(kpm, sk))
+                                 key_padding_mask=full_key_padding_mask(key_padding_mask, sk))
     msg = f"seed {seed}"
     # the marks: Q tokens (0, 1, 4) and (1, 0, 20); K blocks of key 30 and of batch 1's key 44,
     # not of the hidden key 3; V's NaN at key 17 and batch 1's key 0, not at key 3
@@ -555,9 +557,9 @@ def test_quantize_non_finite_equals_reference(fmt):
 def test_empty_shapes(b, sq, sk):
     q = torch.randn(b, sq, 4, 64, device=DEVICE).half()
     k, v = (torch.randn(b, sk, 2, 64, device=DEVICE).half() for _ in range(2))
-    kpm = torch.ones(b, sk, dtype=torch.bool, device=DEVICE)
+    key_padding_mask = torch.ones(b, sk, dtype=torch.bool, device=DEVICE)
     with poisoned():
-        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=kpm)
+        out, lse = flash_attn_fp8_func(q, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask)
     assert out.shape == q.shape and lse.shape == (b, 4, sq) and lse.dtype == torch.float32
     if sk == 0:   # rows without keys: zeros and -inf, written (the buffers started as NaN)
         assert out.numel() > 0 and (out == 0).all() and torch.isneginf(lse).all()
@@ -588,11 +590,11 @@ def test_custom_op_opcheck_sdpa_layout():
 
 def test_torch_compile_fullgraph_traces_through():
     q, k, v = qkv(1, 33, 40, 2, 1, 64, seed=fresh_seed())
-    kpm = torch.ones(1, 20, dtype=torch.bool, device=DEVICE)
-    kpm[0, 3] = False
+    key_padding_mask = torch.ones(1, 20, dtype=torch.bool, device=DEVICE)
+    key_padding_mask[0, 3] = False
 
     def f(q, k, v):
-        o, lse = flash_attn_fp8_func(q * 2.0, k, v, causal=True, return_lse=True, key_padding_mask=kpm)
+        o, lse = flash_attn_fp8_func(q * 2.0, k, v, causal=True, return_lse=True, key_padding_mask=key_padding_mask)
         return o.float().sum(-1) + lse.transpose(1, 2)
 
     compiled = torch.compile(f, fullgraph=True, backend="aot_eager")

@@ -6,13 +6,11 @@ and torch.compile, and bad inputs refused before any launch."""
 import pytest
 import torch
 
-from flashflow.device import interpreting
 from flashflow.ops.norm import MAX_DIM, joint_qkv_norm_rope, rmsnorm_rope
 from flashflow.reference import norm as ref
 from norm_inputs import DEVICE, TOL, d64, err, freqs_of, poisoned, rand  # noqa: F401 (poisoned: a fixture)
 
-pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+pytestmark = pytest.mark.kernels
 EPS4 = (1e-6, 1e-5, 1e-4, 1e-3)
 
 

@@ -10,35 +10,30 @@ import pytest
 import torch
 
 import flashflow
-from flashflow.device import interpreting
 from flashflow.ops.attention import attention_forward
-from flashflow.reference import attention_naive, full_key_padding
+from flashflow.reference import attention_naive, full_key_padding_mask
+from flashflow.reference.metrics import rel_l2
 
-pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
-DEVICE = "cuda" if (torch.cuda.is_available() and not interpreting()) else "cpu"
+pytestmark = pytest.mark.kernels
 TOL = {torch.float16: 5e-3, torch.float32: 1e-4}
 
 
-def rel(out, ref):
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+def rand(*shape, dtype=torch.float16, device):
+    return torch.randn(*shape, dtype=dtype, device=device)
 
 
-def rand(*shape, dtype=torch.float16):
-    return torch.randn(*shape, dtype=dtype, device=DEVICE)
-
-
-def check(b, sq, sk, h, hk, d, p, dtype=torch.float16, causal=False, window=(-1, -1), mask=None):
-    q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype), rand(b, sk, hk, d, dtype=dtype)
+def check(b, sq, sk, h, hk, d, p, dtype=torch.float16, causal=False, window=(-1, -1), mask=None, *, device):
+    q = rand(b, sq, h, d, dtype=dtype, device=device)
+    k, v = rand(b, sk, hk, d, dtype=dtype, device=device), rand(b, sk, hk, d, dtype=dtype, device=device)
     if mask is None:
-        mask = torch.rand(b, p, device=DEVICE) > 0.4
+        mask = torch.rand(b, p, device=device) > 0.4
     out, lse = flashflow.flash_attn_func(q, k, v, causal=causal, window_size=window, return_lse=True,
                                          key_padding_mask=mask)
     ref, ref_lse = attention_naive(q.double(), k.double(), v.double(), None, causal, window,
-                                   key_padding_mask=full_key_padding(mask, sk), return_lse=True)
+                                   key_padding_mask=full_key_padding_mask(mask, sk), return_lse=True)
     assert out.shape == q.shape and lse.shape == (b, h, sq)
     assert not torch.isnan(out).any()
-    assert rel(out, ref) < TOL[dtype], rel(out, ref)
+    assert rel_l2(out, ref) < TOL[dtype], rel_l2(out, ref)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
     fin = torch.isfinite(ref_lse)
     if fin.any():
@@ -48,97 +43,97 @@ def check(b, sq, sk, h, hk, d, p, dtype=torch.float16, causal=False, window=(-1,
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("p", [37, 64, 1, 200], ids=["P37", "P64-aligned", "P1", "P=Sk"])
-def test_prefix_mask_matches_reference(dtype, p):
-    check(2, 45, 200, 4, 4, 64, p, dtype=dtype)
+def test_prefix_mask_matches_reference(device, dtype, p):
+    check(2, 45, 200, 4, 4, 64, p, dtype=dtype, device=device)
 
 
-def test_gqa():
-    check(2, 33, 200, 6, 2, 64, 37)
+def test_gqa(device):
+    check(2, 33, 200, 6, 2, 64, 37, device=device)
 
 
 @pytest.mark.parametrize("sq,sk,p", [(200, 200, 37), (70, 200, 37), (45, 200, 150)])
-def test_causal(sq, sk, p):
-    check(1, sq, sk, 4, 2, 32, p, causal=True)
+def test_causal(device, sq, sk, p):
+    check(1, sq, sk, 4, 2, 32, p, causal=True, device=device)
 
 
 @pytest.mark.parametrize("window", [(50, 0), (20, 30), (-1, 40)])
-def test_sliding_window(window):
-    check(1, 90, 200, 2, 2, 32, 70, window=window)
+def test_sliding_window(device, window):
+    check(1, 90, 200, 2, 2, 32, 70, window=window, device=device)
 
 
-def test_odd_sizes():
-    check(3, 17, 101, 3, 1, 80, 45, dtype=torch.float32)
+def test_odd_sizes(device):
+    check(3, 17, 101, 3, 1, 80, 45, dtype=torch.float32, device=device)
 
 
-def test_fully_masked_rows_give_zero_and_neg_inf_lse():
+def test_fully_masked_rows_give_zero_and_neg_inf_lse(device):
     b, sq, sk, h = 2, 21, 75, 2
-    mask = torch.rand(b, sk, device=DEVICE) > 0.4
+    mask = torch.rand(b, sk, device=device) > 0.4
     mask[0] = False      # every key of batch 0 masked
     mask[1, 0] = True
-    out, lse = check(b, sq, sk, h, h, 32, sk, mask=mask)
+    out, lse = check(b, sq, sk, h, h, 32, sk, mask=mask, device=device)
     assert (out[0] == 0).all() and torch.isneginf(lse[0]).all()
     assert torch.isfinite(lse[1]).all()
 
 
-def test_masked_prefix_with_keys_after_it_is_not_fully_masked():
+def test_masked_prefix_with_keys_after_it_is_not_fully_masked(device):
     # P < seqlen_k: the keys after P are attended, so no row is empty
-    mask = torch.zeros(2, 37, dtype=torch.bool, device=DEVICE)
-    out, lse = check(2, 40, 200, 2, 2, 32, 37, mask=mask)
+    mask = torch.zeros(2, 37, dtype=torch.bool, device=device)
+    out, lse = check(2, 40, 200, 2, 2, 32, 37, mask=mask, device=device)
     assert torch.isfinite(lse).all()
 
 
-def test_empty_mask_is_no_mask():
-    q, k, v = rand(1, 30, 2, 32), rand(1, 70, 2, 32), rand(1, 70, 2, 32)
-    mask = torch.ones(1, 0, dtype=torch.bool, device=DEVICE)
+def test_empty_mask_is_no_mask(device):
+    q, k, v = rand(1, 30, 2, 32, device=device), rand(1, 70, 2, 32, device=device), rand(1, 70, 2, 32, device=device)
+    mask = torch.ones(1, 0, dtype=torch.bool, device=device)
     assert torch.equal(flashflow.flash_attn_func(q, k, v, key_padding_mask=mask), flashflow.flash_attn_func(q, k, v))
 
 
-def test_all_true_mask_equals_no_mask():
-    q, k, v = rand(2, 30, 2, 32, dtype=torch.float32), rand(2, 200, 2, 32, dtype=torch.float32), \
-        rand(2, 200, 2, 32, dtype=torch.float32)
-    mask = torch.ones(2, 37, dtype=torch.bool, device=DEVICE)
+def test_all_true_mask_equals_no_mask(device):
+    q = rand(2, 30, 2, 32, dtype=torch.float32, device=device)
+    k, v = (rand(2, 200, 2, 32, dtype=torch.float32, device=device) for _ in range(2))
+    mask = torch.ones(2, 37, dtype=torch.bool, device=device)
     a = flashflow.flash_attn_func(q, k, v, key_padding_mask=mask)
     assert torch.allclose(a, flashflow.flash_attn_func(q, k, v), rtol=1e-5, atol=1e-6)
 
 
-def test_keys_past_bias_keys_are_never_read_from_the_bias():
+def test_keys_past_bias_keys_are_never_read_from_the_bias(device):
     # a bias whose columns from P on are -inf: with bias_keys = P the kernel must not read them
     b, sq, sk, h, d, p = 2, 40, 200, 2, 32, 37
-    q, k, v = rand(b, sq, h, d), rand(b, sk, h, d), rand(b, sk, h, d)
-    mask = torch.rand(b, p, device=DEVICE) > 0.4
-    bias = torch.full((b, 1, 1, sk), float("-inf"), device=DEVICE)
-    bias[:, 0, 0, :p] = torch.zeros(b, p, device=DEVICE).masked_fill(~mask, float("-inf"))
+    q, k, v = rand(b, sq, h, d, device=device), rand(b, sk, h, d, device=device), rand(b, sk, h, d, device=device)
+    mask = torch.rand(b, p, device=device) > 0.4
+    bias = torch.full((b, 1, 1, sk), float("-inf"), device=device)
+    bias[:, 0, 0, :p] = torch.zeros(b, p, device=device).masked_fill(~mask, float("-inf"))
     out, _ = attention_forward(q, k, v, bias=bias.expand(b, h, sq, sk), bias_keys=p, softmax_scale=d ** -0.5)
-    ref = attention_naive(q.double(), k.double(), v.double(), key_padding_mask=full_key_padding(mask, sk))
-    assert rel(out, ref) < TOL[torch.float16]
+    ref = attention_naive(q.double(), k.double(), v.double(), key_padding_mask=full_key_padding_mask(mask, sk))
+    assert rel_l2(out, ref) < TOL[torch.float16]
 
 
-def test_sdpa_key_padding_mask_over_many_blocks():
-    # SDPA's (B, 1, 1, S_k) boolean mask: the whole key range is biased, as before
+def test_sdpa_key_padding_mask_over_many_blocks(device):
+    # SDPA's (B, 1, 1, S_k) boolean mask: the mask covers the whole key range
     b, h, sq, sk = 2, 4, 45, 200
-    q, k, v = rand(b, h, sq, 64), rand(b, h, sk, 64), rand(b, h, sk, 64)
-    mask = torch.rand(b, 1, 1, sk, device=DEVICE) > 0.4
+    q, k, v = rand(b, h, sq, 64, device=device), rand(b, h, sk, 64, device=device), rand(b, h, sk, 64, device=device)
+    mask = torch.rand(b, 1, 1, sk, device=device) > 0.4
     mask[..., -1] = True   # PyTorch gives NaN for a fully masked row
     out = flashflow.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=mask)
-    assert rel(out, ref) < TOL[torch.float16]
+    assert rel_l2(out, ref) < TOL[torch.float16]
     # the same mask through flash_attn_func (P = S_k) gives the same numbers
     fa = flashflow.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                    key_padding_mask=mask[:, 0, 0])
     assert torch.allclose(fa.transpose(1, 2), out, rtol=1e-3, atol=1e-3)
 
 
-def test_custom_op_opcheck_with_a_prefix_bias():
-    q, k, v = rand(1, 33, 2, 32), rand(1, 80, 1, 32), rand(1, 80, 1, 32)
-    bias = torch.zeros(1, 1, 1, 20, device=DEVICE).expand(1, 2, 33, 20)
+def test_custom_op_opcheck_with_a_prefix_bias(device):
+    q, k, v = rand(1, 33, 2, 32, device=device), rand(1, 80, 1, 32, device=device), rand(1, 80, 1, 32, device=device)
+    bias = torch.zeros(1, 1, 1, 20, device=device).expand(1, 2, 33, 20)
     args = (q, k, v, bias, 20, None, None, 0, 0, 0.2, False, 0, False, 0, 0.0, True, False)
     torch.library.opcheck(torch.ops.flashflow.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
 
-def test_torch_compile_fullgraph_traces_through():
-    q, k, v = rand(1, 33, 2, 32), rand(1, 80, 1, 32), rand(1, 80, 1, 32)
-    mask = torch.rand(1, 20, device=DEVICE) > 0.3
+def test_torch_compile_fullgraph_traces_through(device):
+    q, k, v = rand(1, 33, 2, 32, device=device), rand(1, 80, 1, 32, device=device), rand(1, 80, 1, 32, device=device)
+    mask = torch.rand(1, 20, device=device) > 0.3
 
     def f(q, k, v, mask):
         return flashflow.flash_attn_func(q * 2.0, k, v, causal=True, key_padding_mask=mask)
@@ -147,18 +142,18 @@ def test_torch_compile_fullgraph_traces_through():
     assert torch.allclose(compiled(q, k, v, mask), f(q, k, v, mask), atol=1e-3)
 
 
-def test_bad_key_padding_masks():
-    q, k = rand(2, 8, 2, 32), rand(2, 50, 2, 32)
+def test_bad_key_padding_masks(device):
+    q, k = rand(2, 8, 2, 32, device=device), rand(2, 50, 2, 32, device=device)
     with pytest.raises(TypeError, match=r"key_padding_mask must be a bool tensor \(batch, P\).*got list"):
         flashflow.flash_attn_func(q, k, k, key_padding_mask=[[True] * 5] * 2)
     with pytest.raises(TypeError, match=r"key_padding_mask must be a bool tensor.*got dtype torch.uint8"):
-        flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(2, 5, dtype=torch.uint8, device=DEVICE))
+        flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(2, 5, dtype=torch.uint8, device=device))
     for shape in ((2, 1, 1, 5), (5,), (3, 5), (1, 5)):
         expected = r"key_padding_mask must be .*\(2, P\).*got shape " + re.escape(str(shape))
         with pytest.raises(ValueError, match=expected):
-            flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(shape, dtype=torch.bool, device=DEVICE))
+            flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(shape, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match=r"P <= seqlen_k = 50, got shape \(2, 51\)"):
-        flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(2, 51, dtype=torch.bool, device=DEVICE))
+        flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(2, 51, dtype=torch.bool, device=device))
     with pytest.raises(ValueError, match="key_padding_mask must be on"):
         flashflow.flash_attn_func(q, k, k, key_padding_mask=torch.ones(2, 5, dtype=torch.bool, device="meta"))
     with pytest.raises(TypeError, match="unexpected keyword|positional"):

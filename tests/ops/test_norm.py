@@ -13,8 +13,7 @@ from flashflow.ops.norm import (MAX_DIM, gate_residual, gate_residual_layernorm_
 from flashflow.reference import norm as ref
 from norm_inputs import DEVICE, TOL, d64, err, freqs_of, poisoned, rand  # noqa: F401 (poisoned: a fixture)
 
-pytestmark = pytest.mark.skipif(not interpreting() and not torch.cuda.is_available(),
-                                reason="needs TRITON_INTERPRET=1 or a CUDA GPU")
+pytestmark = pytest.mark.kernels
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SHAPES = [(1, 1, 48), (2, 7, 80), (1, 33, 200), (2, 33, 48)]          # (B, L, D)
 ROPE_SHAPES = [(1, 1, 2, 48), (2, 7, 3, 80), (1, 33, 1, 200), (2, 5, 24, 48)]   # (B, S, H, D)

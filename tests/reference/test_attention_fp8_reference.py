@@ -17,16 +17,13 @@ from flashflow.reference import (
     stress_qkv,
 )
 from flashflow.reference.attention_fp8 import LOG2E, QK_FORMATS, STRESS_KINDS, e4m3
+from flashflow.reference.metrics import cosine
 
 F64 = torch.float64
 
 
 def _gen(seed=0):
     return torch.Generator().manual_seed(seed)
-
-
-def _cosine(a, b):
-    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
 
 
 def _representable(shape, fmt, g):
@@ -98,7 +95,7 @@ def test_quantized_close_to_exact_attention(fmt, kind, d, heads, kv_heads, q_blo
                                        k_block=k_block, block_n=16)
     ref, ref_lse = attention_naive(q.double(), k.double(), v.double(), return_lse=True)
     assert out.dtype == q.dtype and lse.dtype == torch.float32
-    assert _cosine(out, ref) > 0.99
+    assert cosine(out, ref) > 0.99
     assert (out.double() - ref).abs().sum() / ref.abs().sum() < 0.1
     # The LSE of base-2 scores, in natural log, plus the q·kmean that smoothing took away.
     # fp8 rounds each element to 1/16 relative, int8 to 1/254 of the row's largest: LSE errors
@@ -146,7 +143,7 @@ def test_causal_padding_and_empty_rows(fmt):
     assert torch.equal(out.transpose(1, 2)[empty], torch.zeros_like(out.transpose(1, 2)[empty]))
     assert torch.isfinite(out).all()
     live = ~empty
-    assert _cosine(out.transpose(1, 2)[live], ref.transpose(1, 2)[live]) > 0.99
+    assert cosine(out.transpose(1, 2)[live], ref.transpose(1, 2)[live]) > 0.99
     torch.testing.assert_close(lse[live].double(), ref_lse[live], rtol=0,
                                atol=0.05 if fmt == "int8" else 0.25)
     # A row that sees one key returns that key's value, up to V's e4m3 rounding.
