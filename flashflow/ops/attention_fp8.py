@@ -25,7 +25,7 @@ from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
 from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
 from flashflow.kernels.quant import attention_kv_stats_kernel, attention_quantize_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import unit_last_stride
+from flashflow.ops.common import Launcher, call_key, contiguous_strides, tensor_descriptor, unit_last_stride
 from flashflow.ops.validate import (check_flag, check_heads, check_key_padding_mask, check_no_grad, check_runs_here,
                                     softmax_scale_or_default)
 from flashflow.tuning.attention_fp8 import AttentionFp8Config, attention_fp8_config, supported_families
@@ -96,62 +96,117 @@ def quantize_attention_inputs(q, k, v, softmax_scale: float, block_m: int, block
     :func:`flashflow.kernels.quant.attention_quantize_kernel`: ``q8, q_scale, q_corr, k8, k_scale,
     vt8, v_scale``), padded to ``block_m`` / ``block_n``. ``key_padding_mask`` (the call's,
     ``(batch, P)``) keeps the non-finite values of the keys it hides from marking anything."""
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    dev = q.device
-    q_block = max(block_m, block_n)   # powers of two: a multiple of both
-    sq_pad = cdiv(max(seqlen_q, 1), q_block) * q_block
-    sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
-    qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
-    # statistics: enough chunks of keys per (batch, kv head) for about four waves of programs
-    per_head = min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(dev), batch * kv_heads)))
-    chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS) * _STATS_ROWS
-    chunks = cdiv(max(seqlen_k, 1), chunk)
-
-    # two allocations (bytes, floats) carved into every tensor: host time is part of a call
-    n_q, n_k = batch * heads * sq_pad * head_dim, batch * kv_heads * sk_pad * head_dim
-    raw = torch.empty(n_q + 2 * n_k, dtype=torch.uint8, device=dev)
-    q8 = raw[:n_q].view(qk_dtype).view(batch, heads, sq_pad, head_dim)
-    k8 = raw[n_q:n_q + n_k].view(qk_dtype).view(batch, kv_heads, sk_pad, head_dim)
-    vt8 = raw[n_q + n_k:].view(torch.float8_e4m3fn).view(batch, kv_heads, head_dim, sk_pad)
-    sizes = {"q_scale": batch * heads * sq_pad, "q_corr": batch * heads * sq_pad if lse_correction else 1,
-             "k_scale": batch * kv_heads * (sk_pad // block_n), "v_scale": batch * kv_heads * head_dim,
-             "ksum": batch * kv_heads * chunks * head_dim, "vmax": batch * kv_heads * chunks * head_dim}
-    floats = torch.empty(sum(sizes.values()), dtype=torch.float32, device=dev).split(list(sizes.values()))
-    f = dict(zip(sizes, floats))
-    q_scale = f["q_scale"].view(batch, heads, sq_pad)
-    q_corr = f["q_corr"].view(batch, heads, sq_pad) if lse_correction else f["q_corr"]
-    k_scale = f["k_scale"].view(batch, kv_heads, sk_pad // block_n)
-    v_scale = f["v_scale"].view(batch, kv_heads, head_dim)
-    ksum, vmax = f["ksum"], f["vmax"]
-
-    attention_kv_stats_kernel[(batch * kv_heads, chunks)](
-        k, v, ksum, vmax, seqlen_k, kv_heads, chunk,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4,
-    )
-    key_padding_mask, mask_keys = _mask_for_kernels(q, key_padding_mask)
-    attention_quantize_kernel[(max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)](
-        q, k, v, q8, q_scale, q_corr, k8, k_scale, vt8.view(torch.int8), v_scale, ksum, vmax, key_padding_mask,
-        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), key_padding_mask.stride(0) if mask_keys else 0,
-        softmax_scale * LOG2E, softmax_scale,
-        HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
-        LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), KEY_PADDING=mask_keys > 0,
-        EMULATE_FP8=interpreting(), num_warps=4,
-    )
-    return dict(q8=q8, q_scale=q_scale, q_corr=q_corr, k8=k8, k_scale=k_scale, vt8=vt8, v_scale=v_scale,
-                sq_pad=sq_pad, sk_pad=sk_pad)
+    plan = _Fp8Plan(q, k, v, key_padding_mask, block_m, block_n, qk_format, lse_correction, smooth_k)
+    bufs = plan.quantize(None, q, k, v, key_padding_mask, softmax_scale)
+    batch, _, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    sq_pad, sk_pad = plan.sq_pad, plan.sk_pad
+    shapes = dict(q8=(batch, heads, sq_pad, head_dim), k8=(batch, kv_heads, sk_pad, head_dim),
+                  vt8=(batch, kv_heads, head_dim, sk_pad), q_scale=(batch, heads, sq_pad),
+                  q_corr=(batch, heads, sq_pad) if lse_correction else (1,),
+                  k_scale=(batch, kv_heads, sk_pad // block_n), v_scale=(batch, kv_heads, head_dim))
+    return {**{name: bufs[name].view(shape) for name, shape in shapes.items()}, "sq_pad": sq_pad, "sk_pad": sk_pad}
 
 
-def _mask_for_kernels(q, key_padding_mask):
-    """(the mask as the kernels read it, unit-stride along the keys, or ``q`` where there is none
-    (never read then); the number of keys it covers)."""
-    if key_padding_mask is None or key_padding_mask.shape[1] == 0:
-        return q, 0
-    key_padding_mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
-    return key_padding_mask, key_padding_mask.shape[1]
+class _Fp8Plan:
+    """What one call key of the FP8 forward fixes: the padded sizes, the layout of the quantize
+    pass's buffers in one allocation, the grids, the kernels' integer arguments and constexprs,
+    the descriptors' shapes (it keeps no tensor)."""
+
+    # the quantize pass's buffers: 8-bit tensors first, then the float32 scales and statistics
+    BUFFERS = ("q8", "k8", "vt8", "q_scale", "q_corr", "k_scale", "v_scale", "ksum", "vmax")
+
+    def __init__(self, q, k, v, key_padding_mask, block_m, block_n, qk_format, lse_correction, smooth_k=True):
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        q_block = max(block_m, block_n)   # powers of two: a multiple of both
+        sq_pad = self.sq_pad = cdiv(max(seqlen_q, 1), q_block) * q_block
+        sk_pad = self.sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
+        qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
+        # statistics: enough chunks of keys per (batch, kv head) for about four waves of programs
+        per_head = min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(q.device), batch * kv_heads)))
+        chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS) * _STATS_ROWS
+        chunks = cdiv(max(seqlen_k, 1), chunk)
+        n_q, n_k = batch * heads * sq_pad * head_dim, batch * kv_heads * sk_pad * head_dim
+        counts = dict(q8=(n_q, qk_dtype), k8=(n_k, qk_dtype), vt8=(n_k, torch.float8_e4m3fn),
+                      q_scale=(batch * heads * sq_pad, torch.float32),
+                      q_corr=(batch * heads * sq_pad if lse_correction else 1, torch.float32),
+                      k_scale=(batch * kv_heads * (sk_pad // block_n), torch.float32),
+                      v_scale=(batch * kv_heads * head_dim, torch.float32),
+                      ksum=(batch * kv_heads * chunks * head_dim, torch.float32),
+                      vmax=(batch * kv_heads * chunks * head_dim, torch.float32))
+        # one allocation carved into every buffer, each on a 16-byte boundary (host time is part
+        # of a call: one allocation instead of nine)
+        self.slices, at = [], 0
+        for name in self.BUFFERS:
+            n, dtype = counts[name]
+            self.slices.append((at, at + n * dtype.itemsize, dtype))
+            at = cdiv(at + n * dtype.itemsize, 16) * 16
+        self.nbytes = at
+        mask_keys = 0 if key_padding_mask is None else key_padding_mask.shape[1]
+        self.mask_keys = mask_keys
+        self.stats_grid = (batch * kv_heads, chunks, 1)
+        self.stats_ints = (seqlen_k, kv_heads, chunk, *k.stride()[:3], *v.stride()[:3])
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4)
+        self.quant_grid = (max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)
+        mask_stride = 0
+        if mask_keys:
+            mask_stride = key_padding_mask.stride(0) if key_padding_mask.stride(-1) == 1 else mask_keys
+        self.mask_stride = mask_stride
+        self.quant_ints = (seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
+                           *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], mask_stride)
+        self.quant_constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
+            LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), KEY_PADDING=mask_keys > 0,
+            EMULATE_FP8=interpreting(), num_warps=4)
+
+    def quantize(self, key, q, k, v, key_padding_mask, softmax_scale) -> dict:
+        """The quantize pass: the buffers by name (flat views of one allocation)."""
+        raw = q.new_empty((self.nbytes,), dtype=torch.uint8)
+        bufs = {name: raw[a:b].view(dtype) for name, (a, b, dtype) in zip(self.BUFFERS, self.slices)}
+        _STATS(key, self.stats_grid, (k, v, bufs["ksum"], bufs["vmax"], *self.stats_ints), self.stats_constexprs)
+        mask = q
+        if self.mask_keys:
+            mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+        _QUANTIZE(key, self.quant_grid, (
+            q, k, v, bufs["q8"], bufs["q_scale"], bufs["q_corr"], bufs["k8"], bufs["k_scale"],
+            bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum"], bufs["vmax"], mask, *self.quant_ints,
+            softmax_scale * LOG2E, softmax_scale), self.quant_constexprs)
+        return bufs
+
+
+class _Fp8ForwardPlan(_Fp8Plan):
+    """:class:`_Fp8Plan` plus the attention kernel's launch."""
+
+    def __init__(self, q, k, v, key_padding_mask, causal, return_lse, qk_format, cfg):
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        self.lse_shape = (batch, heads, seqlen_q) if return_lse else (1,)
+        self.empty = q.numel() == 0
+        self.no_keys = seqlen_k == 0
+        if self.empty or self.no_keys:   # nothing is launched
+            return
+        super().__init__(q, k, v, key_padding_mask, cfg.BLOCK_M, cfg.BLOCK_N, qk_format, return_lse)
+        sq_pad, sk_pad = self.sq_pad, self.sk_pad
+        self.descs = (([batch * heads * sq_pad, head_dim], [head_dim, 1], [cfg.BLOCK_M, head_dim]),
+                      ([batch * kv_heads * sk_pad, head_dim], [head_dim, 1], [cfg.BLOCK_N, head_dim]),
+                      ([batch * kv_heads * head_dim, sk_pad], [sk_pad, 1], [head_dim, cfg.BLOCK_N]))
+        num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
+        out_strides = contiguous_strides(q.shape)
+        self.grid = (num_m_blocks * heads * batch, 1, 1)
+        self.ints = (*out_strides[:3], *((heads * seqlen_q, seqlen_q) if return_lse else (0, 0)), self.mask_stride,
+                     seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, self.mask_keys)
+        self.constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CAUSAL=causal, KEY_PADDING=self.mask_keys > 0,
+            RETURN_LSE=return_lse, QK_FP8=qk_format == "fp8", EMULATE_FP8=interpreting(), PV_FP32_SUM=cfg.pv_fp32_sum,
+            WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+_STATS = Launcher(attention_kv_stats_kernel)
+_QUANTIZE = Launcher(attention_quantize_kernel)
+_FORWARD = Launcher(attention_fp8_fwd_kernel)
+_PLANS: dict = {}
+MAX_PLANS = 4096   # distinct call keys kept; later ones are worked out per call
 
 
 def _attention_fp8_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
@@ -162,39 +217,34 @@ def _attention_fp8_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_p
 
 def attention_fp8_forward(q, k, v, key_padding_mask, softmax_scale: float, causal: bool, return_lse: bool,
                           qk_format: str, config: Optional[AttentionFp8Config] = None):
-    """Quantize and launch on validated inputs; ``config`` overrides the shipped one (sweeps)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty((batch, heads, seqlen_q) if return_lse else (1,), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
+    """Quantize and launch on validated inputs; ``config`` overrides the shipped one (sweeps).
+    What the launches derive from the inputs' kinds is worked out once per call key
+    (:class:`_Fp8ForwardPlan`)."""
+    key = call_key((q, k, v, key_padding_mask, causal, return_lse, qk_format)) if config is None else None
+    plan = _PLANS.get(key) if key is not None else None
+    if plan is None:
+        cfg = config or _config(q.shape[-1], causal, q.device)
+        plan = _Fp8ForwardPlan(q, k, v, key_padding_mask if key_padding_mask is None or key_padding_mask.shape[1]
+                               else None, causal, return_lse, qk_format, cfg)
+        if key is not None and len(_PLANS) < MAX_PLANS:
+            _PLANS[key] = plan
+    out = q.new_empty(q.shape)
+    lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
+    if plan.empty:
         return out, lse
-    if seqlen_k == 0:
+    if plan.no_keys:
         out.zero_()
         if return_lse:
             lse.fill_(float("-inf"))
         return out, lse
-    cfg = config or _config(head_dim, causal, q.device)
-    qz = quantize_attention_inputs(q, k, v, softmax_scale, cfg.BLOCK_M, cfg.BLOCK_N, qk_format,
-                                   lse_correction=return_lse, key_padding_mask=key_padding_mask)
-    sq_pad, sk_pad = qz["sq_pad"], qz["sk_pad"]
-    qd = TensorDescriptor(qz["q8"], [batch * heads * sq_pad, head_dim], [head_dim, 1], [cfg.BLOCK_M, head_dim])
-    kd = TensorDescriptor(qz["k8"], [batch * kv_heads * sk_pad, head_dim], [head_dim, 1], [cfg.BLOCK_N, head_dim])
-    vd = TensorDescriptor(qz["vt8"], [batch * kv_heads * head_dim, sk_pad], [sk_pad, 1], [head_dim, cfg.BLOCK_N])
-    key_padding_mask, mask_keys = _mask_for_kernels(q, key_padding_mask)
-    num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
-    lse_strides = (lse.stride(0), lse.stride(1)) if return_lse else (0, 0)
-    attention_fp8_fwd_kernel[(num_m_blocks * heads * batch,)](
-        qd, kd, vd, qz["q_scale"], qz["k_scale"], qz["v_scale"], qz["q_corr"], out, lse, key_padding_mask,
-        out.stride(0), out.stride(1), out.stride(2), *lse_strides,
-        key_padding_mask.stride(0) if mask_keys else 0,
-        seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, num_m_blocks, mask_keys,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CAUSAL=causal, KEY_PADDING=mask_keys > 0,
-        RETURN_LSE=return_lse, QK_FP8=qk_format == "fp8", EMULATE_FP8=interpreting(), PV_FP32_SUM=cfg.pv_fp32_sum,
-        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    launch_key = key if key is not None and key[-1] else None
+    bufs = plan.quantize(launch_key, q, k, v, key_padding_mask, softmax_scale)
+    descs = tuple(tensor_descriptor(bufs[name], *spec) for name, spec in zip(("q8", "k8", "vt8"), plan.descs))
+    mask = q
+    if plan.mask_keys:
+        mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+    _FORWARD(launch_key, plan.grid, (*descs, bufs["q_scale"], bufs["k_scale"], bufs["v_scale"], bufs["q_corr"], out, lse,
+                                     mask, *plan.ints), plan.constexprs)
     return out, lse
 
 
