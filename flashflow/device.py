@@ -2,7 +2,7 @@
 count, whether Triton's interpreter runs the kernels, whether a CUDA graph is being captured,
 and the two integer helpers every launcher needs.
 
-CPU tensors normally mean the interpreter. While :func:`flashflow.tuning.offline.pretend_cuda_capability`
+CPU tensors normally mean the interpreter. While :func:`flashflow.bench.offline.pretend_cuda_capability`
 is active they stand for a GPU instead (kernels are compiled for it, never run): every question
 below then answers for that GPU, so the ops pick the configs and launch options it would get.
 

@@ -2,9 +2,9 @@
 made of each (registers per thread, spills, shared memory).
 
 On a CUDA GPU each case is launched once and its kernels are read back from Triton's JIT cache
-(:mod:`flashflow.tuning.report`). ``--offline`` compiles the same launches on this machine for
+(:mod:`flashflow.bench.resources`). ``--offline`` compiles the same launches on this machine for
 each config family's GPU (sm90: the H100; sm80: the A100) with ptxas, GPU or not, and runs
-nothing (:mod:`flashflow.tuning.offline`). Without either, only the cases are listed.
+nothing (:mod:`flashflow.bench.offline`). Without either, only the cases are listed.
 
 Cases: each op's spec (:mod:`flashflow.bench.ops`) lists the launches that reach every kernel
 it ships, at its shipped configs; the op's name is ``--op``'s.
@@ -44,7 +44,7 @@ def cases(op: str, family: str | None) -> list[InfoCase]:
 
 
 def _offline_resources(case: InfoCase, family: str) -> list[dict]:
-    from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
+    from flashflow.bench.offline import compile_offline, pretend_cuda_capability
 
     capability = OFFLINE_CAPABILITY[family]
     with pretend_cuda_capability(capability):
@@ -55,7 +55,7 @@ def _offline_resources(case: InfoCase, family: str) -> list[dict]:
 
 
 def _gpu_resources(case: InfoCase) -> list[dict]:
-    from flashflow.tuning.report import launched_resources
+    from flashflow.bench.resources import launched_resources
 
     return launched_resources(lambda: case.launch("cuda"))
 

@@ -2,7 +2,7 @@
 
 :func:`launched_resources` runs a callable that launches flashflow kernels, notes every launch
 through Triton's launch hook, and reads each launched kernel back from the Triton JIT caches
-of :mod:`flashflow.kernels`. Without a GPU, :mod:`flashflow.tuning.offline` compiles for one
+of :mod:`flashflow.kernels`. Without a GPU, :mod:`flashflow.bench.offline` compiles for one
 instead. ``flashflow info`` (:mod:`flashflow.bench.info`) reports both for every op.
 """
 from __future__ import annotations

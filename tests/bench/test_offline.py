@@ -1,4 +1,4 @@
-"""flashflow.tuning.offline: compiling for the H100 on a machine without one. Runs in a child
+"""flashflow.bench.offline: compiling for the H100 on a machine without one. Runs in a child
 process, since the test session's TRITON_INTERPRET=1 replaces the kernels at import time."""
 import json
 import os
@@ -12,7 +12,7 @@ CHILD = textwrap.dedent("""
     import json, torch
     from flashflow.ops import mlp
     from flashflow.ops.decode import flash_attn_with_kvcache
-    from flashflow.tuning.offline import compile_offline, pretend_cuda_capability
+    from flashflow.bench.offline import compile_offline, pretend_cuda_capability
 
     out = {}
     # the fused FFN with two configs whose figures the H100 itself reported (the asserts below)
@@ -37,7 +37,7 @@ CHILD = textwrap.dedent("""
     # the FT K tile is loaded as 16-byte pieces (cp.async of 16 bytes)
     from flashflow.ops.decode import quantize_kv_cache
     from flashflow.reference.decode import to_ft_k, to_ft_v
-    from flashflow.tuning.offline import offline_target, resources_of
+    from flashflow.bench.offline import offline_target, resources_of
     kb = torch.zeros(1, 4096, 8, 128, dtype=torch.bfloat16)
     k8, s8 = quantize_kv_cache(kb)
     qb = torch.empty(1, 1, 32, 128, dtype=torch.bfloat16)
@@ -102,7 +102,7 @@ def test_compiles_for_sm90_without_a_gpu_and_matches_the_h100():
 def test_refuses_under_the_interpreter():
     from triton import knobs
 
-    from flashflow.tuning.offline import offline_target
+    from flashflow.bench.offline import offline_target
 
     if not knobs.runtime.interpret:
         pytest.skip("runs only in the interpreter session")

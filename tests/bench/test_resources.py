@@ -1,4 +1,4 @@
-"""flashflow.tuning.report: reading a launched kernel's resources back from Triton's JIT caches,
+"""flashflow.bench.resources: reading a launched kernel's resources back from Triton's JIT caches,
 with the GPU's parts faked."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import types
 
 import torch
 
-from flashflow.tuning import report
+from flashflow.bench import resources as report
 
 
 def test_launch_hook_sees_every_launch_and_is_removed_afterwards():
