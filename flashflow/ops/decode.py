@@ -26,7 +26,7 @@ from flashflow.ops.common import (Launcher, call_key, contiguous_strides as _con
 from flashflow.ops.validate import (check_flag, check_head_dim, check_heads, check_int, check_no_grad, check_qkv,
                                     check_runs_here, check_scale, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
-from flashflow.tuning.decode import DecodeConfig, decode_config, num_splits_heuristic
+from flashflow.tuning.decode import cap_splits, DecodeConfig, decode_config, num_splits_heuristic
 
 KV_LAYOUTS = ("NHD", "FT")
 FP8_CACHE_DTYPE = torch.float8_e4m3fn
@@ -35,7 +35,6 @@ KV_DTYPES = (torch.float16, torch.bfloat16, torch.float32, FP8_CACHE_DTYPE)
 MAX_ROWS = 128  # query heads per KV head × query tokens handled by one program
 # the most key-range splits a launch takes: the fused merge is unrolled over the splits, and
 # the heuristic's own maximum is 32 (FlashAttention caps its num_splits at 128)
-MAX_SPLITS = 32
 
 
 def _ft_x(dtype: torch.dtype) -> int:
@@ -190,10 +189,7 @@ class DecodePlan:
                             num_sms=num_sms, max_seqlen_k=max_seqlen_k, num_splits=num_splits)
         self.config = config or decode_config(**self._lookup, kv_fp8=self.kv_fp8)
         if num_splits:
-            # a split beyond the capacity's key blocks is empty, and each costs a partial to
-            # merge (1000 splits of a 64-token cache ran 102 s in the interpreter): the output
-            # does not depend on the split count, so a larger one is capped
-            capped = min(num_splits, cdiv(max(max_seqlen_k, 1), self.config.BLOCK_N), MAX_SPLITS)
+            capped = cap_splits(num_splits, max_seqlen_k, self.config.BLOCK_N)
             if capped != num_splits:
                 num_splits = self._lookup["num_splits"] = capped
                 self.config = config or decode_config(**self._lookup, kv_fp8=self.kv_fp8)

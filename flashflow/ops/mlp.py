@@ -42,7 +42,7 @@ from typing import Optional
 
 import torch
 
-from flashflow.device import capability, capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms, on_gpu
+from flashflow.device import capability, capturing, cdiv, gpu_family, interpreting, num_sms, on_gpu
 from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_THREADS, SYNC_ERR, mlp_gemm0_kernel,
                                    mlp_gemm1_kernel, mlp_persistent_kernel)
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
@@ -306,7 +306,7 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     acc = buf[ACC_OFF:ACC_OFF + m * hidden].view(torch.float32).view(m, hidden)
     # programmatic dependent launch of the cast exists from sm90 on (the interpreter has no grids to chain)
     pdl = cfg.pdl and on_gpu(x2.device) and capability(x2.device)[0] >= 9
-    common = dict(BLOCK_M=max(16, next_pow2(m)), BLOCK_I=cfg.BLOCK_I, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
+    common = dict(BLOCK_M=tuning.splitk_rows(m), BLOCK_I=cfg.BLOCK_I, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
                   GATED=gated, ACTIVATION=ACTIVATION_CODE[activation], DOT_PRECISION=_dot_precision(x2.dtype),
                   STAGGER=cfg.stagger, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     spin = 0
@@ -315,7 +315,7 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
         h = torch.empty((m, inter), dtype=w1.dtype, device=x2.device)
         chunk_n = tuning.chunk_n(hidden, cfg.group, cfg.BLOCK_N)
         n_chunks = cdiv(hidden, chunk_n)
-        grid = min(n_slices, 2 * num_sms(x2.device))
+        grid = tuning.grouped_programs(n_slices, num_sms(x2.device))
         mlp_splitk_grouped_kernel[(grid,)](
             x2, w1, w2, acc, h, buf, m, hidden, inter, n_slices, n_groups, n_chunks, chunk_n, grp_off, spin,
             x2.stride(0), w1.stride(0), w2.stride(0), GROUP=cfg.group, THREADS=cfg.num_warps * 32, **common)

@@ -53,6 +53,16 @@ def decode_config(family: str, head_dim_pad: int, *, programs: int = 1, num_sms:
     return cfg
 
 
+MAX_SPLITS = 32   # splits per (sequence, KV head) a launch takes at most
+
+
+def cap_splits(num_splits: int, max_seqlen_k: int, block_n: int) -> int:
+    """An asked split count capped at the key blocks of ``max_seqlen_k`` and at ``MAX_SPLITS``: a
+    split beyond the key blocks is empty and each split costs a partial to merge (1000 splits of a
+    64-token cache ran 102 s in the interpreter), while the output does not depend on the count."""
+    return min(num_splits, -(-max(max_seqlen_k, 1) // block_n), MAX_SPLITS)
+
+
 def num_splits_heuristic(batch_kv_heads: int, max_seqlen_k: int, num_sms: int, block_n: int,
                          max_splits: int = 32, kv_fp8: bool = False) -> int:
     """About one program per SM, each with >= 2 key blocks; no split once the (sequence, KV

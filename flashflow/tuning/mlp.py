@@ -90,6 +90,18 @@ def chunk_n(hidden: int, group: int, block_n: int) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
+def splitk_rows(m: int) -> int:
+    """The split-K kernels' row tile for M = ``m`` tokens: all of them, padded to a power of two
+    of at least 16 (the tensor cores' smallest M)."""
+    return max(16, next_pow2(m))
+
+
+def grouped_programs(n_slices: int, sms: int) -> int:
+    """Programs of the grouped split-K kernel: one per slice, at most two per SM (it loops over
+    the slices; more programs would only wait on the group counters)."""
+    return min(n_slices, 2 * sms)
+
+
 def splitk_config(family: str, gated: bool, m: int, inter: int, sms: int) -> SplitKConfig:
     """The decode kernel's config for M = ``m`` tokens; ``BLOCK_I`` is :func:`slice_width`
     unless the entry names one."""
