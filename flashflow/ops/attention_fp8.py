@@ -25,7 +25,8 @@ from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
 from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
 from flashflow.kernels.quant import attention_kv_stats_kernel, attention_quantize_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import Launcher, call_key, contiguous_strides, tensor_descriptor, unit_last_stride
+from flashflow.ops.common import (Launcher, call_key, contiguous_strides, op_or_direct, tensor_descriptor,
+                                  unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_heads, check_key_padding_mask, check_no_grad, check_runs_here,
                                     softmax_scale_or_default)
 from flashflow.tuning.attention_fp8 import AttentionFp8Config, attention_fp8_config, supported_families
@@ -257,11 +258,7 @@ def _(q, k, v, key_padding_mask, softmax_scale, causal, return_lse, qk_format):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-def _attention_fp8(*args):
-    """The registered op while torch.compile traces; a direct call otherwise (host time)."""
-    if torch.compiler.is_compiling():
-        return _attention_fp8_op(*args)
-    return _attention_fp8_impl(*args)
+_attention_fp8 = op_or_direct(_attention_fp8_op, _attention_fp8_impl)
 
 
 def flash_attn_fp8_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, *, key_padding_mask=None,

@@ -26,11 +26,16 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot``'s ``input_precision`` for inputs of ``dtype``: IEEE products for fp32 (not TF32)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
 def dot_options(dtype: torch.dtype) -> dict:
     """The kernels' ``DOT_PRECISION`` / ``DOT_FP32`` for inputs of ``dtype``: fp32 inputs get
     IEEE products (not TF32); bf16 under Triton's interpreter is converted to fp32 before its
     dots, as the interpreter's bf16 ``tl.dot`` is wrong (a GPU never takes that branch)."""
-    return {"DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+    return {"DOT_PRECISION": dot_precision(dtype),
             "DOT_FP32": dtype == torch.bfloat16 and interpreting()}
 
 
@@ -164,3 +169,38 @@ def contiguous_strides(shape) -> tuple:
         strides.append(step)
         step *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def tma_strides_ok(stride, element_size: int) -> bool:
+    """The copy engine's rule for a descriptor's strides: every stride but the last (which is 1)
+    a multiple of 16 bytes."""
+    return not any((st * element_size) % 16 for st in stride[:-1])
+
+
+def tma_compatible(*tensors: torch.Tensor) -> bool:
+    """Tensors a host TMA descriptor can describe: 16-byte aligned bases and strides."""
+    return all(t.data_ptr() % 16 == 0 and tma_strides_ok(t.stride(), t.element_size()) for t in tensors)
+
+
+def stream_key(device: torch.device):
+    """The current stream of ``device`` as a cache key (0 off CUDA): per-stream caches (the
+    implicit workspaces and plans) keep one entry per stream, whose calls are ordered."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def dispatch(op, impl, *args):
+    """A registered custom op's call: ``op`` while torch.compile traces (one opaque graph node),
+    ``impl`` directly otherwise, as the dispatcher's Python layers cost more host time than a
+    small launch takes on the GPU. CUDA-graph capture works either way."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return impl(*args)
+
+
+def op_or_direct(op, impl):
+    """``(*args) -> dispatch(op, impl, *args)`` as a function of its own."""
+    def call(*args):
+        if torch.compiler.is_compiling():
+            return op(*args)
+        return impl(*args)
+    return call

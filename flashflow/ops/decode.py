@@ -21,7 +21,7 @@ import torch
 from flashflow.device import capturing, cdiv, gpu_family, next_pow2, num_sms as device_num_sms
 from flashflow.kernels.decode import decode_attention_kernel, merge_states_kernel
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import (Launcher, call_key, contiguous_strides as _contiguous_strides, dot_options,
+from flashflow.ops.common import (Launcher, call_key, stream_key, contiguous_strides as _contiguous_strides, dot_options,
                                   head_dim_pad as _head_dim_pad, unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_head_dim, check_heads, check_int, check_no_grad, check_qkv,
                                     check_runs_here, check_scale, check_softcap, check_tensor,
@@ -386,9 +386,8 @@ def _eager_plan(batch, heads, kv_heads, head_dim, capacity, seqlen_q, device, nu
     if capturing(device):
         return DecodePlan(batch, heads, kv_heads, head_dim, capacity, seqlen_q=seqlen_q, device=device,
                           num_splits=num_splits, kv_dtype=kv_dtype)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     fp8 = kv_dtype == FP8_CACHE_DTYPE   # the 16/32-bit caches share one plan
-    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, fp8, str(device), stream)
+    key = (batch, heads, kv_heads, head_dim, capacity, seqlen_q, num_splits, fp8, str(device), stream_key(device))
     with _EAGER_PLANS_LOCK:
         plan = _EAGER_PLANS.get(key)
         if plan is None:

@@ -48,7 +48,7 @@ from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_TH
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
 from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
                                          parse_order)
-from flashflow.ops.common import unit_last_stride
+from flashflow.ops.common import dot_precision, stream_key, tma_compatible, unit_last_stride
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
@@ -165,8 +165,7 @@ def _implicit_buffer(words: int, device) -> torch.Tensor:
     device = torch.device(device)
     if capturing(device):
         return torch.zeros(words, dtype=torch.int32, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
+    key = (str(device), stream_key(device))
     with _IMPLICIT_LOCK:
         buf = _IMPLICIT.get(key)
         if buf is None or buf.numel() < words:
@@ -252,10 +251,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _dot_precision(dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def _check_interpretable(*tensors: torch.Tensor) -> None:
     """Triton's interpreter computes ``tl.dot`` on bf16 operands wrongly (garbage, not rounding
     error); the op upcasts for it (:func:`_interpreter_dtype`), a direct launcher call is refused."""
@@ -307,7 +302,7 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
     # programmatic dependent launch of the cast exists from sm90 on (the interpreter has no grids to chain)
     pdl = cfg.pdl and on_gpu(x2.device) and capability(x2.device)[0] >= 9
     common = dict(BLOCK_M=tuning.splitk_rows(m), BLOCK_I=cfg.BLOCK_I, BLOCK_K=cfg.BLOCK_K, BLOCK_N=cfg.BLOCK_N,
-                  GATED=gated, ACTIVATION=ACTIVATION_CODE[activation], DOT_PRECISION=_dot_precision(x2.dtype),
+                  GATED=gated, ACTIVATION=ACTIVATION_CODE[activation], DOT_PRECISION=dot_precision(x2.dtype),
                   STAGGER=cfg.stagger, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     spin = 0
     if cfg.group:
@@ -334,12 +329,6 @@ def _tma_capable(device: torch.device) -> bool:
     return on_gpu(device) and capability(device)[0] >= 9
 
 
-def _tma_aligned(*tensors: torch.Tensor) -> bool:
-    """Descriptors need 16-byte aligned bases and row strides (the last stride is 1)."""
-    return all(t.data_ptr() % 16 == 0 and all((s * t.element_size()) % 16 == 0 for s in t.stride()[:-1])
-               for t in tensors)
-
-
 def _descriptors(x2, w1, w2, h, inter, gated, cfg):
     """Host TMA descriptors (x, gate rows, up rows, H, W_down), or None where the pointer path
     must run. The gate and up rows get a descriptor each, so a gate tile past ``inter`` is
@@ -347,7 +336,7 @@ def _descriptors(x2, w1, w2, h, inter, gated, cfg):
     if not (cfg.use_tma and x2.dtype in (torch.float16, torch.bfloat16) and _tma_capable(x2.device)):
         return None
     gate, up = (w1[:inter], w1[inter:]) if gated else (w1, w1)
-    if not _tma_aligned(x2, gate, up, w2, h):
+    if not tma_compatible(x2, gate, up, w2, h):
         return None
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -394,7 +383,7 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
         tiles_m, n0, n1, order.group_rows, order.half, CNT_OFF + 2 * tiles_m, spin,
         POLICY=order.code, BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_N1=cfg.BLOCK_N1,
         BLOCK_K=cfg.BLOCK_K, GATED=gated, ACTIVATION=ACTIVATION_CODE[activation], THREADS=threads,
-        DOT_PRECISION=_dot_precision(x2.dtype), USE_TMA=use_tma, PROXY_FENCE=use_tma and on_gpu(x2.device),
+        DOT_PRECISION=dot_precision(x2.dtype), USE_TMA=use_tma, PROXY_FENCE=use_tma and on_gpu(x2.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     _check_error(buf, spin)
@@ -563,7 +552,7 @@ def _launch_gemm0(x2, w1, h, buf, activation, cfg, signal):
         tiles_m, n0, DEFAULT_GROUP_ROWS, SIGNAL=signal,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_K=cfg.BLOCK_K, GATED=activation == "swiglu",
         ACTIVATION=ACTIVATION_CODE[activation], THREADS=cfg.num_warps * 32,
-        DOT_PRECISION=_dot_precision(x2.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION=dot_precision(x2.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _launch_gemm1(h, w2, out, buf, cfg, n0, programs=None):
@@ -575,7 +564,7 @@ def _launch_gemm1(h, w2, out, buf, cfg, n0, programs=None):
         h, w2, out, buf, m, hidden, inter, h.stride(0), w2.stride(0), out.stride(0),
         tiles_m, n0, n1, DEFAULT_GROUP_ROWS, _spin_limit(h.device), WAIT=wait,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N1=cfg.BLOCK_N1, BLOCK_K=cfg.BLOCK_K, THREADS=cfg.num_warps * 32,
-        DOT_PRECISION=_dot_precision(h.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DOT_PRECISION=dot_precision(h.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _baseline_inputs(x, w_gate_up, w_down, activation, config, op):

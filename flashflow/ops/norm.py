@@ -37,6 +37,7 @@ import torch
 from flashflow.device import cdiv, next_pow2
 from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
                                     joint_qkv_norm_rope_kernel, layernorm_modulate_kernel, rmsnorm_rope_kernel)
+from flashflow.ops.common import dispatch as _dispatch
 from flashflow.ops.validate import check_no_grad, check_runs_here, check_scale, check_tensor
 from flashflow.tuning.norm import heads_per_program as _heads_per_program, row_warps as _num_warps
 
@@ -332,15 +333,6 @@ def _(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_
     b, s_txt, h, d = txt_q.shape
     shape = (b, s_txt + img_q.shape[1], h, d)
     return txt_q.new_empty(shape), txt_q.new_empty(shape), txt_q.new_empty(shape)
-
-
-def _dispatch(op, impl, *args):
-    """The registered op while torch.compile traces (one opaque graph node); a direct call
-    otherwise, as the dispatcher's Python layers cost more host time than these launches take
-    on the GPU. CUDA-graph capture works either way."""
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return impl(*args)
 
 
 # --------------------------------------------------------------------------------------------
