@@ -38,7 +38,8 @@ from flashflow.device import cdiv, next_pow2
 from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
                                     joint_qkv_norm_rope_kernel, layernorm_modulate_kernel, rmsnorm_rope_kernel)
 from flashflow.ops.common import dispatch as _dispatch
-from flashflow.ops.validate import check_no_grad, check_runs_here, check_scale, check_tensor
+from flashflow.ops.validate import (check_eps, check_no_grad, check_runs_here, check_same_device, check_tensor,
+                                    check_unit_last_stride)
 from flashflow.tuning.norm import heads_per_program as _heads_per_program, row_warps as _num_warps
 
 __all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
@@ -57,24 +58,6 @@ ROPE_TILE = 4096
 # --------------------------------------------------------------------------------------------
 
 
-def _check_unit_last_stride(name: str, t: torch.Tensor) -> None:
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}; "
-                         f"pass {name}.contiguous()")
-
-
-def _check_same_device(name: str, t: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
-    if t.device != x.device:
-        raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {t.device}")
-
-
-def _check_eps(eps) -> float:
-    eps = check_scale("eps", eps, positive=False)
-    if eps < 0:
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
-    return eps
-
-
 def _check_dim(name: str, d: int) -> None:
     if not 1 <= d <= MAX_DIM:
         raise ValueError(f"the last dim of {name} must be between 1 and {MAX_DIM}, got {d}")
@@ -84,7 +67,7 @@ def _check_rows(name: str, x: torch.Tensor) -> tuple[int, int, int]:
     """x a (batch, seqlen, dim) float tensor flashflow can run on; returns (B, L, D)."""
     check_tensor(name, x, 3, "(batch, seqlen, dim)")
     check_runs_here(name, x)
-    _check_unit_last_stride(name, x)
+    check_unit_last_stride(name, x)
     return tuple(x.shape)
 
 
@@ -99,7 +82,7 @@ def _check_index(index, b: int, l: int, x: torch.Tensor) -> None:
                         f"else the second), got {index.dtype}")
     if tuple(index.shape) != (b, l):
         raise ValueError(f"index must have shape (batch, seqlen) = {(b, l)}, got {tuple(index.shape)}")
-    _check_same_device("index", index, x, "x")
+    check_same_device("index", index, x, "x")
 
 
 def _check_modulation(name: str, t, b: int, d: int, x: torch.Tensor, x_name: str, index) -> None:
@@ -109,8 +92,8 @@ def _check_modulation(name: str, t, b: int, d: int, x: torch.Tensor, x_name: str
     if tuple(t.shape) != (rows, d):
         hint = " (index is given: the rows of both halves)" if index is not None else ""
         raise ValueError(f"{name} must have shape {form} = {(rows, d)}{hint}, got {tuple(t.shape)}")
-    _check_same_device(name, t, x, x_name)
-    _check_unit_last_stride(name, t)
+    check_same_device(name, t, x, x_name)
+    check_unit_last_stride(name, t)
 
 
 def _check_like(name: str, t, x: torch.Tensor, x_name: str) -> None:
@@ -118,8 +101,8 @@ def _check_like(name: str, t, x: torch.Tensor, x_name: str) -> None:
     check_tensor(name, t, x.dim(), f"{tuple(x.shape)} like {x_name}")
     if t.shape != x.shape:
         raise ValueError(f"{name} must have {x_name}'s shape {tuple(x.shape)}, got {tuple(t.shape)}")
-    _check_same_device(name, t, x, x_name)
-    _check_unit_last_stride(name, t)
+    check_same_device(name, t, x, x_name)
+    check_unit_last_stride(name, t)
 
 
 def _check_head_rows(name: str, x) -> tuple[int, int, int, int]:
@@ -127,7 +110,7 @@ def _check_head_rows(name: str, x) -> tuple[int, int, int, int]:
     returns its shape."""
     check_tensor(name, x, 4, "(batch, seqlen, heads, head_dim)")
     check_runs_here(name, x)
-    _check_unit_last_stride(name, x)
+    check_unit_last_stride(name, x)
     b, s, h, d = x.shape
     if d % 2 or not 2 <= d <= MAX_DIM:
         raise ValueError(f"head_dim ({name}'s last dim) must be even and between 2 and {MAX_DIM}, got {d}")
@@ -141,8 +124,8 @@ def _check_norm_weight(name: str, weight, d: int, x: torch.Tensor, x_name: str) 
     check_tensor(name, weight, 1, "(head_dim,)")
     if weight.shape[0] != d:
         raise ValueError(f"{name} must have shape (head_dim,) = ({d},), got {tuple(weight.shape)}")
-    _check_same_device(name, weight, x, x_name)
-    _check_unit_last_stride(name, weight)
+    check_same_device(name, weight, x, x_name)
+    check_unit_last_stride(name, weight)
 
 
 def _check_freqs(name: str, freqs, s: int, d: int, x: torch.Tensor, x_name: str) -> None:
@@ -155,7 +138,7 @@ def _check_freqs(name: str, freqs, s: int, d: int, x: torch.Tensor, x_name: str)
     if tuple(freqs.shape) != (s, d // 2):
         raise ValueError(f"{name} must have shape (seqlen, head_dim // 2) = {(s, d // 2)} ({x_name}'s seqlen), "
                          f"got {tuple(freqs.shape)}")
-    _check_same_device(name, freqs, x, x_name)
+    check_same_device(name, freqs, x, x_name)
 
 
 def _index_args(index: Optional[torch.Tensor], x: torch.Tensor) -> tuple:
@@ -359,7 +342,7 @@ def layernorm_modulate(x, shift, scale, eps=1e-6, index=None):
     _check_index(index, b, l, x)
     _check_modulation("shift", shift, b, d, x, "x", index)
     _check_modulation("scale", scale, b, d, x, "x", index)
-    eps = _check_eps(eps)
+    eps = check_eps(eps)
     check_no_grad("layernorm_modulate", x=x, shift=shift, scale=scale)
     return _dispatch(_layernorm_modulate_op, _layernorm_modulate_impl, x, shift, scale, index, eps)
 
@@ -401,7 +384,7 @@ def gate_residual_layernorm_modulate(residual, y, gate, shift, scale, eps=1e-6, 
     _check_index(index, b, l, residual)
     for name, t in (("gate", gate), ("shift", shift), ("scale", scale)):
         _check_modulation(name, t, b, d, residual, "residual", index)
-    eps = _check_eps(eps)
+    eps = check_eps(eps)
     check_no_grad("gate_residual_layernorm_modulate", residual=residual, y=y, gate=gate, shift=shift, scale=scale)
     return _dispatch(_gate_residual_layernorm_modulate_op, _gate_residual_layernorm_modulate_impl,
                      residual, y, gate, shift, scale, index, eps)
@@ -434,7 +417,7 @@ def rmsnorm_rope(x, weight, freqs, eps=1e-6, out=None):
         _check_like("out", out, x, "x")
         if out.dtype != x.dtype:
             raise TypeError(f"out must have x's dtype {x.dtype}, got {out.dtype}")
-    eps = _check_eps(eps)
+    eps = check_eps(eps)
     check_no_grad("rmsnorm_rope", x=x, weight=weight, freqs=freqs, out=out)
     if out is None:
         return _dispatch(_rmsnorm_rope_op, _rmsnorm_rope_impl, x, weight, freqs, eps)
@@ -480,7 +463,7 @@ def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, 
     if (img_b, img_h, img_d) != (b, h, d):
         raise ValueError(f"img_q must have txt_q's batch, heads and head_dim: (batch, S_img, heads, head_dim) = "
                          f"({b}, S_img, {h}, {d}), got {tuple(img_q.shape)}")
-    _check_same_device("img_q", img_q, txt_q, "txt_q")
+    check_same_device("img_q", img_q, txt_q, "txt_q")
     for name, t in (("img_k", img_k), ("img_v", img_v)):
         _check_like(name, t, img_q, "img_q")
     for name, t in (("txt_k", txt_k), ("txt_v", txt_v), ("img_q", img_q), ("img_k", img_k), ("img_v", img_v)):
@@ -504,9 +487,9 @@ def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, 
     if isinstance(eps, (tuple, list)):
         if len(eps) != 4:
             raise ValueError(f"eps must be a float or a 4-tuple (txt_q, txt_k, img_q, img_k), got {len(eps)} values")
-        eps = tuple(_check_eps(e) for e in eps)
+        eps = tuple(check_eps(e) for e in eps)
     else:
-        eps = (_check_eps(eps),) * 4
+        eps = (check_eps(eps),) * 4
     check_no_grad("joint_qkv_norm_rope", txt_q=txt_q, txt_k=txt_k, txt_v=txt_v, img_q=img_q, img_k=img_k,
                   img_v=img_v, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
     return _dispatch(_joint_qkv_norm_rope_op, _joint_qkv_norm_rope_impl, txt_q, txt_k, txt_v, img_q, img_k, img_v,

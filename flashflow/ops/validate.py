@@ -60,6 +60,28 @@ def check_scale(name: str, value, positive: bool = True) -> float:
     return value
 
 
+def check_eps(eps) -> float:
+    """A norm's epsilon: a finite float >= 0."""
+    eps = check_scale("eps", eps, positive=False)
+    if eps < 0:
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+    return eps
+
+
+def check_same_device(name: str, t: torch.Tensor, x: torch.Tensor, x_name: str) -> None:
+    """``t`` on ``x``'s device."""
+    if t.device != x.device:
+        raise ValueError(f"{name} must be on {x_name}'s device {x.device}, got {t.device}")
+
+
+def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
+    """Unit stride along the last axis, for the ops that write into or read a caller's buffer
+    in place and cannot take a copy (the diffusion norms' outputs and inputs)."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride along its last dim, got strides {t.stride()}; "
+                         f"pass {name}.contiguous()")
+
+
 # --------------------------------------------------------------------------------------------
 # attention inputs (prefill and decode)
 # --------------------------------------------------------------------------------------------
