@@ -1,7 +1,7 @@
 """``flash_attn_func(..., key_padding_mask=)``: a mask over the first P keys, later keys always
 attended, against the float64 reference with the equivalent dense (batch, seqlen_k) mask.
 
-The interpreter's config has BLOCK_N = 32, so 200 keys with P = 37 run the biased blocks
+The interpreter's config has BLOCK_N = 32, so 200 keys with P = 37 run the mask's blocks
 [0, 64), the unmasked loop over [64, 192) and the ragged end [192, 200).
 """
 import re
