@@ -24,7 +24,8 @@ Each program's range is cut in three loops as in the forward (:func:`flashflow.k
 masked blocks, an unmasked hot loop where every row sees every key of the tile (no index
 arithmetic at all), masked blocks. Non-causal attention over whole blocks runs only the hot loop.
 Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (causal bottom-right, window), plus
-a key-padding prefix or an additive score bias (SDPA's ``attn_mask``) as in the forward.
+a key-padding mask over a key prefix (``KEY_PADDING``: ``KEY_PADDING_MASK`` over ``mask_keys``) or
+an additive score bias (``HAS_BIAS``: SDPA's ``attn_mask``, ``BIAS`` over ``bias_keys``) as in the forward.
 
 Deterministic by construction: a dK/dV program loops over every query head of its group (GQA/MQA:
 the group's sum happens in registers, in a fixed order), a dQ program owns its rows; no atomics,
@@ -36,7 +37,7 @@ past its end do nothing. ``DOT_FP32`` as in the forward (bf16 under the interpre
 import triton
 import triton.language as tl
 
-from flashflow.kernels.mask import key_allowed, key_blocks, query_blocks, rows_mask, split_range
+from flashflow.kernels.mask import key_allowed, key_blocks, masked_prefix, query_blocks, rows_mask, split_range
 from flashflow.kernels.softmax import LOG2E_C
 
 
@@ -107,14 +108,15 @@ def _row_stats(LSE, DELTA, sl_s, offs_m, seqlen_q):
 
 
 @triton.jit
-def _probs(s, q_idx, k_idx, lse2, bias_ptrs, qk_scale_log2, softcap, seqlen_q, seqlen_k, bias_end, diag_offset,
-           window_left, window_right, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr,
-           HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr):
+def _probs(s, q_idx, k_idx, lse2, bias_ptrs, KEY_PADDING_MASK, qk_scale_log2, softcap, seqlen_q, seqlen_k, bias_end,
+           mask_keys, diag_offset, window_left, window_right, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+           HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr):
     """``(P, tanh)`` of a tile of raw scores ``s`` in either orientation: ``q_idx``/``k_idx``/``lse2``
     are broadcast to it (``[M, 1]``/``[1, N]``/``[M, 1]`` or the transposes). ``P`` is recomputed
     from the base-2 row log-sum-exps; unmasked tiles compute no index at all, masked ones zero
-    what a row may not see and add the bias (``bias_ptrs`` of the tile's shape; a key-padding
-    mask's pointers broadcast over the keys only). Under a softcap, ``tanh`` for its derivative."""
+    what a row may not see (``KEY_PADDING_MASK``: this batch's row of flags, read at ``k_idx``
+    before ``mask_keys``) and add the bias (``bias_ptrs`` of the tile's shape). Under a softcap,
+    ``tanh`` for its derivative."""
     t = s
     if HAS_SOFTCAP:
         t = s * qk_scale_log2
@@ -126,10 +128,10 @@ def _probs(s, q_idx, k_idx, lse2, bias_ptrs, qk_scale_log2, softcap, seqlen_q, s
     if MASKED:
         allowed = key_allowed((k_idx < seqlen_k) & (q_idx < seqlen_q), k_idx, q_idx + diag_offset, window_left,
                               window_right, HAS_LEFT, HAS_RIGHT)
-        if HAS_BIAS and KEY_PADDING:
-            keep = tl.load(bias_ptrs, mask=k_idx < bias_end, other=1)
+        if KEY_PADDING:
+            keep = tl.load(KEY_PADDING_MASK + k_idx, mask=k_idx < mask_keys, other=1)
             allowed &= keep != 0
-        if HAS_BIAS and not KEY_PADDING:
+        if HAS_BIAS:
             bias = tl.load(bias_ptrs, mask=(k_idx < bias_end) & (q_idx < seqlen_q), other=0.0)
             s += bias.to(tl.float32) * LOG2E_C
         p = tl.where(allowed, tl.math.exp2(s - lse2), 0.0)
@@ -139,8 +141,9 @@ def _probs(s, q_idx, k_idx, lse2, bias_ptrs, qk_scale_log2, softcap, seqlen_q, s
 
 
 @triton.jit
-def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, bias_ptrs, lo, hi, offs_n, offs_d, sq_s, sdo_s, sl_s, sb_m,
-               seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, bias_ptrs, KEY_PADDING_MASK, lo, hi, offs_n, offs_d, sq_s, sdo_s,
+               sl_s, sb_m, seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset, window_left, window_right,
+               qk_scale_log2, softcap,
                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr,
                DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -152,11 +155,11 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, bias_ptrs, lo, hi, offs_n, offs_
         lse2, delta = _row_stats(LSE, DELTA, sl_s, offs_m, seqlen_q)
         s = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)
         b_ptrs = bias_ptrs
-        if HAS_BIAS and not KEY_PADDING:
+        if HAS_BIAS:
             b_ptrs = bias_ptrs + offs_m[None, :] * sb_m
-        p, t = _probs(s, offs_m[None, :], offs_n[:, None], lse2[None, :], b_ptrs, qk_scale_log2, softcap, seqlen_q,
-                      seqlen_k, bias_end, diag_offset, window_left, window_right, MASKED, HAS_SOFTCAP, HAS_LEFT,
-                      HAS_RIGHT, HAS_BIAS, KEY_PADDING)
+        p, t = _probs(s, offs_m[None, :], offs_n[:, None], lse2[None, :], b_ptrs, KEY_PADDING_MASK, qk_scale_log2,
+                      softcap, seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset, window_left, window_right, MASKED,
+                      HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING)
         dv += tl.dot(p.to(do.dtype), do, input_precision=DOT_PRECISION)
         dp = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[None, :])
@@ -168,10 +171,11 @@ def _dkdv_loop(dk, dv, k, v, Q, DO, LSE, DELTA, bias_ptrs, lo, hi, offs_n, offs_
 
 @triton.jit
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DK, DV, BIAS, KEY_PADDING_MASK, CU_Q, CU_K,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
-    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h, sb_b, sb_h, sb_m, sb_n,
-    seqlen_q, seqlen_k, heads, kv_heads, bias_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
+    sdk_b, sdk_s, sdk_h, sdv_b, sdv_s, sdv_h, sb_b, sb_h, sb_m, sb_n, stride_key_padding_mask,
+    seqlen_q, seqlen_k, heads, kv_heads, bias_keys, mask_keys, softmax_scale, qk_scale_log2, softcap, window_left,
+    window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
@@ -200,6 +204,12 @@ def attention_bwd_dkdv_kernel(
             bias_end = tl.minimum(seqlen_k, bias_keys)
             if start_n < bias_end:   # a biased key block: every query block loads the bias
                 full_hi = 0
+        if KEY_PADDING:
+            if start_n < mask_keys:   # a key block the mask covers: every query block reads its flags
+                full_hi = 0
+            key_padding_mask = KEY_PADDING_MASK + b * stride_key_padding_mask   # this batch's row of flags
+        else:
+            key_padding_mask = KEY_PADDING_MASK
         mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
         dk = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
         dv = tl.zeros([BLOCK_N, HEAD_DIM_PAD], dtype=tl.float32)
@@ -210,20 +220,23 @@ def attention_bwd_dkdv_kernel(
             lse_ptr = LSE + b * sl_b + h * sl_h + q_start * sl_s
             delta_ptr = DELTA + b * sl_b + h * sl_h + q_start * sl_s
             bias_ptrs = BIAS + b * sb_b + offs_n[:, None] * sb_n
-            if HAS_BIAS and not KEY_PADDING:
+            if HAS_BIAS:
                 bias_ptrs += h * sb_h
-            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, lo, mid_lo, offs_n, offs_d,
-                                sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
-                                window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, True, HAS_SOFTCAP,
-                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
-            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, mid_lo, mid_hi, offs_n,
-                                offs_d, sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset,
-                                window_left, window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, False,
-                                HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
-            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, mid_hi, hi, offs_n, offs_d,
-                                sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end, diag_offset, window_left,
-                                window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_M, True, HAS_SOFTCAP,
-                                HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, key_padding_mask, lo,
+                                mid_lo, offs_n, offs_d, sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end,
+                                mask_keys, diag_offset, window_left, window_right, qk_scale_log2, softcap, HEAD_DIM,
+                                BLOCK_M, True, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
+                                DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, key_padding_mask, mid_lo,
+                                mid_hi, offs_n, offs_d, sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end,
+                                mask_keys, diag_offset, window_left, window_right, qk_scale_log2, softcap, HEAD_DIM,
+                                BLOCK_M, False, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
+                                DOT_PRECISION, DOT_FP32)
+            dk, dv = _dkdv_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, bias_ptrs, key_padding_mask, mid_hi,
+                                hi, offs_n, offs_d, sq_s, sdo_s, sl_s, sb_m, seqlen_q, seqlen_k, bias_end,
+                                mask_keys, diag_offset, window_left, window_right, qk_scale_log2, softcap, HEAD_DIM,
+                                BLOCK_M, True, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
+                                DOT_PRECISION, DOT_FP32)
         dk = dk * softmax_scale
         tl.store(DK + b * sdk_b + k_start * sdk_s + kvh * sdk_h + offs_n[:, None] * sdk_s + offs_d[None, :],
                  dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -232,8 +245,8 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_loop(dq, q, do, lse2, delta, K, V, bias_ptrs, lo, hi, offs_m, offs_d, sk_s, sv_s, sb_n,
-             seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
+def _dq_loop(dq, q, do, lse2, delta, K, V, bias_ptrs, KEY_PADDING_MASK, lo, hi, offs_m, offs_d, sk_s, sv_s, sb_n,
+             seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset, window_left, window_right, qk_scale_log2, softcap,
              HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr,
              DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
@@ -244,8 +257,8 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, bias_ptrs, lo, hi, offs_m, offs_d, sk
         k, v, _keys = _load_tiles(K, V, sk_s, sv_s, offs_n, seqlen_k, offs_d, HEAD_DIM, DOT_FP32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         p, t = _probs(s, offs_m[:, None], offs_n[None, :], lse2[:, None], bias_ptrs + offs_n[None, :] * sb_n,
-                      qk_scale_log2, softcap, seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right,
-                      MASKED, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING)
+                      KEY_PADDING_MASK, qk_scale_log2, softcap, seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset,
+                      window_left, window_right, MASKED, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
@@ -256,10 +269,11 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, bias_ptrs, lo, hi, offs_m, offs_d, sk
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, BIAS, CU_Q, CU_K,
+    Q, K, V, DO, LSE, DELTA, DQ, BIAS, KEY_PADDING_MASK, CU_Q, CU_K,
     sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
-    sdq_b, sdq_s, sdq_h, sb_b, sb_h, sb_m, sb_n,
-    seqlen_q, seqlen_k, heads, kv_heads, bias_keys, softmax_scale, qk_scale_log2, softcap, window_left, window_right,
+    sdq_b, sdq_s, sdq_h, sb_b, sb_h, sb_m, sb_n, stride_key_padding_mask,
+    seqlen_q, seqlen_k, heads, kv_heads, bias_keys, mask_keys, softmax_scale, qk_scale_log2, softcap, window_left,
+    window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
@@ -285,31 +299,35 @@ def attention_bwd_dq_kernel(
         lse2, delta = _row_stats(LSE + row0, DELTA + row0, sl_s, offs_m, seqlen_q)
         diag_offset = seqlen_k - seqlen_q
         m_last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
+        masked_keys = masked_prefix(bias_keys, mask_keys, HAS_BIAS, KEY_PADDING)
         lo, hi, full_lo, full_hi = key_blocks(start_m, m_last, diag_offset, seqlen_k, window_left, window_right,
-                                              bias_keys, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS)
+                                              masked_keys, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS or KEY_PADDING)
         mid_lo, mid_hi = split_range(lo, hi, full_lo, full_hi)
         bias_end = seqlen_k
         if HAS_BIAS:
             bias_end = tl.minimum(seqlen_k, bias_keys)
         bias_ptrs = BIAS + b * sb_b
-        if HAS_BIAS and not KEY_PADDING:
+        if HAS_BIAS:
             bias_ptrs += h * sb_h + offs_m[:, None] * sb_m
+        key_padding_mask = KEY_PADDING_MASK
+        if KEY_PADDING:   # this batch's row of flags
+            key_padding_mask += b * stride_key_padding_mask
         k_ptr = K + b * sk_b + k_start * sk_s + kvh * sk_h
         v_ptr = V + b * sv_b + k_start * sv_s + kvh * sv_h
         dq = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
-        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, lo, mid_lo, offs_m, offs_d, sk_s, sv_s, sb_n,
-                      seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
-                      HEAD_DIM, BLOCK_N, True, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
-                      DOT_PRECISION, DOT_FP32)
-        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, mid_lo, mid_hi, offs_m, offs_d, sk_s, sv_s,
-                      sb_n, seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2,
-                      softcap, HEAD_DIM, BLOCK_N, False, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, HAS_BIAS, KEY_PADDING,
-                      DOT_PRECISION, DOT_FP32)
-        # past full_lo: past every biased key block (key_blocks), so no bias here
-        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, mid_hi, hi, offs_m, offs_d, sk_s, sv_s, sb_n,
-                      seqlen_q, seqlen_k, bias_end, diag_offset, window_left, window_right, qk_scale_log2, softcap,
-                      HEAD_DIM, BLOCK_N, True, HAS_SOFTCAP, HAS_LEFT, HAS_RIGHT, False, KEY_PADDING,
-                      DOT_PRECISION, DOT_FP32)
+        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, key_padding_mask, lo, mid_lo, offs_m,
+                      offs_d, sk_s, sv_s, sb_n, seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset, window_left,
+                      window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_N, True, HAS_SOFTCAP, HAS_LEFT,
+                      HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, key_padding_mask, mid_lo, mid_hi, offs_m,
+                      offs_d, sk_s, sv_s, sb_n, seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset, window_left,
+                      window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_N, False, HAS_SOFTCAP, HAS_LEFT,
+                      HAS_RIGHT, HAS_BIAS, KEY_PADDING, DOT_PRECISION, DOT_FP32)
+        # past full_lo: past every block of the first masked_keys keys (key_blocks), so no bias, no mask here
+        dq = _dq_loop(dq, q, do, lse2, delta, k_ptr, v_ptr, bias_ptrs, key_padding_mask, mid_hi, hi, offs_m,
+                      offs_d, sk_s, sv_s, sb_n, seqlen_q, seqlen_k, bias_end, mask_keys, diag_offset, window_left,
+                      window_right, qk_scale_log2, softcap, HEAD_DIM, BLOCK_N, True, HAS_SOFTCAP, HAS_LEFT,
+                      HAS_RIGHT, False, False, DOT_PRECISION, DOT_FP32)
         dq = dq * softmax_scale
         tl.store(DQ + b * sdq_b + q_start * sdq_s + h * sdq_h + offs_m[:, None] * sdq_s + offs_d[None, :],
                  dq.to(DQ.dtype.element_ty), mask=q_mask)

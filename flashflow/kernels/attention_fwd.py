@@ -10,12 +10,14 @@ live only as a ``BLOCK_M × BLOCK_N`` register tile; nothing of size S×S touche
 The key range of a query block is split into at most three loops so that the hot loop does no
 masking at all: blocks left of the window (masked), blocks fully inside every row's allowed range
 (unmasked), and the diagonal / window edge / ragged end (masked). Non-causal attention over a
-multiple of ``BLOCK_N`` keys runs only the unmasked loop. An additive bias covers the first
-``bias_keys`` keys (all of them for a full bias): their blocks join the first masked loop, the
-only one that loads the bias, and the keys after them take the unmasked loop, so a key-padding
-mask over a short prefix (the text of a joint ``[text, image]`` sequence) costs only its own blocks.
-A key-padding mask is passed as such (``KEY_PADDING``): a row of boolean flags per key block,
-not a float score tile, so it needs no shared memory and keeps the unmasked configs.
+multiple of ``BLOCK_N`` keys runs only the unmasked loop. An additive bias (``HAS_BIAS``,
+SDPA's ``attn_mask``) covers the first ``bias_keys`` keys (all of them for a full bias), a
+key-padding mask (``KEY_PADDING``) the first ``mask_keys``: their blocks join the first masked
+loop, the only one that reads them, and the keys after them take the unmasked loop, so a mask
+over a short prefix (the text of a joint ``[text, image]`` sequence) costs only its own blocks.
+The key-padding mask has its own pointer, ``KEY_PADDING_MASK`` ``(batch, ≥ mask_keys)`` bool
+with unit stride along the keys: a row of flags per key block, not a float score tile, so it
+needs no shared memory and keeps the unmasked configs.
 
 Loads (``LOAD_MODE``, a constexpr; one kernel body):
   * 0 pointers: masked ``tl.load``/``tl.store`` with arbitrary strides (Ampere/Ada, interpreter).
@@ -47,31 +49,32 @@ is off and compiles to nothing.
 import triton
 import triton.language as tl
 
-from flashflow.kernels.mask import key_allowed, key_blocks, split_range, rows_mask
+from flashflow.kernels.mask import key_allowed, key_blocks, masked_prefix, split_range, rows_mask
 from flashflow.kernels.softmax import (LOG2E_C, log_sum_exp, merge_partials, normalize, online_softmax,
                                        online_softmax_scaled, softcap_scores)
 
 
 @triton.jit
-def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset,
-                   window_left, window_right, DOT_PRECISION: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                   KEY_PADDING: tl.constexpr):
+def _masked_scores(q, k_t, offs_m, offs_n, bias_ptrs, KEY_PADDING_MASK, qk_scale_log2, softcap, seqlen_k, bias_end,
+                   mask_keys, diag_offset, window_left, window_right, DOT_PRECISION: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
+                   HAS_RIGHT: tl.constexpr, KEY_PADDING: tl.constexpr):
     """log2(e)·(softcap(q·kᵀ·scale) + bias), -inf outside the sequence, the window and the diagonal.
-    The bias covers the keys before ``bias_end``; later ones add nothing. With ``KEY_PADDING`` the
-    "bias" is a boolean row of keys (one load of ``BLOCK_N`` flags, not a score tile)."""
+    The bias covers the keys before ``bias_end``; later ones add nothing. With ``KEY_PADDING``,
+    ``KEY_PADDING_MASK`` (this batch's row) hides the keys before ``mask_keys`` whose flag is
+    False (one load of ``BLOCK_N`` flags, not a score tile)."""
     s = tl.dot(q, k_t, input_precision=DOT_PRECISION)
     if HAS_SOFTCAP:
         s = softcap_scores(s, qk_scale_log2, softcap)
     else:
         s = s * qk_scale_log2
-    if HAS_BIAS and not KEY_PADDING:
+    if HAS_BIAS:
         b = tl.load(bias_ptrs, mask=offs_n[None, :] < bias_end, other=0.0).to(tl.float32)
         s += b * LOG2E_C
     allowed = key_allowed(offs_n[None, :] < seqlen_k, offs_n[None, :], offs_m[:, None] + diag_offset, window_left,
                           window_right, HAS_LEFT, HAS_RIGHT)
-    if HAS_BIAS and KEY_PADDING:
-        keep = tl.load(bias_ptrs, mask=offs_n < bias_end, other=1)
+    if KEY_PADDING:
+        keep = tl.load(KEY_PADDING_MASK + offs_n, mask=offs_n < mask_keys, other=1)
         allowed &= (keep != 0)[None, :]
     return tl.where(allowed, s, float("-inf"))
 
@@ -104,8 +107,8 @@ def _load_kv(K, V, KD, VD, k_row0, k_col0, start_n, offs_n, offs_d, stride_kn, s
 
 @triton.jit
 def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, stride_vn, offs_m,
-             offs_d, bias_ptrs, stride_bias_n, qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset,
-             window_left, window_right,
+             offs_d, bias_ptrs, stride_bias_n, KEY_PADDING_MASK, qk_scale_log2, softcap, seqlen_k, bias_end,
+             mask_keys, diag_offset, window_left, window_right,
              BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
              MASKED: tl.constexpr, LOAD_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
              HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEFT: tl.constexpr,
@@ -122,9 +125,9 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
         if MASKED or HAS_SOFTCAP:
             if MASKED:
                 s = _masked_scores(q, k.T, offs_m, offs_n, bias_ptrs + start_n * stride_bias_n,
-                                   qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left,
-                                   window_right, DOT_PRECISION, HAS_SOFTCAP, HAS_BIAS, HAS_LEFT,
-                                   HAS_RIGHT, KEY_PADDING)
+                                   KEY_PADDING_MASK, qk_scale_log2, softcap, seqlen_k, bias_end, mask_keys,
+                                   diag_offset, window_left, window_right, DOT_PRECISION, HAS_SOFTCAP,
+                                   HAS_BIAS, HAS_LEFT, HAS_RIGHT, KEY_PADDING)
             else:
                 s = softcap_scores(tl.dot(q, k.T, input_precision=DOT_PRECISION), qk_scale_log2, softcap)
             p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
@@ -138,16 +141,16 @@ def _kv_loop(acc, l_i, m_i, q, lo, hi, K, V, KD, VD, k_row0, k_col0, stride_kn, 
 
 @triton.jit
 def attention_fwd_kernel(
-    Q, K, V, O, LSE, BIAS, CU_SEQLENS_Q, CU_SEQLENS_K, QD, KD, VD, OD, WS_ACC, WS_ML,
+    Q, K, V, O, LSE, BIAS, KEY_PADDING_MASK, CU_SEQLENS_Q, CU_SEQLENS_K, QD, KD, VD, OD, WS_ACC, WS_ML,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    stride_bb, stride_bh, stride_bm, stride_bn,
+    stride_bb, stride_bh, stride_bm, stride_bn, stride_key_padding_mask,
     q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, o_row_b, o_row_h, o_col_h,
     seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_full,
-    qk_scale_log2, softcap, window_left, window_right, bias_keys,
+    qk_scale_log2, softcap, window_left, window_right, bias_keys, mask_keys,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -161,6 +164,11 @@ def attention_fwd_kernel(
 
     Causal programs are dispatched heaviest-first (``HEAVY_FIRST``: the m-blocks near the end of
     the sequence see the most keys), so the short ones fill the last wave.
+
+    ``HAS_BIAS``: ``BIAS`` is an additive float score bias over the first ``bias_keys`` keys
+    (strides ``stride_b*``). ``KEY_PADDING``: ``KEY_PADDING_MASK (batch, ≥ mask_keys)`` holds a
+    bool per key (False: hidden) over the first ``mask_keys`` keys, ``stride_key_padding_mask``
+    apart per batch, unit stride along the keys.
     """
     pid = tl.program_id(0)
     tile = pid
@@ -220,23 +228,24 @@ def attention_fwd_kernel(
         q = q.to(tl.float32)
 
     bias_end = seqlen_k
-    if HAS_BIAS and KEY_PADDING:
-        # BIAS is a boolean (batch, bias_keys) key-padding mask: stride_bb per batch, stride_bn per key
-        bias_end = tl.minimum(seqlen_k, bias_keys)
-        bias_ptrs = BIAS + batch.to(tl.int64) * stride_bb + tl.arange(0, BLOCK_N) * stride_bn
-    elif HAS_BIAS:
+    if HAS_BIAS:
         bias_end = tl.minimum(seqlen_k, bias_keys)
         bias_ptrs = (BIAS + batch.to(tl.int64) * stride_bb + head.to(tl.int64) * stride_bh
                      + tl.minimum(offs_m, seqlen_q - 1)[:, None].to(tl.int64) * stride_bm
                      + tl.arange(0, BLOCK_N)[None, :] * stride_bn)
     else:
         bias_ptrs = BIAS
+    if KEY_PADDING:   # this batch's row of flags
+        key_padding_mask = KEY_PADDING_MASK + batch.to(tl.int64) * stride_key_padding_mask
+    else:
+        key_padding_mask = KEY_PADDING_MASK
 
     # Key range of this query block (see the module docstring for the three loops).
     diag_offset = seqlen_k - seqlen_q
     m_last = tl.minimum(m_start + BLOCK_M, seqlen_q) - 1
+    masked_keys = masked_prefix(bias_keys, mask_keys, HAS_BIAS, KEY_PADDING)
     lo, hi, full_lo, full_hi = key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right,
-                                          bias_keys, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS)
+                                          masked_keys, BLOCK_N, HAS_LEFT, HAS_RIGHT, HAS_BIAS or KEY_PADDING)
     if TAIL_SPLITS > 1:
         chunk = tl.cdiv(tl.cdiv(seqlen_k, BLOCK_N), TAIL_SPLITS) * BLOCK_N
         lo = tl.where(is_piece, tl.maximum(lo, split * chunk), lo)
@@ -248,22 +257,23 @@ def attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
 
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, lo, mid_lo, k_base, v_base, kd, vd, k_row0, k_col0,
-                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
-                             qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
+                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn, key_padding_mask,
+                             qk_scale_log2, softcap, seqlen_k, bias_end, mask_keys, diag_offset, window_left,
+                             window_right, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, False, DOT_FP32, KEY_PADDING)
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_lo, mid_hi, k_base, v_base, kd, vd, k_row0, k_col0,
-                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
-                             qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, LOAD_MODE, DOT_PRECISION,
+                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn, key_padding_mask,
+                             qk_scale_log2, softcap, seqlen_k, bias_end, mask_keys, diag_offset, window_left,
+                             window_right, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, False, LOAD_MODE, DOT_PRECISION,
                              HAS_SOFTCAP, HAS_BIAS, HAS_LEFT, HAS_RIGHT, WARP_SPECIALIZE,
                              DOT_FP32, KEY_PADDING)
-    # The last loop starts at or after full_lo, past every biased key block (or is empty): no bias.
+    # The last loop starts at or after full_lo, past every block of the first masked_keys keys
+    # (or is empty): no bias, no key-padding mask.
     acc, l_i, m_i = _kv_loop(acc, l_i, m_i, q, mid_hi, hi, k_base, v_base, kd, vd, k_row0, k_col0,
-                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn,
-                             qk_scale_log2, softcap, seqlen_k, bias_end, diag_offset, window_left, window_right,
-                             BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
-                             HAS_SOFTCAP, False, HAS_LEFT, HAS_RIGHT, False, DOT_FP32, KEY_PADDING)
+                             stride_ks, stride_vs, offs_m, offs_d, bias_ptrs, stride_bn, key_padding_mask,
+                             qk_scale_log2, softcap, seqlen_k, bias_end, mask_keys, diag_offset, window_left,
+                             window_right, BLOCK_N, HEAD_DIM, HEAD_DIM_PAD, True, LOAD_MODE, DOT_PRECISION,
+                             HAS_SOFTCAP, False, HAS_LEFT, HAS_RIGHT, False, DOT_FP32, False)
 
     if TAIL_SPLITS > 1:
         if is_piece:

@@ -44,14 +44,16 @@ def window_start(first_diag, window_left, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right, bias_keys,
+def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right, masked_keys,
                BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               HAS_BIAS: tl.constexpr):
+               HAS_MASKED_KEYS: tl.constexpr):
     """Key range ``[lo, hi)`` of the query rows ``m_start..m_last`` of one tile, and the part
     ``[full_lo, full_hi)`` of it where every row may see every key of a block (the unmasked hot
     loop; it may be empty or lie outside ``[lo, hi)``: the caller clamps). ``diag_offset``:
-    ``seqlen_k − seqlen_q``. An additive bias covers the first ``bias_keys`` keys and can mask
-    anywhere there: no block holding one of them is unmasked (``bias_keys = seqlen_k``: none is)."""
+    ``seqlen_k − seqlen_q``. With ``HAS_MASKED_KEYS``, something the caller reads per key (an
+    additive bias over its ``bias_keys``, a key-padding mask over its ``mask_keys``) can mask
+    anywhere in the first ``masked_keys`` keys: no block holding one of them is unmasked
+    (``masked_keys = seqlen_k``: none is)."""
     lo = 0
     hi = seqlen_k
     full_lo = 0
@@ -64,9 +66,23 @@ def key_blocks(m_start, m_last, diag_offset, seqlen_k, window_left, window_right
         hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
         right_edge = tl.minimum(m_start + diag_offset + window_right + 1, seqlen_k)
         full_hi = (tl.maximum(right_edge, 0) // BLOCK_N) * BLOCK_N
-    if HAS_BIAS:
-        full_lo = tl.maximum(full_lo, tl.cdiv(bias_keys, BLOCK_N) * BLOCK_N)
+    if HAS_MASKED_KEYS:
+        full_lo = tl.maximum(full_lo, tl.cdiv(masked_keys, BLOCK_N) * BLOCK_N)
     return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def masked_prefix(bias_keys, mask_keys, HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr):
+    """:func:`key_blocks`'s ``masked_keys`` for attention with an additive bias over its first
+    ``bias_keys`` keys (``HAS_BIAS``) and/or a key-padding mask over its first ``mask_keys``
+    (``KEY_PADDING``): the first keys either may hide anywhere."""
+    if HAS_BIAS and KEY_PADDING:
+        masked_keys = tl.maximum(bias_keys, mask_keys)
+    elif KEY_PADDING:
+        masked_keys = mask_keys
+    else:
+        masked_keys = bias_keys
+    return masked_keys
 
 
 @triton.jit

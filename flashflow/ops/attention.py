@@ -111,12 +111,13 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw):
 def _portable_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     bias: Optional[torch.Tensor] = None, bias_keys: Optional[int] = None,
+    key_padding_mask: Optional[torch.Tensor] = None, mask_keys: Optional[int] = None,
     cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_k: Optional[torch.Tensor] = None,
     max_seqlen_q: int = 0, max_seqlen_k: int = 0,
     softmax_scale: float, window_left: Optional[int] = None, window_right: Optional[int] = None,
     softcap: float = 0.0, return_lse: bool = True, heavy_first: bool = False,
     config: Optional[AttentionConfig] = None, out: Optional[torch.Tensor] = None,
-    num_sms: Optional[int] = None, key_padding: bool = False,
+    num_sms: Optional[int] = None,
 ):
     """Launch the forward kernel on validated tensors in FlashAttention layout.
 
@@ -126,7 +127,10 @@ def _portable_forward(
     aligned. ``bias`` is an additive float score bias broadcastable to ``(b, h, sq, sk)`` as
     a 4-D strided view (stride 0 on broadcast axes); -inf entries mask. It covers the first
     ``bias_keys`` keys (``None``: all of them); later keys are unbiased and never read from
-    ``bias``, and their blocks run unmasked. ``num_sms`` overrides
+    ``bias``, and their blocks run unmasked. ``key_padding_mask`` is a boolean ``(b, P)``
+    key-padding mask (True = attend; dense calls only) over the first ``mask_keys`` keys
+    (``None``: its ``P``); later keys are always attended, never read from it, and their blocks
+    run unmasked (a mask without unit stride along the keys is copied). ``num_sms`` overrides
     the SM count used for the tail split (:func:`flashflow.device.num_sms` by default).
 
     Everything the launch derives from the shapes, strides, flags and config (the config
@@ -140,23 +144,32 @@ def _portable_forward(
         bias_keys = 0
     elif bias_keys is None:
         bias_keys = k.shape[1] if not varlen else max_seqlen_k
+    if key_padding_mask is None:
+        mask_keys = 0
+    else:
+        key_padding_mask = unit_last_stride(key_padding_mask)   # one flag per key, read with unit stride
+        if mask_keys is None:
+            mask_keys = key_padding_mask.shape[1]
     tune = config is None and autotune.enabled()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(),
            None if out is None else out.stride(),
-           None if bias is None else (bias.dtype, bias.shape, bias.stride()), bias_keys, key_padding,
+           None if bias is None else (bias.dtype, bias.shape, bias.stride()), bias_keys,
+           None if key_padding_mask is None else (key_padding_mask.dtype, key_padding_mask.shape,
+                                                  key_padding_mask.stride()), mask_keys,
            None if cu_seqlens_q is None else cu_seqlens_q.shape[0], max_seqlen_q, max_seqlen_k,
            window_left, window_right, softcap > 0, return_lse, heavy_first, config, num_sms, tune,
-           aligned16(q, k, v, out), aligned16(bias, cu_seqlens_q, cu_seqlens_k))
+           aligned16(q, k, v, out), aligned16(bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k))
     plan = _FORWARD_PLANS.get(key)
     if plan is None:
         tuning = None if not tune else dict(
-            bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            bias=bias, bias_keys=bias_keys, key_padding_mask=key_padding_mask, mask_keys=mask_keys,
+            cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
             window_left=window_left, window_right=window_right, softcap=softcap, return_lse=return_lse,
-            heavy_first=heavy_first, key_padding=key_padding)
-        plan = _ForwardPlan(q, k, v, bias, bias_keys, key_padding, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                            window_left, window_right, softcap, return_lse, heavy_first, config, out, num_sms,
-                            tma_aligned=key[-2], tuning=tuning)
+            heavy_first=heavy_first)
+        plan = _ForwardPlan(q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, max_seqlen_q,
+                            max_seqlen_k, window_left, window_right, softcap, return_lse, heavy_first, config, out,
+                            num_sms, tma_aligned=key[-2], tuning=tuning)
         if not (tune and capturing(q.device)) and len(_FORWARD_PLANS) < MAX_PLANS:
             _FORWARD_PLANS[key] = plan
     if out is None:
@@ -176,7 +189,7 @@ def _portable_forward(
     dummy = cu_seqlens_q if varlen else q
     launch_key = key if key[-1] and key[-2] else None   # else Triton specialises each call
     _FORWARD(launch_key, plan.grid, (
-        q, k, v, out, lse, bias if bias is not None else q,
+        q, k, v, out, lse, bias if bias is not None else q, key_padding_mask if key_padding_mask is not None else q,
         dummy, cu_seqlens_k if varlen else dummy, *descs, ws_acc, ws_ml, *plan.ints,
         softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softcap, *plan.ints_after), plan.constexprs)
     if plan.splits > 1:
@@ -199,8 +212,8 @@ def _autotuned(cfg, q, k, v, **kw) -> AttentionConfig:
     seqlen_q = kw["max_seqlen_q"] if varlen else q.shape[1]
     seqlen_k = kw["max_seqlen_k"] if varlen else k.shape[1]
     key = (torch.cuda.get_device_name(q.device), q.dtype, _head_dim_pad(q.shape[-1]), kw["window_left"],
-           kw["window_right"], kw["bias"] is not None, kw["key_padding"], varlen, autotune.seqlen_bucket(seqlen_q),
-           autotune.seqlen_bucket(seqlen_k))
+           kw["window_right"], kw["bias"] is not None, kw["key_padding_mask"] is not None, varlen,
+           autotune.seqlen_bucket(seqlen_q), autotune.seqlen_bucket(seqlen_k))
 
     def time_ms(c):
         run = lambda: _portable_forward(q, k, v, config=c, **kw)  # noqa: E731
@@ -214,22 +227,22 @@ class _ForwardPlan:
     """What one launch key of the forward fixes: config, load path and descriptors' shapes, grid,
     tail split and workspaces, the kernel's integer arguments and constexprs."""
 
-    def __init__(self, q, k, v, bias, bias_keys, key_padding, cu_seqlens_q, max_seqlen_q, max_seqlen_k,
-                 window_left, window_right, softcap, return_lse, heavy_first, config, out, num_sms, tma_aligned,
-                 tuning=None):
-        self.bias, self.bias_keys, self.key_padding = bias, bias_keys, key_padding
+    def __init__(self, q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, max_seqlen_q,
+                 max_seqlen_k, window_left, window_right, softcap, return_lse, heavy_first, config, out, num_sms,
+                 tma_aligned, tuning=None):
+        self.bias, self.bias_keys = bias, bias_keys
+        self.key_padding_mask, self.mask_keys = key_padding_mask, mask_keys
         self.varlen = cu_seqlens_q is not None
         self.cu_batch = cu_seqlens_q.shape[0] - 1 if self.varlen else 0
         self.max_seqlen_q, self.max_seqlen_k = max_seqlen_q, max_seqlen_k
         self.window_left, self.window_right, self.softcap = window_left, window_right, softcap
         self.return_lse, self.heavy_first, self.num_sms = return_lse, heavy_first, num_sms
-        float_bias = bias is not None and not key_padding
-        cfg = config or pick_config(q, causal=window_right is not None, bias=float_bias)
+        cfg = config or pick_config(q, causal=window_right is not None, bias=bias is not None)
         if tuning is not None:
             cfg = _autotuned(cfg, q, k, v, **tuning)
         self.cfg = cfg
         self._derive(q, k, v, out, tma_aligned)
-        self.bias = None   # the plan outlives the call: it keeps no tensor
+        self.bias = self.key_padding_mask = None   # the plan outlives the call: it keeps no tensor
 
     def _derive(self, q, k, v, out, tma_aligned) -> None:
         cfg, varlen = self.cfg, self.varlen
@@ -280,7 +293,7 @@ class _ForwardPlan:
         num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
         total = num_m_blocks * heads * batch
         splits = 1
-        plain = not (varlen or self.heavy_first or (self.bias is not None and not self.key_padding)
+        plain = not (varlen or self.heavy_first or self.bias is not None
                      or self.window_left is not None or self.window_right is not None)
         num_sms = self.num_sms
         if cfg.tail_split and plain:
@@ -297,20 +310,20 @@ class _ForwardPlan:
         else:
             num_full = total
             self.grid = (total, 1, 1)
-        bias = self.bias
-        if self.key_padding:   # (b, P) flags: batch stride, key stride in the tile's first and last slots
-            b_strides = (bias.stride(0), 0, 0, bias.stride(1))
-        else:
-            b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+        bias, key_padding_mask = self.bias, self.key_padding_mask
+        b_strides = bias.stride() if bias is not None else (0, 0, 0, 0)
+        # (b, P) flags: a batch stride (unit stride along the keys)
+        mask_stride = key_padding_mask.stride(0) if key_padding_mask is not None else 0
         self.ints = (sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, so_b, so_s, so_h, *l_strides,
-                     *b_strides, *rows, seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_full)
-        self.ints_after = (self.window_left or 0, self.window_right or 0, self.bias_keys)
+                     *b_strides, mask_stride, *rows, seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks,
+                     num_full)
+        self.ints_after = (self.window_left or 0, self.window_right or 0, self.bias_keys, self.mask_keys)
         self.constexprs = dict(
             HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N,
             IS_VARLEN=varlen, HAS_LEFT=self.window_left is not None, HAS_RIGHT=self.window_right is not None,
             HAS_SOFTCAP=self.softcap > 0, HAS_BIAS=bias is not None, RETURN_LSE=self.return_lse,
             HEAVY_FIRST=self.heavy_first, LOAD_MODE=load_mode, **dot_options(q.dtype),
-            WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits, KEY_PADDING=self.key_padding,
+            WARP_SPECIALIZE=cfg.warp_specialize, TAIL_SPLITS=splits, KEY_PADDING=key_padding_mask is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if cfg.maxnreg:
             self.constexprs["maxnreg"] = cfg.maxnreg
@@ -352,18 +365,23 @@ def _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_s
 
 def _attention_fwd_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: Optional[torch.Tensor], bias_keys: int,
+    key_padding_mask: Optional[torch.Tensor], mask_keys: int,
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
     max_seqlen_q: int, max_seqlen_k: int, softmax_scale: float,
     has_left: bool, window_left: int, has_right: bool, window_right: int,
-    softcap: float, return_lse: bool, heavy_first: bool, key_padding: bool = False,
+    softcap: float, return_lse: bool, heavy_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op behind the three entry points: ``bias`` is an additive float score bias over the
+    first ``bias_keys`` keys, ``key_padding_mask`` a boolean ``(batch, P)`` mask over the first
+    ``mask_keys`` (:func:`_portable_forward`)."""
     if cu_seqlens_q is not None:
         _check_cu_seqlens_values(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     return attention_forward(
-        q, k, v, bias=bias, bias_keys=bias_keys, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        q, k, v, bias=bias, bias_keys=bias_keys, key_padding_mask=key_padding_mask, mask_keys=mask_keys,
+        cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
         window_left=window_left if has_left else None, window_right=window_right if has_right else None,
-        softcap=softcap, return_lse=return_lse, heavy_first=heavy_first, key_padding=key_padding,
+        softcap=softcap, return_lse=return_lse, heavy_first=heavy_first,
     )
 
 
@@ -371,8 +389,8 @@ _attention_fwd_op = torch.library.custom_op("flashflow::attention_fwd", mutates_
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-      has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first, key_padding=False):
+def _(q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+      softmax_scale, has_left, window_left, has_right, window_right, softcap, return_lse, heavy_first):
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not return_lse:
         lse_shape = (0,)
@@ -384,14 +402,13 @@ def _(q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_se
 
 
 def _fwd_setup_context(ctx, inputs, output):
-    (q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, has_left,
-     window_left, has_right, window_right, softcap, _, _, *rest) = inputs
-    key_padding = rest[0] if rest else False
+    (q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+     softmax_scale, has_left, window_left, has_right, window_right, softcap, _, _) = inputs
     out, lse = output
     # the entry points that take gradients ask for the LSE, which the backward recomputes from
     ctx.supported = lse.numel() > 0 or q.numel() == 0
-    ctx.save_for_backward(q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k)
-    ctx.args = (bias_keys, bool(key_padding), max_seqlen_q, max_seqlen_k, softmax_scale, has_left, window_left,
+    ctx.save_for_backward(q, k, v, out, lse, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k)
+    ctx.args = (bias_keys, mask_keys, max_seqlen_q, max_seqlen_k, softmax_scale, has_left, window_left,
                 has_right, window_right, softcap)
 
 
@@ -406,14 +423,14 @@ def _fwd_backward(ctx, dout, dlse, bwd=attention_bwd_op):
     if not ctx.supported:
         raise NotImplementedError("flashflow's attention backward needs the forward's log-sum-exp: call the op "
                                   "with return_lse=True (the public entry points do when an input requires grad)")
-    q, k, v, out, lse, bias, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, out, lse, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     if dout is None:   # only the LSE was used
         dout = torch.zeros_like(out)
-    bias_keys, key_padding, max_seqlen_q, max_seqlen_k, *rest = ctx.args
+    bias_keys, mask_keys, max_seqlen_q, max_seqlen_k, *rest = ctx.args
     need_dq = ctx.needs_input_grad[0]
     need_dkv = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
-    dq, dk, dv = bwd(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding, cu_seqlens_q, cu_seqlens_k,
-                     max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
+    dq, dk, dv = bwd(q, k, v, out, lse, dout, dlse, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q,
+                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, *rest, need_dq, need_dkv)
     grads = [dq if need_dq else None, dk if ctx.needs_input_grad[1] else None,
              dv if ctx.needs_input_grad[2] else None]
     return (*grads, *([None] * (len(ctx.needs_input_grad) - 3)))
@@ -428,11 +445,11 @@ class _AttentionFunction(torch.autograd.Function):
     host time per training step, more than a short step's kernels take on the GPU."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, cu_seqlens_q, cu_seqlens_k, rest):
+    def forward(ctx, q, k, v, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k, rest):
         # a gradient autograd has none for stays None (an unused LSE: no zeros to allocate and
         # fill, and the δ pass skips its term)
         ctx.set_materialize_grads(False)
-        args = (q, k, v, bias, rest[0], cu_seqlens_q, cu_seqlens_k, *rest[1:])
+        args = (q, k, v, bias, rest[0], key_padding_mask, rest[1], cu_seqlens_q, cu_seqlens_k, *rest[2:])
         output = _attention_fwd_impl(*args)
         _fwd_setup_context(ctx, args, output)
         return output
@@ -448,8 +465,9 @@ def _attention_fwd_grad(*args):
     the rest in one tuple: autograd inspects each argument of ``apply``)."""
     if torch.compiler.is_compiling():
         return _attention_fwd_op(*args)
-    q, k, v, bias, bias_keys, cu_seqlens_q, cu_seqlens_k, *rest = args
-    return _AttentionFunction.apply(q, k, v, bias, cu_seqlens_q, cu_seqlens_k, (bias_keys, *rest))
+    q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, cu_seqlens_k, *rest = args
+    return _AttentionFunction.apply(q, k, v, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k,
+                                    (bias_keys, mask_keys, *rest))
 
 
 def _attention_fwd(*args):
@@ -518,22 +536,22 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if k.shape[1] != v.shape[1]:
         raise ValueError(f"k and v must share seqlen_k, got {k.shape[1]} and {v.shape[1]}")
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    bias, bias_keys = None, 0
+    mask_keys = 0
     if key_padding_mask is not None:
-        bias = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
-        bias_keys = bias.shape[-1]
-        if bias_keys == 0:   # the mask covers no key
-            bias = None
+        key_padding_mask = check_key_padding_mask(key_padding_mask, q.shape[0], k.shape[1], q.device)
+        mask_keys = key_padding_mask.shape[-1]
+        if mask_keys == 0:   # the mask covers no key
+            key_padding_mask = None
     check_flag("deterministic", deterministic)
     return_lse = check_flag("return_lse", return_lse)
-    args = (q, k, v, bias, bias_keys, None, None, 0, 0, scale, *_window_args(causal, window_size),
-            check_softcap(softcap))
+    args = (q, k, v, None, 0, key_padding_mask, mask_keys, None, None, 0, 0, scale,
+            *_window_args(causal, window_size), check_softcap(softcap))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         # through the registered op, whose autograd formula is the backward kernels; the LSE
         # is what the backward recomputes the probabilities from
-        out, lse = _attention_fwd_grad(*args, True, bool(causal), bias is not None)
+        out, lse = _attention_fwd_grad(*args, True, bool(causal))
     else:
-        out, lse = _attention_fwd(*args, bool(return_lse), bool(causal), bias is not None)
+        out, lse = _attention_fwd(*args, bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
 
 
@@ -570,7 +588,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                          f"got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()}")
     max_seqlen_q, max_seqlen_k = check_int("max_seqlen_q", max_seqlen_q, 0), check_int("max_seqlen_k", max_seqlen_k, 0)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
-    args = (q, k, v, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
+    args = (q, k, v, None, 0, None, 0, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), int(max_seqlen_q),
             int(max_seqlen_k), scale, *_window_args(causal, window_size), check_softcap(softcap))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         out, lse = _attention_fwd_grad(*args, True, bool(causal))   # differentiable: keeps the LSE
@@ -642,9 +660,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     has_right = bool(is_causal)
     right = seqlen_q - seqlen_k if is_causal else 0
     bias_keys = seqlen_k if bias is not None else 0   # attn_mask may bias any key
-    args = (q, k, v, bias, bias_keys, None, None, 0, 0, softmax_scale, False, 0, has_right, right, 0.0)
+    args = (q, k, v, bias, bias_keys, None, 0, None, None, 0, 0, softmax_scale, False, 0, has_right, right, 0.0)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        out, _ = _attention_fwd_grad(*args, True, bool(is_causal), False)   # differentiable (no grad to the mask)
+        out, _ = _attention_fwd_grad(*args, True, bool(is_causal))   # differentiable (no grad to the mask)
     else:
         out, _ = _attention_fwd(*args, False, bool(is_causal))
     out = out.transpose(1, 2)

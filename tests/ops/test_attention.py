@@ -233,7 +233,7 @@ def test_sdpa_3d_inputs(device):
 
 def test_custom_op_opcheck(device):
     q, k, v = rand(1, 33, 2, 32, device=device), rand(1, 40, 1, 32, device=device), rand(1, 40, 1, 32, device=device)
-    args = (q, k, v, None, 0, None, None, 0, 0, 0.2, False, 0, True, 0, 0.0, True, True)
+    args = (q, k, v, None, 0, None, 0, None, None, 0, 0, 0.2, False, 0, True, 0, 0.0, True, True)
     torch.library.opcheck(torch.ops.flashflow.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

@@ -1,7 +1,7 @@
 """``flash_attn_func(..., key_padding_mask=)``: a mask over the first P keys, later keys always
 attended, against the float64 reference with the equivalent dense (batch, seqlen_k) mask.
 
-The interpreter's config has BLOCK_N = 32, so 200 keys with P = 37 run the biased blocks
+The interpreter's config has BLOCK_N = 32, so 200 keys with P = 37 run the mask's blocks
 [0, 64), the unmasked loop over [64, 192) and the ragged end [192, 200).
 """
 import re
@@ -108,6 +108,34 @@ def test_keys_past_bias_keys_are_never_read_from_the_bias(device):
     assert rel_l2(out, ref) < TOL[torch.float16]
 
 
+def test_a_bias_and_a_key_padding_mask_each_in_its_own_argument(device):
+    """The launchers' float ``bias`` (over ``bias_keys``) and ``key_padding_mask`` (over
+    ``mask_keys``) are separate arguments and may come together: forward and backward against
+    float64 autograd with both folded into one additive mask. Neither prefix is a block multiple,
+    the mask's is the longer one, and the unmasked loop runs past both."""
+    from flashflow.ops.attention_bwd import attention_backward
+
+    b, sq, sk, h, d, pb, pm = 2, 40, 200, 2, 32, 29, 45
+    g = torch.Generator().manual_seed(0)
+    q, k, v, do = (torch.randn(b, s, h, d, generator=g).to(torch.float16).to(device) for s in (sq, sk, sk, sq))
+    bias = torch.randn(b, h, sq, pb, generator=g).to(device)
+    mask = torch.rand(b, pm, generator=g).to(device) > 0.4
+    scale = d ** -0.5
+    kw = dict(bias=bias, bias_keys=pb, key_padding_mask=mask, mask_keys=pm)
+    out, lse = attention_forward(q, k, v, softmax_scale=scale, **kw)
+    dq, dk, dv = attention_backward(q, k, v, out, lse, do, None, scale, False, 0, False, 0, 0.0, **kw)
+
+    additive = torch.zeros(b, h, sq, sk, dtype=torch.float64, device=device)
+    additive[..., :pb] = bias.double()
+    additive.masked_fill_(~full_key_padding_mask(mask, sk)[:, None, None, :], float("-inf"))
+    refs = [t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*refs, attn_mask=additive, scale=scale)
+    ref.backward(do.double().transpose(1, 2))
+    assert rel_l2(out, ref.transpose(1, 2)) < TOL[torch.float16]
+    for name, got, r in zip(("dq", "dk", "dv"), (dq, dk, dv), refs):
+        assert rel_l2(got, r.grad.transpose(1, 2)) < 2e-3, name
+
+
 def test_sdpa_key_padding_mask_over_many_blocks(device):
     # SDPA's (B, 1, 1, S_k) boolean mask: the mask covers the whole key range
     b, h, sq, sk = 2, 4, 45, 200
@@ -123,10 +151,15 @@ def test_sdpa_key_padding_mask_over_many_blocks(device):
     assert torch.allclose(fa.transpose(1, 2), out, rtol=1e-3, atol=1e-3)
 
 
-def test_custom_op_opcheck_with_a_prefix_bias(device):
+def test_custom_op_opcheck_with_a_prefix_bias_or_mask(device):
     q, k, v = rand(1, 33, 2, 32, device=device), rand(1, 80, 1, 32, device=device), rand(1, 80, 1, 32, device=device)
     bias = torch.zeros(1, 1, 1, 20, device=device).expand(1, 2, 33, 20)
-    args = (q, k, v, bias, 20, None, None, 0, 0, 0.2, False, 0, False, 0, 0.0, True, False)
+    args = (q, k, v, bias, 20, None, 0, None, None, 0, 0, 0.2, False, 0, False, 0, 0.0, True, False)
+    torch.library.opcheck(torch.ops.flashflow.attention_fwd.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    # and with a key-padding mask over the first 20 keys, in its own argument
+    mask = torch.rand(1, 20, device=device) > 0.3
+    args = (q, k, v, None, 0, mask, 20, None, None, 0, 0, 0.2, False, 0, True, 0, 0.0, True, True)
     torch.library.opcheck(torch.ops.flashflow.attention_fwd.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
