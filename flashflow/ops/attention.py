@@ -21,12 +21,13 @@ from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
-from flashflow.ops.common import (Launcher, aligned16, contiguous_strides as _contiguous_strides, dot_options, head_dim_pad as _head_dim_pad, tensor_descriptor,
+from flashflow.ops.common import (Launcher, aligned16, contiguous_strides as _contiguous_strides, dot_options,
+                                  head_dim_pad as _head_dim_pad, op_or_direct, tensor_descriptor, tma_strides_ok,
                                   unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
                                     check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
-from flashflow.tuning.attention import AttentionConfig, attention_config, tail_splits
+from flashflow.tuning.attention import AttentionConfig, attention_config, tail_merge_rows, tail_splits
 
 # --------------------------------------------------------------------------------------------
 # launch
@@ -47,13 +48,9 @@ def _ensure_tma_allocator() -> None:
 
 
 def _tma_strides_ok(q, k, v, out_stride) -> bool:
-    """The copy engine needs 16-byte aligned strides besides the unit last stride (the bases'
-    alignment is part of the launch key)."""
+    """Host or device descriptors for q, k, v and out (the bases' alignment is in the launch key)."""
     es = q.element_size()
-    for strides in (q.stride(), k.stride(), v.stride(), out_stride):
-        if any((st * es) % 16 for st in strides[:-1]):
-            return False
-    return True
+    return all(tma_strides_ok(st, es) for st in (q.stride(), k.stride(), v.stride(), out_stride))
 
 
 def _rows_view(shape, stride):
@@ -328,7 +325,7 @@ class _ForwardPlan:
         if cfg.maxnreg:
             self.constexprs["maxnreg"] = cfg.maxnreg
         if splits > 1:
-            merge_rows = min(cfg.BLOCK_M, 32)
+            merge_rows = tail_merge_rows(cfg.BLOCK_M)
             self.merge_grid = (total - num_full, cfg.BLOCK_M // merge_rows, 1)
             self.merge_ints = (so_b, so_s, so_h, *l_strides, seqlen_q, heads, num_m_blocks, num_full)
             self.merge_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_M=cfg.BLOCK_M,
@@ -470,13 +467,7 @@ def _attention_fwd_grad(*args):
                                     (bias_keys, mask_keys, *rest))
 
 
-def _attention_fwd(*args):
-    """The registered op while torch.compile traces (so the graph holds one opaque node); a
-    direct call otherwise: the dispatcher's Python layers cost more host time than a small
-    launch takes on the GPU. CUDA-graph capture works either way."""
-    if torch.compiler.is_compiling():
-        return _attention_fwd_op(*args)
-    return _attention_fwd_impl(*args)
+_attention_fwd = op_or_direct(_attention_fwd_op, _attention_fwd_impl)
 
 
 def _window_args(causal: bool, window_size) -> tuple[bool, int, bool, int]:

@@ -47,6 +47,12 @@ def attention_config(head_dim_pad: int, causal: bool, family: str, bias: bool = 
     return CONFIGS.config(family, head_dim=head_dim_pad, causal=causal, bias=bias)
 
 
+def tail_merge_rows(block_m: int) -> int:
+    """Query rows per program of the tail split's merge: up to 32 of a tile's ``block_m``, so a
+    tile's merge spreads over several programs (a streaming combine of the pieces' partials)."""
+    return min(block_m, 32)
+
+
 def tail_splits(total_tiles: int, num_sms: int, kv_blocks: int, max_splits: int = 16) -> int:
     """How many key-range pieces to cut each tile of the last partial wave into (1 = none).
 
