@@ -148,8 +148,8 @@ def _portable_forward(
         if mask_keys is None:
             mask_keys = key_padding_mask.shape[1]
     tune = config is None and autotune.enabled()
-    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(),
-           None if out is None else out.stride(),
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
+           None if out is None else (out.stride(), out.dtype),
            None if bias is None else (bias.dtype, bias.shape, bias.stride()), bias_keys,
            None if key_padding_mask is None else (key_padding_mask.dtype, key_padding_mask.shape,
                                                   key_padding_mask.stride()), mask_keys,

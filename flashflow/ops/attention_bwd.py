@@ -56,7 +56,8 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     if has_dlse and not dlse.is_contiguous():
         dlse = dlse.contiguous()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), out.stride(), lse.shape,
-           q.dtype, q.get_device(), has_dlse, None if bias is None else (bias.dtype, bias.shape, bias.stride()),
+           q.dtype, dout.dtype, q.get_device(), has_dlse,
+           None if bias is None else (bias.dtype, bias.shape, bias.stride()),
            bias_keys, None if key_padding_mask is None else (key_padding_mask.dtype, key_padding_mask.shape,
                                                              key_padding_mask.stride()), mask_keys,
            None if cu_seqlens_q is None else cu_seqlens_q.shape[0], max_seqlen_q,
