@@ -8,7 +8,6 @@ from flashflow.ops.common import call_key, contiguous_strides
 from flashflow.reference.attention import attention_naive
 from flashflow.reference.metrics import rel_l2
 
-DEVICE = "cpu"
 
 
 def test_call_key_tells_kinds_apart():
@@ -40,15 +39,15 @@ def test_contiguous_strides_are_torchs(shape):
     assert contiguous_strides(shape) == torch.empty(shape).stride()
 
 
-def _qkv(shape=(2, 37, 4, 16), dtype=torch.float32, gen=None):
-    return [torch.randn(shape, dtype=dtype, device=DEVICE, generator=gen) for _ in range(3)]
+def _qkv(device, shape=(2, 37, 4, 16), dtype=torch.float32, gen=None):
+    return [torch.randn(shape, dtype=dtype, generator=gen).to(device) for _ in range(3)]
 
 
-def test_forward_plans_follow_flags_and_layouts():
+def test_forward_plans_follow_flags_and_layouts(device):
     """One shape, calls that differ only in a flag, a window or the layout: each gets its own
     plan (a reused plan would compute the wrong mask or read the wrong strides)."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = _qkv(gen=gen)
+    q, k, v = _qkv(device, gen=gen)
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)   # (b, h, s, d) storage, same shape
     for _ in range(2):   # the second round runs on the cached plans
         for kw in (dict(), dict(causal=True), dict(window_size=(5, 3)), dict(softcap=2.0), dict(causal=True)):
@@ -58,10 +57,10 @@ def test_forward_plans_follow_flags_and_layouts():
                 assert rel_l2(out, ref) < 1e-5, kw
 
 
-def test_decode_key_seen_before_still_refuses_bad_flags():
-    q = torch.randn(2, 1, 4, 32, device=DEVICE)
-    kc, vc = (torch.randn(2, 64, 2, 32, device=DEVICE) for _ in range(2))
-    plan = flashflow.plan_decode(2, 4, 2, 32, 64, device=DEVICE)
+def test_decode_key_seen_before_still_refuses_bad_flags(device):
+    q = torch.randn(2, 1, 4, 32, device=device)
+    kc, vc = (torch.randn(2, 64, 2, 32, device=device) for _ in range(2))
+    plan = flashflow.plan_decode(2, 4, 2, 32, 64, device=device)
     plan.run(q, kc, vc, cache_seqlens=30, causal=True)
     with pytest.raises(TypeError, match="causal"):
         plan.run(q, kc, vc, cache_seqlens=30, causal=1)
@@ -71,12 +70,12 @@ def test_decode_key_seen_before_still_refuses_bad_flags():
         plan.run(q.clone().requires_grad_(), kc, vc, cache_seqlens=30, causal=True)
 
 
-def test_decode_cached_int_lengths_follow_the_value():
+def test_decode_cached_int_lengths_follow_the_value(device):
     """An int ``cache_seqlens`` is part of the call key: a cached step of 30 tokens is not
     reused for 40."""
-    q = torch.randn(1, 1, 2, 32, device=DEVICE)
-    kc, vc = (torch.randn(1, 64, 1, 32, device=DEVICE) for _ in range(2))
-    plan = flashflow.plan_decode(1, 2, 1, 32, 64, device=DEVICE)
+    q = torch.randn(1, 1, 2, 32, device=device)
+    kc, vc = (torch.randn(1, 64, 1, 32, device=device) for _ in range(2))
+    plan = flashflow.plan_decode(1, 2, 1, 32, 64, device=device)
     from flashflow.reference.decode import kvcache_attention_ref
 
     for n in (30, 40, 30):
@@ -85,13 +84,101 @@ def test_decode_cached_int_lengths_follow_the_value():
         assert rel_l2(out, ref) < 1e-5, n
 
 
-def test_fused_mlp_key_seen_before_still_refuses():
-    x = torch.randn(3, 32, device=DEVICE)
-    w1 = torch.randn(2 * 48, 32, device=DEVICE) * 0.1
-    w2 = torch.randn(32, 48, device=DEVICE) * 0.1
+def test_fused_mlp_key_seen_before_still_refuses(device):
+    x = torch.randn(3, 32, device=device)
+    w1 = torch.randn(2 * 48, 32, device=device) * 0.1
+    w2 = torch.randn(32, 48, device=device) * 0.1
     a = flashflow.fused_mlp(x, w1, w2)
     assert torch.equal(a, flashflow.fused_mlp(x, w1, w2))   # the cached path gives the same bits
     with pytest.raises(ValueError, match="requires grad"):
         flashflow.fused_mlp(x, w1.clone().requires_grad_(), w2)
     with pytest.raises(ValueError, match="policy"):
         flashflow.fused_mlp(x, w1, w2, policy="nope")
+
+
+class _FakeCompiled:
+    """What Triton's compiled kernel offers the cached path: handles and a launcher."""
+
+    def __init__(self, launches):
+        self.function, self.packed_metadata, self.launches = "fn", "meta", launches
+
+    def _init_handles(self):
+        pass
+
+    def run(self, *call):
+        self.launches.append(call)
+
+
+class _FakeKernel:
+    """A jit function of parameters (a, b, C: constexpr, D: constexpr = 7) that records how it was
+    launched: through Triton's path (``kernel[grid](...)``) or the compiled kernel's ``run``."""
+
+    def __init__(self):
+        import inspect
+
+        class P:
+            def __init__(self, name, default):
+                self.name, self.default = name, default
+        self.params = [P("a", inspect.Parameter.empty), P("b", inspect.Parameter.empty),
+                       P("C", inspect.Parameter.empty), P("D", 7)]
+        self.__name__ = "fake_kernel"
+        self.slow, self.fast = [], []
+        self.compiled = _FakeCompiled(self.fast)
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            self.slow.append((grid, args, constexprs))
+            return self.compiled
+        return launch
+
+
+class _Cuda:
+    is_cuda = True
+
+
+def test_launcher_caches_a_key_and_passes_every_parameter_in_order(monkeypatch):
+    import flashflow.ops.common as common
+
+    class Driver:
+        class active:
+            get_current_device = staticmethod(lambda: 0)
+            get_current_stream = staticmethod(lambda device: 1234)
+    monkeypatch.setattr(common, "_driver", Driver)
+    monkeypatch.setattr(common.Launcher, "_specialisation", lambda self, args, constexprs: "spec")
+    kernel = _FakeKernel()
+    launch = common.Launcher(kernel)
+    x = _Cuda()
+    launch("k", (3, 1, 1), (x, 5), dict(C=2, num_warps=4))
+    assert len(kernel.slow) == 1 and not kernel.fast          # a first key: Triton's path
+    launch("k", (4, 2, 1), (x, 6), dict(C=2, num_warps=4))
+    assert len(kernel.slow) == 1 and len(kernel.fast) == 1    # a seen key: the compiled kernel
+    grid_x, grid_y, grid_z, stream, function, metadata, *hooks_and_args = kernel.fast[0]
+    assert (grid_x, grid_y, grid_z, stream, function, metadata) == (4, 2, 1, 1234, "fn", "meta")
+    # no launch hooks, then every parameter in the kernel's order: positional, constexprs, defaults
+    assert hooks_and_args == [None, None, None, x, 6, 2, 7]
+    launch(None, (1, 1, 1), (x, 5), dict(C=2, num_warps=4))   # no key: always Triton's path
+    launch("other", (1, 1, 1), (object(), 5), dict(C=2))      # CPU arguments are never cached
+    launch("other", (1, 1, 1), (object(), 5), dict(C=2))
+    assert len(kernel.slow) == 4 and len(kernel.fast) == 1
+
+
+def test_launcher_check_refuses_a_key_that_misses_a_specialisation(monkeypatch):
+    import flashflow.ops.common as common
+
+    class Driver:
+        class active:
+            get_current_device = staticmethod(lambda: 0)
+            get_current_stream = staticmethod(lambda device: 0)
+    monkeypatch.setattr(common, "_driver", Driver)
+    specs = iter(["int 5 as i32", "int 1 as a constant"])
+    monkeypatch.setattr(common.Launcher, "_specialisation", lambda self, args, constexprs: next(specs))
+    kernel = _FakeKernel()
+    launch = common.Launcher(kernel)
+    previous = common.check_launch_keys(True)
+    try:
+        launch("k", (1, 1, 1), (_Cuda(), 5), dict(C=2))
+        with pytest.raises(RuntimeError, match="does not determine Triton's specialisation"):
+            launch("k", (1, 1, 1), (_Cuda(), 1), dict(C=2))
+    finally:
+        common.check_launch_keys(previous)
+    assert not kernel.fast
