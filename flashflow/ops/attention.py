@@ -22,7 +22,7 @@ from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merg
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
 from flashflow.ops.common import (Launcher, aligned16, contiguous_strides as _contiguous_strides, dot_options,
-                                  head_dim_pad as _head_dim_pad, op_or_direct, tensor_descriptor, tma_strides_ok,
+                                  head_dim_pad as _head_dim_pad, key_padding_for_kernels, op_or_direct, tensor_descriptor, tma_strides_ok,
                                   unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
                                     check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
@@ -141,12 +141,7 @@ def _portable_forward(
         bias_keys = 0
     elif bias_keys is None:
         bias_keys = k.shape[1] if not varlen else max_seqlen_k
-    if key_padding_mask is None:
-        mask_keys = 0
-    else:
-        key_padding_mask = unit_last_stride(key_padding_mask)   # one flag per key, read with unit stride
-        if mask_keys is None:
-            mask_keys = key_padding_mask.shape[1]
+    key_padding_mask, mask_keys = key_padding_for_kernels(key_padding_mask, mask_keys)
     tune = config is None and autotune.enabled()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
            None if out is None else (out.stride(), out.dtype),

@@ -15,7 +15,8 @@ from flashflow.device import cdiv, gpu_family
 from flashflow.kernels.attention_bwd import (attention_bwd_delta_kernel, attention_bwd_dkdv_kernel,
                                              attention_bwd_dq_kernel)
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import Launcher, aligned16, dot_options, head_dim_pad, unit_last_stride
+from flashflow.ops.common import (Launcher, aligned16, dot_options, head_dim_pad, key_padding_for_kernels,
+                                  unit_last_stride)
 from flashflow.tuning.attention_bwd import DELTA_ROWS, AttentionBwdConfig, attention_bwd_config
 
 
@@ -37,12 +38,7 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     # the kernels read head_dim with unit stride: the forward took copies of strided q/k/v for
     # itself, but autograd saved the user's tensors as they were
     q, k, v, dout = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), unit_last_stride(dout)
-    if key_padding_mask is None:
-        mask_keys = 0
-    else:
-        key_padding_mask = unit_last_stride(key_padding_mask)   # one flag per key, read with unit stride
-        if mask_keys is None:
-            mask_keys = key_padding_mask.shape[1]
+    key_padding_mask, mask_keys = key_padding_for_kernels(key_padding_mask, mask_keys)
     dq = torch.empty_like(q) if need_dq else None
     dk = torch.empty_like(k) if need_dkv else None
     dv = torch.empty_like(v) if need_dkv else None

@@ -26,6 +26,15 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def key_padding_for_kernels(key_padding_mask: Optional[torch.Tensor], mask_keys: Optional[int]):
+    """``(mask, mask_keys)`` as the attention kernels read a key-padding mask: one flag per key
+    with unit stride, covering ``mask_keys`` keys (its width when None; 0 without a mask)."""
+    if key_padding_mask is None:
+        return None, 0
+    key_padding_mask = unit_last_stride(key_padding_mask)
+    return key_padding_mask, key_padding_mask.shape[1] if mask_keys is None else mask_keys
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """``tl.dot``'s ``input_precision`` for inputs of ``dtype``: IEEE products for fp32 (not TF32)."""
     return "ieee" if dtype == torch.float32 else "tf32"

@@ -136,7 +136,9 @@ class _Cuda:
     is_cuda = True
 
 
-def test_launcher_caches_a_key_and_passes_every_parameter_in_order(monkeypatch):
+@pytest.fixture
+def stream_1234(monkeypatch):
+    """Triton's driver as the cached path asks it: device 0, its current stream 1234."""
     import flashflow.ops.common as common
 
     class Driver:
@@ -144,6 +146,11 @@ def test_launcher_caches_a_key_and_passes_every_parameter_in_order(monkeypatch):
             get_current_device = staticmethod(lambda: 0)
             get_current_stream = staticmethod(lambda device: 1234)
     monkeypatch.setattr(common, "_driver", Driver)
+
+
+def test_launcher_caches_a_key_and_passes_every_parameter_in_order(monkeypatch, stream_1234):
+    import flashflow.ops.common as common
+
     monkeypatch.setattr(common.Launcher, "_specialisation", lambda self, args, constexprs: "spec")
     kernel = _FakeKernel()
     launch = common.Launcher(kernel)
@@ -162,14 +169,9 @@ def test_launcher_caches_a_key_and_passes_every_parameter_in_order(monkeypatch):
     assert len(kernel.slow) == 4 and len(kernel.fast) == 1
 
 
-def test_launcher_check_refuses_a_key_that_misses_a_specialisation(monkeypatch):
+def test_launcher_check_refuses_a_key_that_misses_a_specialisation(monkeypatch, stream_1234):
     import flashflow.ops.common as common
 
-    class Driver:
-        class active:
-            get_current_device = staticmethod(lambda: 0)
-            get_current_stream = staticmethod(lambda device: 0)
-    monkeypatch.setattr(common, "_driver", Driver)
     specs = iter(["int 5 as i32", "int 1 as a constant"])
     monkeypatch.setattr(common.Launcher, "_specialisation", lambda self, args, constexprs: next(specs))
     kernel = _FakeKernel()

@@ -212,20 +212,19 @@ def _entries_and_rules(data: dict, where: str):
             yield f"{where} {key}", value, False
 
 
-def _notes(data: dict, where: str):
-    for key, value in data.items():
+def _own_notes(obj: dict, where: str):
+    for key, value in obj.items():
         if key == "_rejected":
             for option, reason in value.items():
                 yield f"{where} _rejected[{option!r}]", reason
         elif key.startswith("_"):
             yield f"{where} {key}", value
+
+
+def _notes(data: dict, where: str):
+    yield from _own_notes(data, where)
     for place, obj, _ in _entries_and_rules(data, where):
-        for key, value in obj.items():
-            if key == "_rejected":
-                for option, reason in value.items():
-                    yield f"{place} _rejected[{option!r}]", reason
-            elif key.startswith("_"):
-                yield f"{place} {key}", value
+        yield from _own_notes(obj, place)
 
 
 def _cited(note: str) -> list[str]:
