@@ -48,17 +48,28 @@ except ImportError as e:   # pragma: no cover - depends on the environment
 from flashflow.device import interpreting
 from flashflow.ops.attention import flash_attn_func
 from flashflow.ops.attention_fp8 import FP8_HEAD_DIMS, flash_attn_fp8_func
+from flashflow.ops.fp8_linear import GEMM_MULTIPLE, Fp8Linear, Fp8Weight, quantize_weight
 from flashflow.ops.norm import (gate_residual, gate_residual_layernorm_modulate, joint_qkv_norm_rope,
                                 layernorm_modulate, rmsnorm_rope)
+from flashflow.ops.quant import Fp8Rows, gelu_quantize_rows
 
 __all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUPPORTED_MODELS",
-           "ATTENTION_MODES"]
+           "ATTENTION_MODES", "LINEAR_MODES"]
 
 SUPPORTED_MODELS = (QwenImageTransformer2DModel,)
 # "exact": flash_attn_func, exact attention in the model's own dtype (bf16, fp16 or fp32 models alike);
 # "fp8": flash_attn_fp8_func, Q·Kᵀ in INT8 and P·V in e4m3 (bf16 or fp16 models, Hopper or newer).
 ATTENTION_MODES = ("exact", "fp8")
+# "exact": the model's own nn.Linear layers, untouched; "fp8": every Linear of every block as
+# flashflow.ops.fp8_linear.Fp8Linear (e4m3 weights per output channel, e4m3 activations per row).
+LINEAR_MODES = ("exact", "fp8")
 _FP8_DTYPES = (torch.bfloat16, torch.float16)
+
+# With linear="fp8", the fused q/k/v projection of each stream (one GEMM over the three weights,
+# which the to_q / to_k / to_v modules view) is a submodule of the attention module by these names.
+_QKV, _ADD_QKV = "flashflow_to_qkv", "flashflow_add_qkv"
+# The original nn.Linear modules a block's FP8 layers replaced, {path: (module on the CPU, its device)}.
+_ORIGINAL_LINEARS = "_flashflow_original_linears"
 
 # The original (processor, instance-level forward or None) of a block, kept on the block itself.
 _ORIGINAL = "_flashflow_original"
@@ -133,7 +144,7 @@ def _refuse_autograd(module: nn.Module, where: str, skip: nn.Module | None = Non
         situation = f"the transformer's parameters require grad ({where}'s {param}, among others)"
         fix = "or freeze the model with transformer.requires_grad_(False)"
     else:
-        name = next((n for n, t in inputs.items() if t is not None and t.requires_grad), None)
+        name = next((n for n, t in inputs.items() if isinstance(t, torch.Tensor) and t.requires_grad), None)
         if name is None:
             return
         situation = f"{where}'s input {name} requires grad"
@@ -143,6 +154,11 @@ def _refuse_autograd(module: nn.Module, where: str, skip: nn.Module | None = Non
         f"(the fused norms, RoPE and gates, FP8 attention) have no backward. Run the model under torch.no_grad() "
         f"or torch.inference_mode() (diffusers' pipelines do), {fix}; to train, call "
         "flashflow.integrations.diffusers.disable(transformer) first")
+
+
+def _rows(x):
+    """The tensor of a stream's activation: ``x`` itself, or the e4m3 data of an ``Fp8Rows``."""
+    return x.data if isinstance(x, Fp8Rows) else x
 
 
 def _norm_rope_into(norm: nn.Module, x: torch.Tensor, freqs, out: torch.Tensor) -> None:
@@ -210,16 +226,23 @@ class FlashflowQwenAttnProcessor:
         if attention_mask is not None:
             raise ValueError("FlashflowQwenAttnProcessor does not take an attention_mask; pass the text padding "
                              "mask as encoder_hidden_states_mask (batch, text_seqlen), as diffusers' processor does")
-        batch, seq_img = hidden_states.shape[:2]
-        seq_txt = encoder_hidden_states.shape[1]
+        # with linear="fp8" the block hands over its modulated streams as e4m3 rows (Fp8Rows)
+        batch, seq_img = _rows(hidden_states).shape[:2]
+        seq_txt = _rows(encoder_hidden_states).shape[1]
         head_dim = attn.inner_dim // attn.heads
 
-        img_q = attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))
-        img_k = attn.to_k(hidden_states).unflatten(-1, (-1, head_dim))
-        img_v = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
-        txt_q = attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-        txt_k = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
-        txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+        qkv, add_qkv = attn._modules.get(_QKV), attn._modules.get(_ADD_QKV)
+        if qkv is not None:
+            # one FP8 GEMM per stream for q, k and v: views of its (B, S, 3·inner) output
+            img_q, img_k, img_v = qkv(hidden_states).unflatten(-1, (3, -1, head_dim)).unbind(-3)
+            txt_q, txt_k, txt_v = add_qkv(encoder_hidden_states).unflatten(-1, (3, -1, head_dim)).unbind(-3)
+        else:
+            img_q = attn.to_q(hidden_states).unflatten(-1, (-1, head_dim))
+            img_k = attn.to_k(hidden_states).unflatten(-1, (-1, head_dim))
+            img_v = attn.to_v(hidden_states).unflatten(-1, (-1, head_dim))
+            txt_q = attn.add_q_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+            txt_k = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
+            txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
 
         img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
         norms = (attn.norm_added_q, attn.norm_added_k, attn.norm_q, attn.norm_k)
@@ -259,10 +282,15 @@ class FlashflowQwenAttnProcessor:
             out = attend(query, key, value, key_padding_mask=encoder_hidden_states_mask.to(torch.bool))
         out = out.flatten(2, 3)
 
-        img_out = attn.to_out[0](out[:, seq_txt:].contiguous())
+        if qkv is not None:
+            # the FP8 layers quantize their rows from the strided views: no contiguous copies
+            img_out = attn.to_out[0](out[:, seq_txt:])
+            txt_out = attn.to_add_out(out[:, :seq_txt])
+        else:
+            img_out = attn.to_out[0](out[:, seq_txt:].contiguous())
+            txt_out = attn.to_add_out(out[:, :seq_txt].contiguous())
         for module in attn.to_out[1:]:   # dropout
             img_out = module(img_out)
-        txt_out = attn.to_add_out(out[:, :seq_txt].contiguous())
         return img_out, txt_out
 
 
@@ -271,14 +299,20 @@ class FlashflowQwenAttnProcessor:
 # --------------------------------------------------------------------------------------------
 
 
-def _feed_forward(ff: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _feed_forward(ff: nn.Module, x) -> torch.Tensor:
     """diffusers' ``FeedForward`` (Linear, GELU tanh, dropout, Linear); on CUDA the first Linear
     and the GELU are one cuBLASLt GEMM with a bias + GELU(tanh) epilogue, saving a full write
-    and read of the 4·dim-wide hidden activation."""
+    and read of the 4·dim-wide hidden activation. With FP8 layers (``x`` an ``Fp8Rows``): the
+    first GEMM adds its bias in its epilogue, one pass applies the GELU and quantizes the rows
+    for the second (``gelu_quantize_rows``), and the dropouts (identity in eval mode) are
+    skipped."""
     act = ff.net[0]
     proj = getattr(act, "proj", None)
+    if isinstance(proj, Fp8Linear):
+        h = gelu_quantize_rows(proj(x))
+        return next(m for m in ff.net[1:] if isinstance(m, Fp8Linear))(h)
     if (x.is_cuda and _HAS_ADDMM_ACTIVATION and type(act) is _DiffusersGELU and act.approximate == "tanh"
-            and type(proj) is nn.Linear and proj.bias is not None):
+            and type(proj) is nn.Linear and type(proj.weight) is nn.Parameter and proj.bias is not None):
         h = torch._addmm_activation(proj.bias, x.reshape(-1, x.shape[-1]), proj.weight.t(), use_gelu=True)
         h = h.view(*x.shape[:-1], h.shape[-1])
         for module in ff.net[1:]:
@@ -312,9 +346,12 @@ def _block_forward(
     txt_shift1, txt_scale1, txt_gate1 = txt_mod1.chunk(3, dim=-1)
     txt_shift2, txt_scale2, txt_gate2 = txt_mod2.chunk(3, dim=-1)
 
+    # FP8 linear layers: the norms write their outputs as e4m3 rows and scales, the GEMMs' inputs
+    fp8 = _QKV in self.attn._modules
     img_modulated = layernorm_modulate(hidden_states, img_shift1, img_scale1, eps=self.img_norm1.eps,
-                                       index=modulate_index)
-    txt_modulated = layernorm_modulate(encoder_hidden_states, txt_shift1, txt_scale1, eps=self.txt_norm1.eps)
+                                       index=modulate_index, fp8=fp8)
+    txt_modulated = layernorm_modulate(encoder_hidden_states, txt_shift1, txt_scale1, eps=self.txt_norm1.eps,
+                                       fp8=fp8)
 
     # Through the Attention module, as diffusers does: its hooks and its handling of
     # joint_attention_kwargs stay as they are.
@@ -328,9 +365,9 @@ def _block_forward(
 
     hidden_states, img_modulated2 = gate_residual_layernorm_modulate(
         hidden_states, img_attn_output, img_gate1, img_shift2, img_scale2, eps=self.img_norm2.eps,
-        index=modulate_index)
+        index=modulate_index, fp8=fp8)
     encoder_hidden_states, txt_modulated2 = gate_residual_layernorm_modulate(
-        encoder_hidden_states, txt_attn_output, txt_gate1, txt_shift2, txt_scale2, eps=self.txt_norm2.eps)
+        encoder_hidden_states, txt_attn_output, txt_gate1, txt_shift2, txt_scale2, eps=self.txt_norm2.eps, fp8=fp8)
 
     hidden_states = gate_residual(hidden_states, _feed_forward(self.img_mlp, img_modulated2), img_gate2,
                                   index=modulate_index)
@@ -397,6 +434,150 @@ def _check_fp8(transformer, blocks) -> None:
                                  "attention='exact' for exact attention)") from e
 
 
+def _check_linear(linear) -> str:
+    if not isinstance(linear, str):
+        raise TypeError(f"linear must be a str, one of {LINEAR_MODES}, got {linear!r}")
+    if linear == "bf16":
+        raise ValueError(f"linear must be one of {LINEAR_MODES}, got 'bf16': the model's own Linear layers, in its "
+                         "own dtype (bf16, fp16 or fp32 alike), are linear='exact'")
+    if linear not in LINEAR_MODES:
+        raise ValueError(f"linear must be one of {LINEAR_MODES}, got {linear!r}")
+    return linear
+
+
+def _block_linears(block) -> list[tuple[str, nn.Module, str]]:
+    """``(path, parent, name)`` of every Linear of a block that ``linear="fp8"`` replaces: the six
+    q/k/v projections, the two output projections, both streams' MLP GEMMs and AdaLN modulations."""
+    attn = block.attn
+    out = [(f"attn.{n}", attn, n) for n in ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj",
+                                            "to_add_out")]
+    out.append(("attn.to_out.0", attn.to_out, "0"))
+    for mlp in ("img_mlp", "txt_mlp"):
+        ff = getattr(block, mlp)
+        out += [(f"{mlp}.net.0.proj", ff.net[0], "proj"), (f"{mlp}.net.2", ff.net, "2")]
+    out += [(f"{mod}.1", getattr(block, mod), "1") for mod in ("img_mod", "txt_mod")]
+    return out
+
+
+def _check_fp8_linear(transformer, blocks) -> None:
+    """What ``linear="fp8"`` needs, checked before any block changes: a bf16/fp16 model on a GPU
+    with FP8 tensor cores (Hopper, sm90, or newer; or the CPU under Triton's interpreter), the
+    blocks' layers as diffusers builds them, each a plain ``nn.Linear`` (not a tensor subclass:
+    a model quantized by torchao is refused here) with finite weights and in/out features
+    that are multiples of 16."""
+    dtype, device = transformer.dtype, transformer.device
+    if dtype not in _FP8_DTYPES:
+        raise ValueError(f"linear='fp8' needs a bfloat16 or float16 model, got a {dtype} model; convert it "
+                         "(transformer.to(torch.bfloat16)) or use linear='exact'")
+    if device.type == "cuda":
+        if torch.cuda.get_device_capability(device)[0] < 9:
+            raise ValueError(f"linear='fp8' needs FP8 tensor cores with row-wise scaled GEMMs (Hopper, sm90, or newer); "
+                             f"{torch.cuda.get_device_name(device)} is sm{''.join(map(str, torch.cuda.get_device_capability(device)))}: "
+                             "use linear='exact'")
+    elif not interpreting():
+        raise ValueError(f"linear='fp8' runs on a CUDA GPU (Hopper or newer); the model is on {device} (move it to "
+                         "the GPU first, or use linear='exact')")
+    for i, block in enumerate(blocks):
+        for ff_name in ("img_mlp", "txt_mlp"):
+            net = getattr(block, ff_name).net
+            act = net[0]
+            if not (type(act) is _DiffusersGELU and act.approximate == "tanh" and len(net) >= 3
+                    and isinstance(net[1], nn.Dropout)
+                    and all(isinstance(m, nn.Dropout) for m in net[3:])):
+                raise ValueError(f"transformer_blocks[{i}].{ff_name} is not diffusers' FeedForward(activation_fn="
+                                 "'gelu-approximate') (GELU tanh with its Linear, dropout, Linear): linear='fp8' "
+                                 "supports the Qwen-Image blocks' MLP")
+        for path, parent, name in _block_linears(block):
+            module = parent._modules.get(name)
+            where = f"transformer_blocks[{i}].{path}"
+            if isinstance(module, Fp8Linear):
+                continue
+            if type(module) is not nn.Linear:
+                raise ValueError(f"{where} is {type(module).__name__}, not an nn.Linear: linear='fp8' replaces "
+                                 "diffusers' nn.Linear layers")
+            weight = module.weight
+            if type(weight) not in (nn.Parameter, torch.Tensor) or weight.dtype not in _FP8_DTYPES:
+                raise ValueError(
+                    f"{where}.weight is a {type(weight).__name__} of {weight.dtype} (a model quantized by torchao or "
+                    "another library?): linear='fp8' quantizes the model's own bf16/fp16 weights. Enable it on the "
+                    "unquantized model, or keep that library's layers with linear='exact'")
+            if module.in_features % GEMM_MULTIPLE or module.out_features % GEMM_MULTIPLE:
+                raise ValueError(f"{where} is Linear({module.in_features}, {module.out_features}): the FP8 GEMM needs "
+                                 f"in_features and out_features that are multiples of {GEMM_MULTIPLE}")
+            if not bool(torch.isfinite(weight).all()):
+                raise ValueError(f"{where}.weight holds a NaN or an inf: it has no FP8 scale; use linear='exact'")
+
+
+def _fp8_layer(linear: nn.Linear, path: str, weight: Fp8Weight | None = None) -> Fp8Linear:
+    """The FP8 layer for ``linear`` (its weight quantized, or ``weight`` given), with its own copy of the
+    bias (the original module, bias included, moves to the CPU)."""
+    bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+    return Fp8Linear(weight if weight is not None else quantize_weight(linear.weight, path + ".weight"), bias)
+
+
+def _fused_qkv(layers: list[nn.Linear], path: str) -> tuple[Fp8Linear, list[Fp8Linear]]:
+    """One FP8 layer over the concatenated q, k, v weights (per-channel scales: quantizing them
+    apart is quantizing them together), and the three layers as views of it."""
+    parts = [quantize_weight(m.weight, f"{path}[{j}].weight") for j, m in enumerate(layers)]
+    data = torch.cat([p.data for p in parts])
+    scale = torch.cat([p.scale for p in parts], dim=1)
+    dtype = parts[0].dtype
+    if all(m.bias is None for m in layers):
+        bias = None
+    else:
+        bias = nn.Parameter(torch.cat([m.bias.detach() if m.bias is not None else
+                                       torch.zeros(m.out_features, dtype=dtype, device=data.device)
+                                       for m in layers]), requires_grad=False)
+    fused = Fp8Linear(Fp8Weight(data, scale, dtype), bias)
+    views, start = [], 0
+    for m in layers:
+        n = m.out_features
+        views.append(_fp8_layer(m, path, Fp8Weight(data[start:start + n], scale[:, start:start + n].contiguous(),
+                                                    dtype)))
+        start += n
+    return fused, views
+
+
+def _to_fp8_linears(block) -> None:
+    """Replace the block's Linears by FP8 layers; the originals move to the CPU (a bit-exact
+    copy, put back by :func:`_to_exact_linears`)."""
+    if _ORIGINAL_LINEARS in block.__dict__:
+        return
+    attn = block.attn
+    originals = {}
+    with torch.no_grad():
+        for fused_name, names in ((_QKV, ("to_q", "to_k", "to_v")), (_ADD_QKV, ("add_q_proj", "add_k_proj",
+                                                                                 "add_v_proj"))):
+            layers = [getattr(attn, n) for n in names]
+            fused, views = _fused_qkv(layers, "attn." + fused_name)
+            for n, layer, view in zip(names, layers, views):
+                originals[f"attn.{n}"] = (layer, layer.weight.device)
+                setattr(attn, n, view)
+            setattr(attn, fused_name, fused)
+        for path, parent, name in _block_linears(block):
+            if path in originals:
+                continue
+            layer = parent._modules[name]
+            originals[path] = (layer, layer.weight.device)
+            setattr(parent, name, _fp8_layer(layer, path))
+    for layer, _ in originals.values():
+        layer.to("cpu")
+    block.__dict__[_ORIGINAL_LINEARS] = originals
+
+
+def _to_exact_linears(block) -> None:
+    """Put back the Linears :func:`_to_fp8_linears` replaced, on their devices (bit-exact)."""
+    originals = block.__dict__.pop(_ORIGINAL_LINEARS, None)
+    if originals is None:
+        return
+    by_path = {path: (parent, name) for path, parent, name in _block_linears(block)}
+    for path, (layer, device) in originals.items():
+        parent, name = by_path[path]
+        setattr(parent, name, layer.to(device))
+    for fused_name in (_QKV, _ADD_QKV):
+        block.attn._modules.pop(fused_name, None)
+
+
 def _forward_is_ours(block) -> bool:
     return getattr(block.__dict__.get("forward"), "__func__", None) is _block_forward
 
@@ -411,7 +592,7 @@ def is_enabled(transformer) -> bool:
     return bool(blocks) and all(_forward_is_ours(b) and _processor_is_ours(b) for b in blocks)
 
 
-def enable(transformer, attention: str = "exact"):
+def enable(transformer, attention: str = "exact", linear: str = "exact"):
     """Run ``transformer`` (diffusers' ``QwenImageTransformer2DModel``) through flashflow, in place.
 
     Args:
@@ -425,16 +606,30 @@ def enable(transformer, attention: str = "exact"):
             Triton's interpreter. The device is checked here, with the op's own error, when the
             weights are on the GPU; weights kept on the CPU (offloading) are checked by the op at
             the first step.
+        linear: ``"exact"`` (default): the model's own ``nn.Linear`` layers. ``"fp8"``: every
+            Linear of every block (q/k/v of both streams, fused into one GEMM per stream; the
+            output projections; both MLP GEMMs; the AdaLN modulations) as
+            :class:`flashflow.ops.fp8_linear.Fp8Linear`: e4m3 weights with one scale per output
+            channel, e4m3 activations with one scale per token, fp32 accumulation, the output
+            in the model's dtype. The norms that produce the GEMMs' inputs write them in e4m3
+            directly, and the MLP's GELU pass quantizes its output (docs/diffusion.md). Needs a
+            bf16/fp16 model on Hopper (sm90) or newer (or the CPU under Triton's interpreter),
+            and plain ``nn.Linear`` layers: a model already quantized by torchao is refused
+            (keep torchao's layers with ``linear="exact"``). The original layers move to the
+            CPU (host memory: the blocks' Linear weights, two bytes a parameter in bf16; the GPU
+            then holds one byte a parameter), and ``disable`` (or ``linear="exact"``) moves them
+            back: bit-exact.
     Returns:
-        ``transformer`` itself. Enabling an enabled model changes nothing but its attention mode
-        (``enable(model, attention="fp8")`` after ``enable(model)`` switches it); ``disable``
-        undoes it.
+        ``transformer`` itself. Enabling an enabled model changes nothing but its modes
+        (``enable(model, attention="fp8")`` after ``enable(model)`` switches attention; the same
+        for ``linear``); ``disable`` undoes it.
 
     Every block is checked before any is changed, so a refused model is left as it was. A model
     that runs diffusers' context parallelism is refused, and so is ``enable_parallelism`` on an
     enabled model, both with a ``ValueError``: flashflow's processor does not support it.
     """
     attention = _check_attention(attention)
+    linear = _check_linear(linear)
     blocks = _check_transformer(transformer)
     tp_error = _tensor_parallel_refused(getattr(transformer, "_parallel_config", None))
     if tp_error is not None:
@@ -463,7 +658,13 @@ def enable(transformer, attention: str = "exact"):
                                  "the Qwen-Image blocks' qk_norm='rms_norm' (diffusers RMSNorm without bias)")
     if attention == "fp8":
         _check_fp8(transformer, blocks)
+    if linear == "fp8":
+        _check_fp8_linear(transformer, blocks)
     for block in blocks:
+        if linear == "fp8":
+            _to_fp8_linears(block)
+        else:
+            _to_exact_linears(block)
         if _processor_is_ours(block):
             block.attn.processor.attention = attention
         else:
@@ -484,6 +685,7 @@ def disable(transformer):
     blocks = _check_transformer(transformer)
     refused = [b.attn.processor._given_parallel_config for b in blocks if _processor_is_ours(b)]
     for block in blocks:
+        _to_exact_linears(block)
         original = block.__dict__.pop(_ORIGINAL, None)
         if original is not None and _processor_is_ours(block):
             block.attn.set_processor(original)

@@ -224,6 +224,164 @@ def test_refusals():
     assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
 
 
+# ---------------------------------------------------------------------------- FP8 linear layers
+
+LINEAR_PATHS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+                "attn.to_add_out", "attn.to_out.0", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+                "txt_mlp.net.2", "img_mod.1", "txt_mod.1")
+
+
+def peaked(model):
+    """q/k RMSNorm weights ×3: peaked attention, so a wrong attention input shows in the output
+    (random weights otherwise make attention near uniform)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                p.mul_(3.0)
+    return model
+
+
+def block_outputs(model, kwargs):
+    """Each block's image-stream output, from forward hooks."""
+    outs = []
+    hooks = [b.register_forward_hook(lambda m, a, o: outs.append(o[1].detach().clone()))
+             for b in model.transformer_blocks]
+    try:
+        final = run(model, kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return outs, final
+
+
+def module_at(block, path):
+    m = block
+    for part in path.split("."):
+        m = m._modules[part]
+    return m
+
+
+def test_fp8_linear_matches_the_original_per_block():
+    model = peaked(tiny_model(torch.float16))
+    kwargs = inputs(2, True, torch.float16)
+    want_blocks, want = block_outputs(model, kwargs)
+    exact_blocks, exact = block_outputs(enable(model), kwargs)
+    enable(model, linear="fp8")
+    got_blocks, got = block_outputs(model, kwargs)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.isfinite(got).all()
+    for i, (g, w) in enumerate(zip(got_blocks, want_blocks)):
+        assert cosine(g, w) > 0.995, f"block {i}: cosine {cosine(g, w)}"
+    assert cosine(got, want) > 0.995
+    assert rel_l2(exact, want) < rel_l2(got, want)   # the 8-bit products do change the output
+
+
+def test_fp8_linear_replaces_every_linear_and_disable_restores_them_bit_exactly(monkeypatch):
+    model = peaked(tiny_model(torch.float16))
+    kwargs = inputs(1, True, torch.float16)
+    want = run(model, kwargs)
+    before = {n: (p.clone(), p.device, p.dtype) for n, p in model.named_parameters()}
+    modules = {i: {path: module_at(b, path) for path in LINEAR_PATHS} for i, b in enumerate(model.transformer_blocks)}
+    calls = []
+    real_norm = ffd.layernorm_modulate
+
+    def norm(*a, **kw):
+        calls.append(kw.get("fp8"))
+        return real_norm(*a, **kw)
+
+    monkeypatch.setattr(ffd, "layernorm_modulate", norm)
+    enable(model, linear="fp8")
+    for block in model.transformer_blocks:
+        for path in LINEAR_PATHS:
+            layer = module_at(block, path)
+            assert isinstance(layer, ffd.Fp8Linear), path
+            assert layer.weight.dtype == torch.float8_e4m3fn
+        for fused in (ffd._QKV, ffd._ADD_QKV):   # q, k, v: views of one fused weight
+            assert isinstance(block.attn._modules[fused], ffd.Fp8Linear)
+        assert block.attn.to_k.weight.data_ptr() == (block.attn._modules[ffd._QKV].weight.data_ptr()
+                                                     + block.attn.to_q.weight.numel())
+        assert not any(type(m) is nn.Linear for m in block.modules())
+    run(model, kwargs)
+    assert calls and all(c is True for c in calls)   # the norms wrote the GEMMs' inputs in e4m3
+    monkeypatch.setattr(ffd, "layernorm_modulate", real_norm)
+    disable(model)
+    for i, block in enumerate(model.transformer_blocks):
+        for path in LINEAR_PATHS:
+            assert module_at(block, path) is modules[i][path]
+        assert ffd._QKV not in block.attn._modules and ffd._ADD_QKV not in block.attn._modules
+    after = dict(model.named_parameters())
+    assert set(after) == set(before)
+    for name, (value, device, dtype) in before.items():
+        assert after[name].device == device and after[name].dtype == dtype and torch.equal(after[name], value), name
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_fp8_linear_switches_with_enable_and_combines_with_fp8_attention():
+    model = peaked(tiny_model(torch.float16, **HEAD_DIM_64))
+    kwargs = inputs(2, True, torch.float16)
+    want = run(model, kwargs)
+    exact = run(enable(model), kwargs)
+    lin = run(enable(model, linear="fp8"), kwargs)
+    assert torch.equal(run(enable(model, linear="exact"), kwargs), exact)   # and back, bit-exactly
+    assert torch.equal(run(enable(model, linear="fp8"), kwargs), lin)
+    both = run(enable(model, attention="fp8", linear="fp8"), kwargs)
+    assert torch.isfinite(both).all() and cosine(both, want) > 0.99
+    assert not torch.equal(both, lin)
+    disable(model)
+    assert torch.equal(run(model, kwargs), want)
+
+
+def test_fp8_linear_under_torch_compile():
+    model = peaked(tiny_model(torch.float16))
+    kwargs = inputs(2, False, torch.float16)
+    eager = run(enable(model, linear="fp8"), kwargs)
+    compiled = torch.compile(model, backend="eager", dynamic=False)
+    with torch.no_grad():
+        got = compiled(**kwargs)[0]
+    assert torch.equal(got, eager)
+
+
+class _QuantizedWeight(torch.Tensor):
+    """Stands for a weight quantized by another library (torchao's Float8Tensor is a tensor subclass)."""
+
+
+def test_fp8_linear_refusals_leave_the_model_as_it_was():
+    model = tiny_model(torch.float16)
+    kwargs = inputs(1, False, torch.float16)
+    want = run(model, kwargs)
+    with pytest.raises(ValueError, match="linear must be one of .*got 'bf16'.*linear='exact'"):
+        enable(model, linear="bf16")
+    with pytest.raises(TypeError, match="linear must be a str"):
+        enable(model, linear=None)
+    with pytest.raises(ValueError, match="linear must be one of"):
+        enable(model, linear="int8")
+    with pytest.raises(ValueError, match=r"linear='fp8' needs a bfloat16 or float16 model, got a torch.float32"):
+        enable(tiny_model(torch.float32), linear="fp8")
+    block = model.transformer_blocks[1]
+    original = block.img_mlp.net[2].weight
+    block.img_mlp.net[2].weight = nn.Parameter(original.detach().as_subclass(_QuantizedWeight), requires_grad=False)
+    with pytest.raises(ValueError, match=r"transformer_blocks\[1\].img_mlp.net.2.weight is a _QuantizedWeight.*torchao"):
+        enable(model, linear="fp8")
+    assert not is_enabled(model)
+    assert not any(isinstance(m, ffd.Fp8Linear) for m in model.modules())
+    block.img_mlp.net[2].weight = original
+    with torch.no_grad():
+        block.txt_mod[1].weight[0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"transformer_blocks\[1\].txt_mod.1.weight holds a NaN"):
+        enable(model, linear="fp8")
+    assert not any(isinstance(m, ffd.Fp8Linear) for m in model.modules())
+
+
+def test_the_model_own_linears_run_where_another_library_quantized_them():
+    """linear='exact' keeps whatever the Linear layers are: a weight of a tensor subclass is not
+    handed to the fused GELU epilogue (which would need the plain weight), the module runs it."""
+    block = tiny_model(torch.float16).transformer_blocks[0]
+    proj = block.img_mlp.net[0].proj
+    proj.weight = nn.Parameter(proj.weight.detach().as_subclass(_QuantizedWeight), requires_grad=False)
+    x = torch.randn(1, 3, 64, dtype=torch.float16)
+    with torch.no_grad():
+        assert torch.equal(ffd._feed_forward(block.img_mlp, x), block.img_mlp(x))
+
+
 # ---------------------------------------------------------------------------- FP8 attention
 
 

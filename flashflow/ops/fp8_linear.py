@@ -1,0 +1,204 @@
+"""FP8 linear layers: e4m3 weights scaled per output channel, e4m3 activations scaled per row
+(token), products on the FP8 tensor cores with fp32 accumulation, the output in the layer's dtype.
+
+``y = x · Wᵀ + b`` becomes ``y[m, n] = sx[m] · sw[n] · Σ_k qx[m, k] · qw[n, k] + b[n]`` with
+``x ≈ sx · qx`` (:class:`flashflow.ops.quant.Fp8Rows`, one scale per row, made by the pass that
+produced x: :func:`flashflow.ops.quant.quantize_rows`, ``gelu_quantize_rows``, or the norms'
+``fp8=True`` outputs) and ``W ≈ sw · qw`` (:class:`Fp8Weight`, quantized once by
+:func:`quantize_weight`). Both scales are ``amax / 448`` (e4m3's largest value), the values
+rounded to nearest even onto the e4m3 grid: the recipe of torchao's
+``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``.
+
+The GEMM is ``torch._scaled_mm`` with row-wise scales (cuBLASLt / CUTLASS on Hopper), the bias
+in its epilogue; the reasons and the measured alternatives are in flashflow/tuning/fp8_linear.json.
+A row whose scale is NaN (an input row holding a NaN or an inf) comes out NaN: FP8 does not hide
+a non-finite input. :class:`Fp8Linear` is the ``nn.Module`` form that
+:func:`flashflow.integrations.diffusers.enable` puts in place of a model's ``nn.Linear``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Union
+
+import torch
+from torch import nn
+
+from flashflow.device import gpu_family
+from flashflow.ops.common import op_or_direct
+from flashflow.ops.quant import Fp8Rows, quantize_rows
+from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
+from flashflow.tuning.fp8_linear import fp8_linear_config
+
+__all__ = ["Fp8Weight", "Fp8Linear", "quantize_weight", "fp8_linear", "E4M3_MAX", "GEMM_MULTIPLE"]
+
+E4M3_MAX = 448.0
+# the FP8 GEMM's K and N: multiples of 16 bytes of e4m3 (cuBLASLt's and CUTLASS's operand alignment)
+GEMM_MULTIPLE = 16
+# the dtype _scaled_mm writes with row-wise scales (cuBLASLt takes no other); a layer of another
+# dtype gets its output cast, and its bias added after
+_GEMM_OUT = torch.bfloat16
+
+
+class Fp8Weight(NamedTuple):
+    """A linear layer's weight in e4m3, one scale per output channel.
+
+    ``data``: ``(out_features, in_features)`` ``torch.float8_e4m3fn``, contiguous (``nn.Linear``'s
+    layout); ``scale``: ``(1, out_features)`` float32; ``dtype``: the dtype the layer computes its
+    output in (its original weight's)."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_weight(weight: torch.Tensor, name: str = "weight") -> Fp8Weight:
+    """``weight`` (``(out_features, in_features)``, bf16/fp16/fp32) per output channel:
+    ``scale[n] = amax_n / 448`` (an all-zero row keeps a tiny finite scale), the values
+    ``weight / scale`` rounded to nearest even onto the e4m3 grid. A weight holding a NaN or an
+    inf is refused (``ValueError`` naming ``name``): its channel would have no finite scale."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+    if type(weight) not in (torch.Tensor, nn.Parameter):
+        raise TypeError(f"{name} is a {type(weight).__module__}.{type(weight).__name__} (a tensor subclass, e.g. a "
+                        "weight quantized by torchao): FP8 quantization needs the layer's plain floating-point weight")
+    if weight.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (out_features, in_features), got shape {tuple(weight.shape)}")
+    if weight.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {weight.dtype}")
+    out_features, in_features = weight.shape
+    if in_features % GEMM_MULTIPLE or out_features % GEMM_MULTIPLE:
+        raise ValueError(f"{name} is ({out_features}, {in_features}): the FP8 GEMM needs in_features and "
+                         f"out_features to be multiples of {GEMM_MULTIPLE}")
+    with torch.no_grad():
+        w = weight.detach().float()
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError(f"{name} holds a NaN or an inf: its output channel has no finite FP8 scale")
+        amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-20)
+        # the activations' rule (kernels/quant.py quantize): values times 448 / amax, scale amax / 448;
+        # the clamp keeps a rounding of 448 + ulp from overflowing e4m3fn into NaN
+        data = (w * (E4M3_MAX / amax)).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+        scale = (amax / E4M3_MAX).reshape(1, out_features).contiguous()
+    return Fp8Weight(data.contiguous(), scale, weight.dtype)
+
+
+def _check_weight(weight) -> None:
+    if not isinstance(weight, Fp8Weight):
+        raise TypeError(f"weight must be an Fp8Weight (flashflow.ops.fp8_linear.quantize_weight), got "
+                        f"{type(weight).__name__}")
+
+
+def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
+               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x · Wᵀ + bias`` on the FP8 tensor cores.
+
+    Args:
+        x: ``(..., in_features)``: a bf16/fp16/fp32 tensor (quantized per row here, one extra
+            pass) or an :class:`~flashflow.ops.quant.Fp8Rows` from the pass that made it.
+        weight: an :class:`Fp8Weight` (:func:`quantize_weight`).
+        bias: ``(out_features,)`` in ``weight.dtype``, or None.
+    Returns:
+        ``(..., out_features)`` in ``weight.dtype``; fp32 accumulation. A bf16 layer's bias is
+        added in the GEMM's fp32 epilogue; a layer of another dtype gets the bf16 GEMM output cast
+        to its dtype and the bias added after (one more pass).
+    """
+    _check_weight(weight)
+    out_features, in_features = weight.data.shape
+    if isinstance(x, Fp8Rows):
+        data, scale = x
+        if not (isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor)):
+            raise TypeError("x (Fp8Rows) must hold two tensors, data and scale")
+        if data.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+            raise ValueError(f"x (Fp8Rows) must be float8_e4m3fn data with float32 scales, got {data.dtype} and "
+                             f"{scale.dtype}")
+        if data.dim() < 1 or tuple(scale.shape) != (*data.shape[:-1], 1):
+            raise ValueError(f"x (Fp8Rows): scale must have shape data.shape[:-1] + (1,) = "
+                             f"{(*data.shape[:-1], 1)}, got {tuple(scale.shape)}")
+        lead = data.shape[:-1]
+    elif isinstance(x, torch.Tensor):
+        if x.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"x must be float16, bfloat16 or float32 (or an Fp8Rows), got {x.dtype}")
+        if x.dim() < 1:
+            raise ValueError("x must have at least one dimension (..., in_features)")
+        check_no_grad("fp8_linear", x=x)
+        data = x
+        lead = x.shape[:-1]
+    else:
+        raise TypeError(f"x must be a torch.Tensor or an Fp8Rows, got {type(x).__name__}")
+    if data.shape[-1] != in_features:
+        raise ValueError(f"x has {data.shape[-1]} features in its last dimension; weight takes {in_features}")
+    if data.device != weight.data.device:
+        raise ValueError(f"x is on {data.device}, weight on {weight.data.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != (out_features,) or bias.dtype != weight.dtype or bias.device != weight.data.device:
+            raise ValueError(f"bias must be ({out_features},) {weight.dtype} on {weight.data.device}, got "
+                             f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
+        check_no_grad("fp8_linear", bias=bias)
+    if isinstance(x, torch.Tensor):
+        data, scale = quantize_rows(x)
+    rows = data.numel() // in_features
+    a = data.reshape(rows, in_features)
+    if not a.is_contiguous():
+        a = a.contiguous()
+    fused_bias = bias if weight.dtype == _GEMM_OUT else None
+    out = _gemm(a, scale.reshape(rows, 1), weight.data, weight.scale, fused_bias)
+    if weight.dtype != _GEMM_OUT:
+        out = out.to(weight.dtype)
+        if bias is not None:
+            out += bias
+    return out.view(*lead, out_features)
+
+
+def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``(a · scale_a) · (w · scale_w)ᵀ + bias`` in bf16: a ``(M, K)`` and w ``(N, K)`` e4m3,
+    scale_a ``(M, 1)``, scale_w ``(1, N)`` float32."""
+    return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias, out_dtype=_GEMM_OUT,
+                            use_fast_accum=fp8_linear_config(gpu_family(a.device)).fast_accum)
+
+
+_gemm_op = torch.library.custom_op("flashflow::fp8_gemm", mutates_args=())(_gemm_impl)
+
+
+@_gemm_op.register_fake
+def _(a, scale_a, w, scale_w, bias):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=_GEMM_OUT)
+
+
+# eager calls skip the custom op's dispatch; torch.compile sees one opaque op (the config lookup
+# it would otherwise trace reads a JSON file)
+_gemm = op_or_direct(_gemm_op, _gemm_impl)
+
+
+class Fp8Linear(nn.Module):
+    """An ``nn.Linear`` whose weight is e4m3 per output channel (:func:`quantize_weight`):
+    ``forward(x)`` takes a float tensor or an :class:`~flashflow.ops.quant.Fp8Rows` and returns
+    :func:`fp8_linear`'s output. Inference only (no backward: an input that requires grad is
+    refused). ``weight`` (e4m3) and ``weight_scale`` are buffers; ``bias`` is the original
+    layer's ``Parameter`` (or None)."""
+
+    def __init__(self, weight: Fp8Weight, bias: Optional[nn.Parameter] = None):
+        super().__init__()
+        _check_weight(weight)
+        self.out_features, self.in_features = weight.data.shape
+        self.dtype = weight.dtype
+        self.register_buffer("weight", weight.data)
+        self.register_buffer("weight_scale", weight.scale)
+        self.bias = bias
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, name: str = "linear") -> "Fp8Linear":
+        """The FP8 form of ``linear`` (its weight quantized; its bias the same ``Parameter``)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{name} must be an nn.Linear, got {type(linear).__name__}")
+        return cls(quantize_weight(linear.weight, f"{name}.weight"), linear.bias)
+
+    @property
+    def fp8_weight(self) -> Fp8Weight:
+        return Fp8Weight(self.weight, self.weight_scale, self.dtype)
+
+    def forward(self, x: Union[torch.Tensor, Fp8Rows]) -> torch.Tensor:
+        return fp8_linear(x, Fp8Weight(self.weight, self.weight_scale, self.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"weight=float8_e4m3fn per channel, out dtype={self.dtype}")

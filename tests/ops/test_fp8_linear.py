@@ -1,0 +1,187 @@
+"""FP8 linear layers (flashflow.ops.fp8_linear): e4m3 weights per output channel, e4m3 activations
+per row, against the float64 fake-quantized reference and against the exact float64 product.
+
+Under Triton's interpreter the row quantization is the kernel's; ``torch._scaled_mm`` is torch's
+CPU implementation (the same math on the same e4m3 values). On a GPU it is cuBLASLt's.
+"""
+import os
+import secrets
+
+import pytest
+import torch
+from torch import nn
+
+from flashflow.ops.fp8_linear import Fp8Linear, Fp8Weight, fp8_linear, quantize_weight
+from flashflow.ops.quant import Fp8Rows, quantize_rows
+from flashflow.reference.fp8_linear import fp8_linear_reference, quantize_weight_reference
+from flashflow.reference.metrics import cosine, rel_l2
+
+pytestmark = pytest.mark.kernels
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# K, N: multiples of 16 (the FP8 GEMM's operands); odd M
+SHAPES = [(1, 16, 32), (7, 48, 16), (33, 80, 112)]
+
+
+def fresh_seed() -> int:
+    return int(os.environ.get("FLASHFLOW_TEST_SEED") or secrets.randbits(31))
+
+
+def realistic(shape, seed, device, dtype):
+    """Gaussian activations with a few outlier channels and a per-row offset (what quantization
+    meets after a norm), rounded to ``dtype``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    x[..., ::7] *= 12.0                                     # outlier channels
+    x += torch.randn((*shape[:-1], 1), generator=g, dtype=torch.float64)   # offsets
+    return x.to(dtype).to(device)
+
+
+def weights(n, k, seed, device, dtype, bias=True):
+    g = torch.Generator().manual_seed(seed + 1)
+    w = (torch.randn(n, k, generator=g, dtype=torch.float64) * k ** -0.5)
+    w[::5] *= 4.0                                           # channels of different ranges
+    b = torch.randn(n, generator=g, dtype=torch.float64) if bias else None
+    return w.to(dtype).to(device), None if b is None else b.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("given", ["tensor", "fp8-rows"])
+def test_matches_the_fake_quantized_float64_product(device, dtype, m, k, n, given):
+    seed = fresh_seed()
+    x = realistic((m, k), seed, device, dtype)
+    w, b = weights(n, k, seed, device, dtype)
+    weight = quantize_weight(w)
+    out = fp8_linear(x if given == "tensor" else quantize_rows(x), weight, b)
+    assert out.shape == (m, n) and out.dtype == dtype
+    want = fp8_linear_reference(x, w, b)
+    # fp32 vs float64 rounding of v·448/amax may move a value one e4m3 step (a tie); the output is
+    # then rounded to bf16 (2^-8) once or, for fp16 layers, twice (through the bf16 GEMM output)
+    assert rel_l2(out, want) < 1e-2, f"seed {seed}"
+    exact = x.double() @ w.double().T + b.double()
+    # 8-bit products of exact math: e4m3 keeps 3 mantissa bits on each operand
+    assert cosine(out, exact) > 0.995 and rel_l2(out, exact) < 0.08, f"seed {seed}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_weight_quantization_is_per_channel_e4m3(device, dtype):
+    w, _ = weights(48, 80, fresh_seed(), device, dtype)
+    w[3] = 0   # an all-zero channel keeps a finite scale and zero values
+    fw = quantize_weight(w)
+    assert fw.data.dtype == torch.float8_e4m3fn and fw.data.shape == (48, 80) and fw.data.is_contiguous()
+    assert fw.scale.dtype == torch.float32 and fw.scale.shape == (1, 48) and fw.dtype == dtype
+    values, scale = quantize_weight_reference(w)
+    steps = (fw.data.double() - values).abs()
+    # values agree but for an fp32 / float64 tie, one e4m3 step (≤ 2^-3 of the value at most, here ≤ 32 at 448)
+    assert (steps > 0).float().mean() < 0.01 and (steps <= values.abs() / 8 + 2 ** -9).all()
+    torch.testing.assert_close(fw.scale.double().reshape(-1, 1), scale, rtol=1e-6, atol=0)
+    assert torch.isfinite(fw.scale).all() and (fw.data[3].float() == 0).all()
+    assert (fw.data.float().abs().amax(dim=1)[torch.arange(48) != 3] == 448).all()   # every channel uses the range
+
+
+def test_layouts_give_the_contiguous_bits(device):
+    """Transposed and expanded (stride-0) views, a non-unit row stride and 3-d inputs."""
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    w, b = weights(32, 48, seed, device, dtype)
+    weight = quantize_weight(w)
+    base = realistic((48, 10), seed, device, dtype)
+    cases = {
+        "transposed": base.t(),                                             # (10, 48), last stride 10
+        "row-stride": realistic((10, 96), seed, device, dtype)[:, ::2],    # non-unit last stride
+        "sliced-rows": realistic((10, 64), seed, device, dtype)[:, 16:],   # row stride 64
+        "expanded": realistic((1, 48), seed, device, dtype).expand(5, 48),  # stride-0 rows
+        "3-d view": realistic((2, 9, 48), seed, device, dtype).transpose(0, 1),
+    }
+    for name, x in cases.items():
+        got = fp8_linear(x, weight, b)
+        want = fp8_linear(x.contiguous(), weight, b)
+        assert got.shape == (*x.shape[:-1], 32), name
+        assert torch.equal(got, want), name
+
+
+def test_a_non_finite_row_is_nan_the_others_exact(device):
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    x = realistic((6, 48), seed, device, dtype)
+    w, b = weights(16, 48, seed, device, dtype)
+    weight = quantize_weight(w)
+    clean = fp8_linear(x, weight, b)
+    x[1, 5] = float("nan")
+    x[4, 0] = float("inf")
+    got = fp8_linear(x, weight, b)
+    assert torch.isnan(got[1]).all() and torch.isnan(got[4]).all()
+    keep = [0, 2, 3, 5]
+    assert torch.equal(got[keep], clean[keep])
+
+
+def test_fp8_linear_module(device):
+    dtype = torch.float16
+    linear = nn.Linear(48, 32).to(dtype).to(device)
+    layer = Fp8Linear.from_linear(linear, "proj")
+    x = realistic((3, 5, 48), fresh_seed(), device, dtype)
+    with torch.no_grad():
+        got = layer(x)
+        assert torch.equal(got, fp8_linear(x, layer.fp8_weight, linear.bias))
+        assert cosine(got, linear(x)) > 0.995
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.bias is linear.bias
+    assert "float8_e4m3fn" in repr(layer)
+    no_bias = Fp8Linear.from_linear(nn.Linear(48, 32, bias=False).to(dtype).to(device))
+    assert no_bias.bias is None and no_bias(x).shape == (3, 5, 32)
+
+
+def _bad_cases(device):
+    dtype = torch.bfloat16
+    w = torch.randn(32, 48, dtype=dtype, device=device)
+    weight = quantize_weight(w)
+    x = torch.randn(4, 48, dtype=dtype, device=device)
+    rows = quantize_rows(x)
+    return [
+        ("weight must be an Fp8Weight", TypeError, lambda: fp8_linear(x, w)),
+        ("x must be a torch.Tensor or an Fp8Rows", TypeError, lambda: fp8_linear(x.tolist(), weight)),
+        ("x must be float16, bfloat16 or float32", ValueError, lambda: fp8_linear(x.int(), weight)),
+        ("weight takes 48", ValueError, lambda: fp8_linear(x[:, :32], weight)),
+        (r"bias must be \(32,\)", ValueError, lambda: fp8_linear(x, weight, torch.zeros(16, dtype=dtype, device=device))),
+        (r"bias must be \(32,\)", ValueError, lambda: fp8_linear(x, weight, torch.zeros(32, device=device))),
+        ("bias must be a torch.Tensor", TypeError, lambda: fp8_linear(x, weight, 0.5)),
+        ("float8_e4m3fn data with float32 scales", ValueError,
+         lambda: fp8_linear(Fp8Rows(rows.data.float(), rows.scale), weight)),
+        (r"scale must have shape", ValueError, lambda: fp8_linear(Fp8Rows(rows.data, rows.scale[:2]), weight)),
+        ("requires grad", ValueError, lambda: fp8_linear(x.float().requires_grad_(), quantize_weight(w.float()))),
+        ("multiples of 16", ValueError, lambda: quantize_weight(w[:, :40])),
+        ("must be 2-D", ValueError, lambda: quantize_weight(w[0])),
+        ("NaN or an inf", ValueError, lambda: quantize_weight(torch.where(w > 2, float("inf"), w))),
+        ("float16, bfloat16 or float32", ValueError, lambda: quantize_weight(w.double())),
+        ("tensor subclass", TypeError, lambda: quantize_weight(w.as_subclass(_Subclass))),
+        ("must be an nn.Linear", TypeError, lambda: Fp8Linear.from_linear(nn.Conv1d(48, 32, 1))),
+        ("must be an Fp8Weight", TypeError, lambda: Fp8Linear((w, w, dtype))),
+    ]
+
+
+class _Subclass(torch.Tensor):
+    pass
+
+
+def test_bad_input_is_refused_before_any_launch(device):
+    for match, error, call in _bad_cases(device):
+        with pytest.raises(error, match=match):
+            call()
+
+
+def test_under_torch_compile(device):
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    w, b = weights(32, 48, seed, device, dtype)
+    weight = quantize_weight(w)
+    x = realistic((2, 7, 48), seed, device, dtype)
+
+    def f(x):
+        return fp8_linear(quantize_rows(x), weight, b) + 1
+
+    eager = f(x)
+    compiled = torch.compile(f, backend="eager", fullgraph=True)(x)
+    assert torch.equal(compiled, eager)
+
+
+def test_fp8_weight_is_a_named_tuple():
+    assert Fp8Weight._fields == ("data", "scale", "dtype")
