@@ -55,6 +55,7 @@ argument is needed (an epoch passed as an argument would be frozen into a captur
 import triton
 import triton.language as tl
 
+from flashflow.kernels.activation import gelu_tanh
 from flashflow.kernels.tile_order import _HALFROW, _SEQSPLIT, grouped_tile, ticket_to_tile
 
 # activations the kernels compute (`_act`'s codes; SwiGLU's gate is SiLU)
@@ -83,9 +84,8 @@ _CNT_OFF = tl.constexpr(CNT_OFF)
 def _act(a, ACTIVATION: tl.constexpr):
     if ACTIVATION == 0:  # silu (SwiGLU's gate too); inf-safe: a / (1 + e^-a)
         return a / (1.0 + tl.exp(-a))
-    elif ACTIVATION == 1:  # gelu, tanh form: 0.5·a·(1 + tanh(u)) = a·sigmoid(2u)
-        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
-        return a / (1.0 + tl.exp(-2.0 * u))
+    elif ACTIVATION == 1:  # gelu, tanh form
+        return gelu_tanh(a)
     else:  # relu
         return tl.maximum(a, 0.0)
 

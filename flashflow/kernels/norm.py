@@ -9,9 +9,16 @@ modulation row (shift / scale / gate) from row ``b``, or, with an ``index`` tens
 ``b`` where ``index[b, l] == 0`` and row ``B + b`` elsewhere (diffusers' ``_modulate(..., index)``
 of zero_cond_t models). Row bases are computed in int64, so tensors of more than 2^31 elements
 address correctly.
+
+With ``FP8_OUT`` the LayerNorm + modulation kernels write their modulated rows as e4m3 with one
+float32 scale per token (:func:`flashflow.kernels.quant.quantize_row_fp8`), the A operand of a
+row-scaled FP8 GEMM: quantized from the fp32 row already in registers (one more reduction, its
+amax), never rounded to x's dtype.
 """
 import triton
 import triton.language as tl
+
+from flashflow.kernels.quant import quantize_row_fp8
 
 
 @triton.jit
@@ -36,17 +43,19 @@ def layernorm_row(x, mask, D, eps):
 
 @triton.jit
 def layernorm_modulate_kernel(
-    x_ptr, shift_ptr, scale_ptr, index_ptr, y_ptr,
+    x_ptr, shift_ptr, scale_ptr, index_ptr, y_ptr, row_scale_ptr,
     B, L, D,
     stride_xb, stride_xl, stride_shift, stride_scale, stride_ib, stride_il, stride_yb, stride_yl,
     eps,
-    HAS_INDEX: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_INDEX: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``y = LayerNorm(x)·(1 + scale) + shift`` over rows of D; one program per token (B·L
-    programs), the row held in registers.
+    programs), the row held in registers. With ``FP8_OUT``, y is e4m3 and
+    ``row_scale_ptr[b·L + l]`` its token's float32 scale (not read otherwise).
 
-    Bytes: x read once, y written once (2·B·L·D elements); shift/scale rows come from L2.
-    FLOPs: about 8 per element.
+    Bytes: x read once, y written once (2·B·L·D elements; B·L·D bytes plus a float a token for
+    y with ``FP8_OUT``); shift/scale rows come from L2. FLOPs: about 8 per element (about 12
+    with ``FP8_OUT``).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // L
@@ -58,6 +67,9 @@ def layernorm_modulate_kernel(
     shift = tl.load(shift_ptr + m * stride_shift + d, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + m * stride_scale + d, mask=mask, other=0.0).to(tl.float32)
     y = layernorm_row(x, mask, D, eps) * (1.0 + scale) + shift
+    if FP8_OUT:
+        y, row_scale = quantize_row_fp8(y)      # masked lanes hold 0
+        tl.store(row_scale_ptr + row, row_scale)
     tl.store(y_ptr + b * stride_yb + l * stride_yl + d, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -96,21 +108,24 @@ def gate_residual_kernel(
 
 @triton.jit
 def gate_residual_layernorm_modulate_kernel(
-    res_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, index_ptr, new_res_ptr, mod_ptr,
+    res_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, index_ptr, new_res_ptr, mod_ptr, row_scale_ptr,
     B, L, D,
     stride_rb, stride_rl, stride_yb, stride_yl, stride_gate, stride_shift, stride_scale,
     stride_ib, stride_il, stride_nb, stride_nl, stride_mb, stride_ml,
     eps,
-    HAS_INDEX: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_INDEX: tl.constexpr, FP8_OUT: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """``new_res = residual + gate·y`` and ``mod = LayerNorm(new_res)·(1 + scale) + shift`` in
-    one pass; one program per token, the row in registers.
+    one pass; one program per token, the row in registers. With ``FP8_OUT``, mod is e4m3 and
+    ``row_scale_ptr[b·L + l]`` its token's float32 scale (not read otherwise); new_res is
+    residual's dtype either way.
 
     The LayerNorm reads the new residual as stored (rounded to its dtype), as the unfused block
     normalises the tensor it just wrote, so the two outputs agree with each other exactly.
 
     Bytes: residual and y read once, new_res and mod written once (4·B·L·D elements, against
-    6·B·L·D for the two unfused passes). FLOPs: about 10 per element.
+    6·B·L·D for the two unfused passes; mod one byte an element with ``FP8_OUT``). FLOPs:
+    about 10 per element (about 14 with ``FP8_OUT``).
     """
     row = tl.program_id(0).to(tl.int64)
     b = row // L
@@ -125,6 +140,9 @@ def gate_residual_layernorm_modulate_kernel(
     shift = tl.load(shift_ptr + m * stride_shift + d, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(scale_ptr + m * stride_scale + d, mask=mask, other=0.0).to(tl.float32)
     mod = layernorm_row(h, mask, D, eps) * (1.0 + scale) + shift
+    if FP8_OUT:
+        mod, row_scale = quantize_row_fp8(mod)      # masked lanes hold 0
+        tl.store(row_scale_ptr + row, row_scale)
     tl.store(mod_ptr + b * stride_mb + l * stride_ml + d, mod.to(mod_ptr.dtype.element_ty), mask=mask)
 
 

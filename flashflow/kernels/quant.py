@@ -13,6 +13,12 @@ instead of relying on the cast alone: the result is then exactly representable, 
 follows is exact on every GPU and under Triton's interpreter (whose own fp32 → fp8 conversion
 does not round to nearest), and the CPU tests check the numerics the GPU runs.
 
+Rows (:func:`quantize_row_fp8`, :func:`quantize_rows_kernel`): the A operand of an FP8 GEMM
+with row-wise scales (``torch._scaled_mm``), one e4m3 scale per row (token) of an activation,
+``x ≈ scale[row] · q[row, :]``. A row holding a NaN or ±inf gets a NaN scale, so the GEMM's
+output row is NaN rather than a finite number hiding it. The diffusion norms
+(:mod:`flashflow.kernels.norm`) quantize their output rows with it in the pass that computes them.
+
 Attention (:func:`attention_kv_stats_kernel`, :func:`attention_quantize_kernel`) follows
 SageAttention: K is smoothed by its mean over tokens (softmax is shift-invariant per row, so the
 scores lose nothing; only the log-sum-exp needs ``q·k̄`` added back), Q gets one scale per token,
@@ -33,6 +39,8 @@ from every row marks nothing: its non-finite values are taken as 0.
 """
 import triton
 import triton.language as tl
+
+from flashflow.kernels.activation import gelu_tanh
 
 INT8_MAX: tl.constexpr = tl.constexpr(127.0)
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
@@ -105,6 +113,51 @@ def quantize(x, amax, FP8: tl.constexpr):
         return round_e4m3(x * (E4M3_MAX / amax)), amax / E4M3_MAX
     else:
         return round_half_even(x * (INT8_MAX / amax)), amax / INT8_MAX
+
+
+@triton.jit
+def quantize_row_fp8(x):
+    """``(values, scale)`` of one fp32 row ``x`` (1-D; masked lanes must hold 0) with one e4m3
+    scale: ``scale = max|x| / 448`` (``AMAX_FLOOR / 448`` for an all-zero row) and ``values =
+    round_e4m3(x · (448 / max|x|))`` as fp32, exactly on the e4m3 grid; ``scale`` is NaN where
+    the row holds a NaN or ±inf (its values are then unspecified)."""
+    amax = amax_keep_nan(x, 0)
+    values, scale = quantize(x, amax, True)
+    return values, mark_non_finite(scale, amax)
+
+
+# --------------------------------------------------------------------------------------------
+# rows: the A operand of a row-scaled FP8 GEMM
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr, q_ptr, s_ptr,
+    L, K,
+    stride_xb, stride_xl,
+    GELU: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Rows of ``x`` (B·L rows of K, row (b, l) at ``b·stride_xb + l·stride_xl``, unit stride
+    along K) to e4m3 with one float32 scale each (:func:`quantize_row_fp8`): ``q (B·L, K)``
+    contiguous, ``s (B·L,)``. With ``GELU``, the row is first taken through GELU's tanh form in
+    fp32 (:func:`flashflow.kernels.activation.gelu_tanh`), never rounded to x's dtype.
+
+    One program per row, the row held in registers (``BLOCK_K`` = next power of two of K): its
+    amax is one reduction. Bytes: x read once, K bytes and one float written per row.
+    FLOPs: about 4 per element (about 12 with ``GELU``).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b = row // L
+    l = row % L
+    k = tl.arange(0, BLOCK_K)
+    mask = k < K
+    x = tl.load(x_ptr + b * stride_xb + l * stride_xl + k, mask=mask, other=0.0).to(tl.float32)
+    if GELU:
+        x = gelu_tanh(x)
+    values, scale = quantize_row_fp8(x)
+    tl.store(q_ptr + row * K + k, values.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
 
 
 # --------------------------------------------------------------------------------------------

@@ -4,7 +4,9 @@ A double-stream DiT block (Qwen-Image, as diffusers implements it) spends a larg
 step outside its GEMMs and attention, in passes that each read and write the whole activation:
 LayerNorm then AdaLN modulation, the gated residual add, the q/k RMSNorm, the rotary
 embedding, the concatenation of the text and image streams. Each op here is one pass over its
-rows (kernels: :mod:`flashflow.kernels.norm`), computing in fp32 and returning x's dtype:
+rows (kernels: :mod:`flashflow.kernels.norm`), computing in fp32 and returning x's dtype (or,
+with ``fp8=True``, the modulated rows as e4m3 with one scale per token, the A operand of an FP8
+GEMM: :class:`flashflow.ops.quant.Fp8Rows`):
 
 * :func:`layernorm_modulate` ``LayerNorm(x)·(1 + scale) + shift``;
 * :func:`gate_residual` ``residual + gate·y``;
@@ -38,15 +40,16 @@ from flashflow.device import cdiv, next_pow2
 from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
                                     joint_qkv_norm_rope_kernel, layernorm_modulate_kernel, rmsnorm_rope_kernel)
 from flashflow.ops.common import dispatch as _dispatch
-from flashflow.ops.validate import (check_eps, check_no_grad, check_runs_here, check_same_device, check_tensor,
-                                    check_unit_last_stride)
-from flashflow.tuning.norm import heads_per_program as _heads_per_program, row_warps as _num_warps
+from flashflow.ops.quant import Fp8Rows, empty_rows
+from flashflow.ops.validate import (check_eps, check_flag, check_no_grad, check_runs_here, check_same_device,
+                                    check_tensor, check_unit_last_stride)
+from flashflow.tuning.norm import MAX_ROW_WIDTH, heads_per_program as _heads_per_program, row_warps as _num_warps
 
 __all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
            "joint_qkv_norm_rope", "MAX_DIM"]
 
-# Rows are held in registers in one pass: up to 16384 fp32 values over 8 warps is 64 a thread.
-MAX_DIM = 16384
+# rows are held in registers in one pass
+MAX_DIM = MAX_ROW_WIDTH
 # gate_residual reduces nothing: rows split into column blocks of at most this width
 RESIDUAL_BLOCK = 4096
 # rmsnorm_rope and joint_qkv_norm_rope pack heads of one token into a tile of at most this many elements
@@ -155,20 +158,35 @@ def _index_args(index: Optional[torch.Tensor], x: torch.Tensor) -> tuple:
 # --------------------------------------------------------------------------------------------
 
 
-def _layernorm_modulate_impl(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
-                             index: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+def _layernorm_modulate_launch(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                               index: Optional[torch.Tensor], eps: float, y: torch.Tensor,
+                               row_scale: Optional[torch.Tensor]) -> None:
+    """Into ``y`` (B, L, D) contiguous: x's dtype, or e4m3 with ``row_scale`` (B, L, 1)."""
     b, l, d = x.shape
-    y = torch.empty((b, l, d), dtype=x.dtype, device=x.device)
     if b * l == 0:
-        return y
+        return
     index_ptr, stride_ib, stride_il = _index_args(index, x)
     block = next_pow2(d)
     layernorm_modulate_kernel[(b * l,)](
-        x, shift, scale, index_ptr, y, b, l, d,
+        x, shift, scale, index_ptr, y, row_scale if row_scale is not None else y, b, l, d,
         x.stride(0), x.stride(1), shift.stride(0), scale.stride(0), stride_ib, stride_il, y.stride(0), y.stride(1),
-        eps, HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block),
+        eps, HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
+        num_warps=_num_warps(block),
     )
+
+
+def _layernorm_modulate_impl(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                             index: Optional[torch.Tensor], eps: float) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _layernorm_modulate_launch(x, shift, scale, index, eps, y, None)
     return y
+
+
+def _layernorm_modulate_fp8_impl(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+                                 index: Optional[torch.Tensor], eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    data, row_scale = empty_rows(x.shape, x.device)
+    _layernorm_modulate_launch(x, shift, scale, index, eps, data, row_scale)
+    return data, row_scale
 
 
 def _gate_residual_impl(residual: torch.Tensor, y: torch.Tensor, gate: torch.Tensor,
@@ -188,24 +206,46 @@ def _gate_residual_impl(residual: torch.Tensor, y: torch.Tensor, gate: torch.Ten
     return out
 
 
+def _gate_residual_layernorm_modulate_launch(
+    residual: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    index: Optional[torch.Tensor], eps: float, new_res: torch.Tensor, mod: torch.Tensor,
+    row_scale: Optional[torch.Tensor],
+) -> None:
+    """Into ``new_res`` and ``mod`` (B, L, D) contiguous: ``mod`` in residual's dtype, or e4m3
+    with ``row_scale`` (B, L, 1)."""
+    b, l, d = residual.shape
+    if b * l == 0:
+        return
+    index_ptr, stride_ib, stride_il = _index_args(index, residual)
+    block = next_pow2(d)
+    gate_residual_layernorm_modulate_kernel[(b * l,)](
+        residual, y, gate, shift, scale, index_ptr, new_res, mod, row_scale if row_scale is not None else mod,
+        b, l, d,
+        residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), shift.stride(0),
+        scale.stride(0), stride_ib, stride_il, new_res.stride(0), new_res.stride(1), mod.stride(0), mod.stride(1),
+        eps, HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
+        num_warps=_num_warps(block),
+    )
+
+
 def _gate_residual_layernorm_modulate_impl(
     residual: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
     index: Optional[torch.Tensor], eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    b, l, d = residual.shape
-    new_res = torch.empty((b, l, d), dtype=residual.dtype, device=residual.device)
-    mod = torch.empty((b, l, d), dtype=residual.dtype, device=residual.device)
-    if b * l == 0:
-        return new_res, mod
-    index_ptr, stride_ib, stride_il = _index_args(index, residual)
-    block = next_pow2(d)
-    gate_residual_layernorm_modulate_kernel[(b * l,)](
-        residual, y, gate, shift, scale, index_ptr, new_res, mod, b, l, d,
-        residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), shift.stride(0),
-        scale.stride(0), stride_ib, stride_il, new_res.stride(0), new_res.stride(1), mod.stride(0), mod.stride(1),
-        eps, HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block),
-    )
+    new_res = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    mod = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    _gate_residual_layernorm_modulate_launch(residual, y, gate, shift, scale, index, eps, new_res, mod, None)
     return new_res, mod
+
+
+def _gate_residual_layernorm_modulate_fp8_impl(
+    residual: torch.Tensor, y: torch.Tensor, gate: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
+    index: Optional[torch.Tensor], eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    new_res = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    data, row_scale = empty_rows(residual.shape, residual.device)
+    _gate_residual_layernorm_modulate_launch(residual, y, gate, shift, scale, index, eps, new_res, data, row_scale)
+    return new_res, data, row_scale
 
 
 def _rmsnorm_rope_launch(x: torch.Tensor, weight: Optional[torch.Tensor], freqs: torch.Tensor, eps: float,
@@ -275,9 +315,13 @@ def _joint_qkv_norm_rope_impl(
 
 _layernorm_modulate_op = torch.library.custom_op(
     "flashflow::layernorm_modulate", mutates_args=())(_layernorm_modulate_impl)
+_layernorm_modulate_fp8_op = torch.library.custom_op(
+    "flashflow::layernorm_modulate_fp8", mutates_args=())(_layernorm_modulate_fp8_impl)
 _gate_residual_op = torch.library.custom_op("flashflow::gate_residual", mutates_args=())(_gate_residual_impl)
 _gate_residual_layernorm_modulate_op = torch.library.custom_op(
     "flashflow::gate_residual_layernorm_modulate", mutates_args=())(_gate_residual_layernorm_modulate_impl)
+_gate_residual_layernorm_modulate_fp8_op = torch.library.custom_op(
+    "flashflow::gate_residual_layernorm_modulate_fp8", mutates_args=())(_gate_residual_layernorm_modulate_fp8_impl)
 _rmsnorm_rope_op = torch.library.custom_op("flashflow::rmsnorm_rope", mutates_args=())(_rmsnorm_rope_impl)
 _rmsnorm_rope_out_op = torch.library.custom_op(
     "flashflow::rmsnorm_rope_out", mutates_args=("out",))(_rmsnorm_rope_out_impl)
@@ -290,6 +334,11 @@ def _(x, shift, scale, index, eps):
     return x.new_empty(x.shape)
 
 
+@_layernorm_modulate_fp8_op.register_fake
+def _(x, shift, scale, index, eps):
+    return empty_rows(x.shape, x.device)
+
+
 @_gate_residual_op.register_fake
 def _(residual, y, gate, index):
     return residual.new_empty(residual.shape)
@@ -298,6 +347,11 @@ def _(residual, y, gate, index):
 @_gate_residual_layernorm_modulate_op.register_fake
 def _(residual, y, gate, shift, scale, index, eps):
     return residual.new_empty(residual.shape), residual.new_empty(residual.shape)
+
+
+@_gate_residual_layernorm_modulate_fp8_op.register_fake
+def _(residual, y, gate, shift, scale, index, eps):
+    return (residual.new_empty(residual.shape), *empty_rows(residual.shape, residual.device))
 
 
 @_rmsnorm_rope_op.register_fake
@@ -323,7 +377,7 @@ def _(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_
 # --------------------------------------------------------------------------------------------
 
 
-def layernorm_modulate(x, shift, scale, eps=1e-6, index=None):
+def layernorm_modulate(x, shift, scale, eps=1e-6, index=None, fp8=False):
     """LayerNorm (no affine) and AdaLN modulation in one pass.
 
     Args:
@@ -333,9 +387,16 @@ def layernorm_modulate(x, shift, scale, eps=1e-6, index=None):
         eps: the LayerNorm's epsilon (diffusers' Qwen-Image blocks: 1e-6).
         index: None, or an integer/bool ``(batch, seqlen)`` tensor: token (b, l) takes
             modulation row b where ``index[b, l] == 0``, else row batch + b.
+        fp8: True or False. True returns the result as the A operand of a row-scaled FP8 GEMM
+            (:class:`~flashflow.ops.quant.Fp8Rows`) instead of a tensor in x's dtype.
     Returns:
-        ``LayerNorm(x)·(1 + scale) + shift``, a new contiguous tensor in x's dtype; statistics
-        and arithmetic in fp32, rounded once.
+        ``LayerNorm(x)·(1 + scale) + shift``, statistics and arithmetic in fp32: a new
+        contiguous tensor in x's dtype (the fp32 value rounded once to it); with ``fp8`` an
+        :class:`~flashflow.ops.quant.Fp8Rows` ``(data (batch, seqlen, dim) e4m3, scale (batch,
+        seqlen, 1) float32)``, each token's row quantized from the fp32 value itself (never
+        rounded to x's dtype): ``scale = max|row| / 448``, ``data = e4m3(row · 448 / max|row|)``
+        (nearest even, saturated at ±448), a NaN scale for a row holding a NaN or ±inf
+        (:mod:`flashflow.ops.quant`).
     """
     b, l, d = _check_rows("x", x)
     _check_dim("x", d)
@@ -343,7 +404,11 @@ def layernorm_modulate(x, shift, scale, eps=1e-6, index=None):
     _check_modulation("shift", shift, b, d, x, "x", index)
     _check_modulation("scale", scale, b, d, x, "x", index)
     eps = check_eps(eps)
+    fp8 = check_flag("fp8", fp8)
     check_no_grad("layernorm_modulate", x=x, shift=shift, scale=scale)
+    if fp8:
+        return Fp8Rows(*_dispatch(_layernorm_modulate_fp8_op, _layernorm_modulate_fp8_impl,
+                                  x, shift, scale, index, eps))
     return _dispatch(_layernorm_modulate_op, _layernorm_modulate_impl, x, shift, scale, index, eps)
 
 
@@ -366,17 +431,21 @@ def gate_residual(residual, y, gate, index=None):
     return _dispatch(_gate_residual_op, _gate_residual_impl, residual, y, gate, index)
 
 
-def gate_residual_layernorm_modulate(residual, y, gate, shift, scale, eps=1e-6, index=None):
+def gate_residual_layernorm_modulate(residual, y, gate, shift, scale, eps=1e-6, index=None, fp8=False):
     """:func:`gate_residual` then :func:`layernorm_modulate` of its result, in one pass that
     reads residual and y once.
 
     Args: as :func:`gate_residual` and :func:`layernorm_modulate` (gate, shift and scale share
-        ``index``).
+        ``index``; ``fp8`` concerns ``modulated`` only).
     Returns:
-        ``(new_residual, modulated)``, new contiguous tensors in residual's dtype:
-        ``new_residual = residual + gate·y`` and ``modulated = LayerNorm(new_residual)·(1 +
-        scale) + shift``, the LayerNorm taken of new_residual as rounded to its dtype (as the
-        unfused block normalises the tensor it stored).
+        ``(new_residual, modulated)``: ``new_residual = residual + gate·y``, computed in fp32
+        and rounded once to residual's dtype, and ``modulated = LayerNorm(new_residual)·(1 +
+        scale) + shift`` in fp32, the LayerNorm taken of new_residual as rounded (as the
+        unfused block normalises the tensor it stored). Both are new contiguous tensors in
+        residual's dtype; with ``fp8``, ``modulated`` is an
+        :class:`~flashflow.ops.quant.Fp8Rows` quantized per token from its fp32 value, never
+        rounded to residual's dtype, as in :func:`layernorm_modulate` (new_residual is still
+        residual's dtype).
     """
     b, l, d = _check_rows("residual", residual)
     _check_dim("residual", d)
@@ -385,7 +454,13 @@ def gate_residual_layernorm_modulate(residual, y, gate, shift, scale, eps=1e-6, 
     for name, t in (("gate", gate), ("shift", shift), ("scale", scale)):
         _check_modulation(name, t, b, d, residual, "residual", index)
     eps = check_eps(eps)
+    fp8 = check_flag("fp8", fp8)
     check_no_grad("gate_residual_layernorm_modulate", residual=residual, y=y, gate=gate, shift=shift, scale=scale)
+    if fp8:
+        new_res, data, row_scale = _dispatch(_gate_residual_layernorm_modulate_fp8_op,
+                                             _gate_residual_layernorm_modulate_fp8_impl,
+                                             residual, y, gate, shift, scale, index, eps)
+        return new_res, Fp8Rows(data, row_scale)
     return _dispatch(_gate_residual_layernorm_modulate_op, _gate_residual_layernorm_modulate_impl,
                      residual, y, gate, shift, scale, index, eps)
 

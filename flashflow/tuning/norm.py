@@ -1,9 +1,13 @@
-"""The diffusion block's norms (:mod:`flashflow.ops.norm`) have no config table: each launch is
+"""The diffusion block's norms (:mod:`flashflow.ops.norm`) and the FP8 row quantization
+(:mod:`flashflow.ops.quant`) have no config table: each launch is
 one pass over rows held in registers, and its launch parameters follow from the row's width by
 the rules below."""
 from __future__ import annotations
 
 from flashflow.device import cdiv, next_pow2
+
+# The widest row a pass holds in registers: 16384 fp32 values over 8 warps is 64 a thread.
+MAX_ROW_WIDTH = 16384
 
 
 def row_warps(block: int) -> int:
