@@ -1,9 +1,13 @@
 """`flashflow bench --suite qwen-image`: one Qwen-Image transformer step, diffusers against
-:mod:`flashflow.integrations.diffusers`, eager and under ``torch.compile``.
+:mod:`flashflow.integrations.diffusers` and against torchao's FP8 linears, eager, under
+``torch.compile`` and captured in a CUDA graph.
 
 The model is diffusers' ``QwenImageTransformer2DModel`` at full width (:data:`CONFIG`, the class's
 own defaults, which are the released model's) with ``--blocks`` of its 60 double-stream blocks
-(default 6), random weights in bf16, on the GPU. Steps, batch 1, 256 text tokens:
+(default 6), random weights in bf16, on the GPU, with the q/k RMSNorm weights scaled ×3
+(:data:`QK_NORM_SCALE`, :func:`build_model`): random weights otherwise give near-uniform
+attention, whose output hardly depends on which keys it attended, and the accuracy columns would
+not see an attention error. Steps, batch 1, 256 text tokens:
 
   * ``qwen-image-1024px``: one 1024×1024 image, 64×64 = 4096 image tokens;
   * ``qwen-image-edit-1024px``: the image and its reference, 2 × 4096 = 8192 image tokens;
@@ -11,8 +15,8 @@ own defaults, which are the released model's) with ``--blocks`` of its 60 double
 each without a text mask and with one that marks 200 of the 256 text tokens valid (a padded
 prompt; the attention then takes a mask). ``--quick``: the two shapes without the mask.
 
-Providers, timed in one run on the same model and inputs:
-  * ``diffusers`` — the model as diffusers builds it (SDPA attention);
+Providers, timed in one run on the same weights and inputs (:data:`MODES` says what each runs):
+  * ``diffusers`` — the model as diffusers builds it (SDPA attention, bf16 Linear layers);
   * ``diffusers+compile`` — ``torch.compile(model, dynamic=False)``, default mode;
   * ``flashflow`` — after ``flashflow.integrations.diffusers.enable(model)``;
   * ``flashflow+compile`` — ``enable(model)``, then ``torch.compile(model, dynamic=False)``;
@@ -20,44 +24,84 @@ Providers, timed in one run on the same model and inputs:
     as replays (a step with a text mask cannot be captured: its error entry says so);
   * ``flashflow-fp8``, ``flashflow-fp8+graph`` — ``enable(model, attention="fp8")`` (FP8
     attention, :func:`flashflow.ops.attention_fp8.flash_attn_fp8_func`; Hopper or newer), eager
-    and captured.
+    and captured;
+  * ``flashflow-fp8-linear``, ``flashflow-fp8-linear+graph``, ``flashflow-fp8-linear+compile`` —
+    ``enable(model, attention="fp8", linear="fp8")``: FP8 attention and every Linear of every block
+    in FP8 e4m3 (per-row activation, per-channel weight scales); eager, captured, and compiled;
+  * ``torchao-fp8+compile`` — what a user of torchao does today: ``quantize_`` with
+    ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` on the Linear layers of the
+    transformer blocks, then ``torch.compile(model, dynamic=False)``. ``quantize_`` changes a model
+    in place, so it runs on a copy (:func:`torchao_fp8_copy`: made block by block while the
+    original waits on the CPU, so the GPU holds one model at a time and the peak memory is the
+    quantized model's), dropped afterwards. torchao is optional (``pip install torchao``, or the
+    ``bench`` extra): without it the provider's entry on every shape says so (``"skipped": true``)
+    and the rest of the run goes on.
 
 Per (provider, shape): median ms of one step (``triton.testing.do_bench`` under
 ``torch.no_grad()``, after the first call, which compiles and is reported as ``first_call_s``),
 speedups over ``diffusers`` and ``diffusers+compile``, the output's relative L2 error and cosine
-against the eager diffusers output (for the fp8 providers, the error FP8 attention adds), peak
-memory over one step (``max_memory_allocated``), and for the eager providers the split of GPU
-kernel time into GEMM / attention / other from ``torch.profiler`` (:func:`classify_kernel`).
-Each compiled provider compiles once per shape (``dynamic=False``: static shapes, no
-dynamic-shape recompiles), and the compiled code is dropped (``torch._dynamo.reset()``) before
-the next provider.
+against the eager diffusers output (for the fp8 providers, the error FP8 adds), ``block_cosine``:
+per transformer block, the cosine of its image-stream output against eager diffusers' (forward
+hooks on ``transformer_blocks[i]``, one extra call per provider and shape; :func:`block_cosines`),
+peak memory over one step (``max_memory_allocated``), and for the eager providers in
+:data:`PROFILED` the split of GPU kernel time into GEMM / attention / other from
+``torch.profiler`` (:func:`classify_kernel`). The block pass calls the provider's model
+uncompiled: a compiled graph does not call hooks added after it was compiled, and compiling it
+again with them would cost a compile per shape; so a compiled provider reports its model's blocks
+as eager code computes them (its quantization or attention error, not Inductor's reordering),
+``diffusers+compile`` none (its uncompiled model is the reference), and the ``+graph`` providers
+none (they replay their eager provider's kernels). Each compiled provider compiles once per shape
+(``dynamic=False``: static shapes, no dynamic-shape recompiles), and the compiled code is dropped
+(``torch._dynamo.reset()``) before the next provider.
 
 Writes ``qwen-image-<device>.json`` and a PNG bar chart beside it (with matplotlib).
 """
 from __future__ import annotations
 
+import copy
 import gc
 import sys
 import time
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NamedTuple
 
 from flashflow.bench import timing
 
 DEFAULT = "diffusers"
 COMPILED_DEFAULT = "diffusers+compile"
-PROVIDERS = (DEFAULT, COMPILED_DEFAULT, "flashflow", "flashflow+compile", "diffusers+graph", "flashflow+graph",
-             "flashflow-fp8", "flashflow-fp8+graph")
-# provider -> (flashflow's attention mode, None: not enabled; torch.compile'd; one step captured in
-# a CUDA graph per shape)
-_MODES = {DEFAULT: (None, False, False), COMPILED_DEFAULT: (None, True, False),
-          "flashflow": ("exact", False, False), "flashflow+compile": ("exact", True, False),
-          "diffusers+graph": (None, False, True), "flashflow+graph": ("exact", False, True),
-          "flashflow-fp8": ("fp8", False, False), "flashflow-fp8+graph": ("fp8", False, True)}
+TORCHAO = "torchao-fp8+compile"
+
+
+class Mode(NamedTuple):
+    """What a provider runs."""
+    attention: str | None   # flashflow's attention mode ("exact", "fp8"); None: flashflow not enabled
+    linear: str             # "bf16": the model's own Linear layers; "fp8": flashflow's FP8 linears
+                            # (enable(..., linear="fp8")); "torchao-fp8": torchao's quantize_, on a copy
+    compiled: bool          # torch.compile(model, dynamic=False)
+    graphed: bool           # one step captured in a CUDA graph per shape
+
+
+MODES = {
+    DEFAULT: Mode(None, "bf16", False, False),
+    COMPILED_DEFAULT: Mode(None, "bf16", True, False),
+    "flashflow": Mode("exact", "bf16", False, False),
+    "flashflow+compile": Mode("exact", "bf16", True, False),
+    "diffusers+graph": Mode(None, "bf16", False, True),
+    "flashflow+graph": Mode("exact", "bf16", False, True),
+    "flashflow-fp8": Mode("fp8", "bf16", False, False),
+    "flashflow-fp8+graph": Mode("fp8", "bf16", False, True),
+    TORCHAO: Mode(None, "torchao-fp8", True, False),
+    "flashflow-fp8-linear": Mode("fp8", "fp8", False, False),
+    "flashflow-fp8-linear+graph": Mode("fp8", "fp8", False, True),
+    "flashflow-fp8-linear+compile": Mode("fp8", "fp8", True, False),
+}
+PROVIDERS = tuple(MODES)
 # the GPU time split is read from the eager providers: compiled kernels are Inductor's fusions,
 # named after aten ops, which would all land in "other"
-PROFILED = (DEFAULT, "flashflow", "flashflow-fp8")
+PROFILED = (DEFAULT, "flashflow", "flashflow-fp8", "flashflow-fp8-linear")
 PROFILE_STEPS = 3
 
 MODEL_BLOCKS = 60
@@ -66,6 +110,14 @@ DEFAULT_BLOCKS = 6
 # JSON records what was built; tests/bench/test_qwen_image_suite.py checks them against diffusers.
 CONFIG = {"patch_size": 2, "in_channels": 64, "out_channels": 16, "attention_head_dim": 128,
           "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": (16, 56, 56)}
+# The q/k RMSNorm weights (both streams) are multiplied by this: q·k scores of random weights are
+# about N(0, 1), attention over thousands of keys is then near uniform and an attention error
+# hardly shows in the output; ×3 makes it peaked (docs/diffusion.md).
+QK_NORM_SCALE = 3.0
+QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+TORCHAO_CONFIG = "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"
+TORCHAO_MISSING = "torchao is not installed (pip install torchao)"
 
 IMAGE_SIDE = 1024 // 8 // 2  # pixels / VAE downsampling / patch size: 64 tokens per side
 TEXT_TOKENS = 256
@@ -76,9 +128,12 @@ GIB = 2 ** 30
 
 # kernel-name fragments, lower case; attention first: cutlass' FMHA kernels name cutlass too.
 # FP8 attention's quantize pass (attention_kv_stats_kernel, attention_quantize_kernel) counts as
-# attention: it is part of the op's call.
+# attention: it is part of the op's call. FP8 GEMMs are GEMMs: cuBLASLt's (nvjet_*, sm90_xmma_gemm_*
+# e4m3), CUTLASS' (cutlass3x_sm90_*, torch._scaled_mm's row-wise f8f8bf16 kernels) and Triton ones
+# named *gemm* / *matmul*; the FP8 linears' activation quantize kernels (amax, scale, cast) are
+# "other", as the bf16 step's casts and norms are.
 ATTENTION_KERNELS = ("flash", "fmha", "attention", "cudnn")
-GEMM_KERNELS = ("gemm", "cutlass", "cublas", "xmma", "nvjet")
+GEMM_KERNELS = ("gemm", "matmul", "cutlass", "cublas", "xmma", "nvjet")
 CLASSES = ("gemm", "attention", "other")
 
 
@@ -141,11 +196,13 @@ def check_args(args) -> str | None:
 # --------------------------------------------------------------------------------------------
 
 
-def build_model(blocks: int, device, dtype, seed: int = 0, **overrides):
+def build_model(blocks: int, device, dtype, seed: int = 0, qk_norm_scale: float = QK_NORM_SCALE, **overrides):
     """QwenImageTransformer2DModel with ``blocks`` blocks and random weights, made directly on
     ``device`` in ``dtype`` (60 blocks hold 20 B parameters: no fp32 or host copy on the way),
-    in eval mode, parameters not requiring grad. ``overrides`` change :data:`CONFIG` (tests
-    build a narrow model on the CPU)."""
+    in eval mode, parameters not requiring grad. The q/k RMSNorm weights of both streams
+    (:data:`QK_NORMS`) are multiplied by ``qk_norm_scale`` (default :data:`QK_NORM_SCALE`, 1 keeps
+    diffusers' ones) so attention is peaked and its errors show. ``overrides`` change
+    :data:`CONFIG` (tests build a narrow model on the CPU)."""
     import torch
     from diffusers import QwenImageTransformer2DModel
 
@@ -157,7 +214,12 @@ def build_model(blocks: int, device, dtype, seed: int = 0, **overrides):
             model = QwenImageTransformer2DModel(**{**CONFIG, **overrides, "num_layers": blocks})
     finally:
         torch.set_default_dtype(before)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if qk_norm_scale != 1:
+        for block in model.transformer_blocks:
+            for name in QK_NORMS:
+                getattr(block.attn, name).weight.mul_(qk_norm_scale)
+    return model
 
 
 def make_inputs(shape: StepShape, config: dict, device, dtype, seed: int = 0) -> dict:
@@ -188,6 +250,108 @@ def output_error(out, ref) -> tuple[float, float]:
     from flashflow.reference.metrics import cosine, rel_l2
 
     return rel_l2(out, ref), cosine(out, ref)
+
+
+@contextmanager
+def block_hooks(model, on_block):
+    """Forward hooks on ``model.transformer_blocks[i]`` for the ``with`` body: each block's call
+    hands ``on_block(i, image_stream)`` its image-stream output (a block returns
+    ``(encoder_hidden_states, hidden_states)``)."""
+    handles = [block.register_forward_hook(lambda _m, _a, out, i=i: on_block(i, out[1]))
+               for i, block in enumerate(model.transformer_blocks)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def reference_step(model, kwargs: dict):
+    """(the step's output in float32, every block's image-stream output on the CPU in the model's
+    dtype): the reference of one shape, from one call. The block outputs wait on the host, so
+    they take no GPU memory while the providers are measured."""
+    blocks: dict[int, object] = {}
+    with block_hooks(model, lambda i, x: blocks.__setitem__(i, x.detach().to("cpu", copy=True))):
+        out = model(**kwargs)[0].float()
+    return out, [blocks[i] for i in range(len(blocks))]
+
+
+def block_cosines(model, kwargs: dict, ref_blocks: list) -> list[float]:
+    """One call of ``model`` with hooks on its blocks: per block, the cosine of its image-stream
+    output against ``ref_blocks[i]`` (from :func:`reference_step`), in float64 on the output's
+    device, computed as the block returns (no block output is kept)."""
+    from flashflow.reference.metrics import cosine
+
+    blocks = len(model.transformer_blocks)
+    if blocks != len(ref_blocks):
+        raise ValueError(f"the model has {blocks} transformer blocks, the reference {len(ref_blocks)}")
+    got: dict[int, float] = {}
+    with block_hooks(model, lambda i, x: got.__setitem__(i, cosine(x, ref_blocks[i].to(x.device)))):
+        model(**kwargs)
+    if sorted(got) != list(range(blocks)):
+        raise RuntimeError(f"the hooks saw blocks {sorted(got)} of {blocks}: a block was not called as a module")
+    return [got[i] for i in range(len(ref_blocks))]
+
+
+# --------------------------------------------------------------------------------------------
+# torchao
+# --------------------------------------------------------------------------------------------
+
+
+class Skipped(Exception):
+    """A provider that cannot run on this machine (a missing optional package): its entry on
+    every shape is ``{"error": reason, "skipped": True}`` and the run goes on."""
+
+
+def torchao_version() -> str | None:
+    """The installed torchao's version, or None (read from the package metadata: nothing imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torchao")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@contextmanager
+def torchao_fp8_copy(model, backend):
+    """A copy of ``model`` with torchao's ``quantize_(block,
+    Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()))`` on every transformer
+    block's Linear layers, for the ``with`` body; :class:`Skipped` when torchao does not import.
+
+    ``quantize_`` replaces weights in place, so it works on a copy. ``model`` waits on the CPU
+    (``backend.park``) meanwhile: the copy is made from it block by block (one bf16 block on the
+    GPU at a time, quantized before the next), so the GPU holds the quantized model alone and its
+    peak memory is the copy's. Afterwards the copy is dropped and ``model`` goes back where it was.
+    torchao's config adjusts Inductor's settings for the compile that follows (what a user of it
+    gets); they are put back on the way out, so the providers measured later compile with the
+    defaults."""
+    from torch import nn
+
+    try:
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+    except ImportError as e:
+        raise Skipped(f"{TORCHAO_MISSING}: {timing.short_error(e)}") from e
+    import torch._inductor.config as inductor_config
+
+    saved = inductor_config.get_config_copy()
+    config = Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())
+    device = backend.park(model)
+    quantized = None
+    try:
+        blocks = nn.ModuleList()
+        # everything but the blocks, deep-copied; the memo stands the empty list in for the blocks
+        quantized = copy.deepcopy(model, {id(model.transformer_blocks): blocks}).to(device)
+        for block in model.transformer_blocks:
+            block = copy.deepcopy(block).to(device)
+            quantize_(block, config)   # its default filter: the nn.Linear modules
+            blocks.append(block)
+        yield quantized
+    finally:
+        quantized = blocks = block = None
+        backend.free()
+        inductor_config.load_config(saved)
+        backend.unpark(model, device)
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +451,16 @@ class CudaBackend:
         gc.collect()
         torch.cuda.empty_cache()
 
+    def park(self, model):
+        """Move ``model`` to the host while a copy of it runs; returns the device it was on."""
+        device = next(model.parameters()).device
+        model.to("cpu")
+        self.free()
+        return device
+
+    def unpark(self, model, device) -> None:
+        model.to(device)
+
     def is_oom(self, e: BaseException) -> bool:
         import torch
 
@@ -311,58 +485,95 @@ def _reset_compiled() -> None:
     torch._dynamo.reset()
 
 
+def _blocks_measured(mode: Mode) -> bool:
+    """Whether a provider gets a block pass: not the ``+graph`` ones (their eager provider's
+    kernels, replayed), not ``diffusers+compile`` (its uncompiled model is the reference;
+    ``diffusers`` itself gets one: a second eager call against the first)."""
+    return not mode.graphed and not (mode.compiled and mode.attention is None and mode.linear == "bf16")
+
+
+@contextmanager
+def _enabled(model, mode: Mode, integration):
+    """``model`` with flashflow enabled as ``mode`` says, disabled on the way out.
+    ``linear="bf16"`` is ``enable``'s default and is not spelled out."""
+    enable, disable = integration()
+    options = {} if mode.linear == "bf16" else {"linear": mode.linear}
+    enable(model, attention=mode.attention, **options)
+    try:
+        yield model
+    finally:
+        disable(model)
+
+
+def _provider_model(model, mode: Mode, backend, integration, torchao_copy):
+    """A context manager giving the uncompiled model ``mode`` runs: ``model`` itself, as diffusers
+    built it or with flashflow enabled, or torchao's quantized copy."""
+    if mode.linear == "torchao-fp8":
+        return torchao_copy(model, backend)
+    if mode.attention is None:
+        return nullcontext(model)
+    return _enabled(model, mode, integration)
+
+
 def measure(model, shapes, providers, inputs: dict, backend, integration=_integration,
-            compile_fn=_compile, reset_compiled=_reset_compiled, bar=None) -> list[dict]:
+            compile_fn=_compile, reset_compiled=_reset_compiled, torchao_copy=torchao_fp8_copy,
+            bar=None) -> list[dict]:
     """One row per shape: every provider's result on ``inputs[shape.name, shape.text_valid]``.
 
     ``integration()`` returns ``(enable, disable)``, called as ``enable(model, attention=mode)``
-    with the provider's attention mode (``"exact"`` or ``"fp8"``); ``compile_fn(model)`` the
-    compiled callable.
-    Providers run one after the other over all shapes, so each is set up (enabled, compiled)
-    once and torn down (disabled, compiled code dropped, memory freed) before the next.
+    with the provider's attention mode (``"exact"`` or ``"fp8"``), plus ``linear="fp8"`` for the
+    FP8-linear providers (:data:`MODES`); ``compile_fn(model)`` the compiled callable;
+    ``torchao_copy(model, backend)`` a context manager giving the torchao-quantized copy
+    (:func:`torchao_fp8_copy`). The reference is eager diffusers on ``model`` before anything is
+    changed: each shape's output and its blocks' image-stream outputs (:func:`reference_step`).
+    Providers run one after the other over all shapes, so each is set up (enabled or copied,
+    compiled) once and torn down (compiled code dropped, disabled or its copy freed, memory
+    freed) before the next.
     """
     import torch
 
     rows = [{"shape": s.as_dict(), "label": s.label, "results": {}} for s in shapes]
-    refs = {}
+    refs, ref_blocks = {}, {}
     with torch.no_grad():
-        for s in shapes:  # the reference: eager diffusers, before anything is changed
-            refs[s.name, s.text_valid] = model(**inputs[s.name, s.text_valid])[0].float()
+        for s in shapes:
+            key = s.name, s.text_valid
+            refs[key], ref_blocks[key] = reference_step(model, inputs[key])
         backend.sync()
         for provider in providers:
-            attention, compiled, graphed = _MODES[provider]
-            disable = None
-            setup_error = None
+            mode = MODES[provider]
+            setup_error, skipped = None, False
+            stack = ExitStack()
+            eager = forward = None
             try:
-                if attention is not None:
-                    enable, undo = integration()
-                    enable(model, attention=attention)
-                    disable = undo
-                forward = compile_fn(model) if compiled else model
+                eager = stack.enter_context(_provider_model(model, mode, backend, integration, torchao_copy))
+                forward = compile_fn(eager) if mode.compiled else eager
+            except Skipped as e:
+                setup_error, skipped = str(e), True
             except Exception as e:  # noqa: BLE001 — recorded on every shape of this provider
                 setup_error = timing.short_error(e)
             try:
                 for row, s in zip(rows, shapes):
+                    key = s.name, s.text_valid
                     if bar is not None:
                         bar.describe(f"{provider} · {s.name}{' · mask' if s.text_valid else ''}"
-                                     f"{' · compiling' if compiled and not setup_error else ''}")
+                                     f"{' · compiling' if mode.compiled and not setup_error else ''}")
                     if setup_error:
-                        row["results"][provider] = {"error": setup_error}
-                    elif graphed:
-                        row["results"][provider] = _measure_graphed(
-                            forward, inputs[s.name, s.text_valid], refs[s.name, s.text_valid], backend)
+                        row["results"][provider] = {"error": setup_error, **({"skipped": True} if skipped else {})}
+                    elif mode.graphed:
+                        row["results"][provider] = _measure_graphed(forward, inputs[key], refs[key], backend)
                     else:
-                        row["results"][provider] = _measure_one(
-                            forward, inputs[s.name, s.text_valid], refs[s.name, s.text_valid],
-                            backend, profile=provider in PROFILED)
+                        res = _measure_one(forward, inputs[key], refs[key], backend,
+                                           profile=provider in PROFILED)
+                        if res["error"] is None and _blocks_measured(mode):
+                            _measure_blocks(res, eager, inputs[key], ref_blocks[key], backend)
+                        row["results"][provider] = res
                     if bar is not None:
                         bar.update()
             finally:
-                forward = None
-                if disable is not None:
-                    disable(model)
-                if compiled:
-                    reset_compiled()
+                eager = forward = None
+                if mode.compiled:
+                    reset_compiled()   # the compiled code holds the model it was compiled from
+                stack.close()
                 backend.free()
     for row in rows:
         row["speedup"] = speedups(row["results"])
@@ -374,7 +585,7 @@ def _measure_one(forward, kwargs: dict, ref, backend, profile: bool) -> dict:
         return forward(**kwargs)[0]
 
     res = {"ms": None, "host_ms": None, "first_call_s": None, "peak_bytes": None, "step_bytes": None,
-           "rel_l2": None, "cosine": None, "split": None, "error": None}
+           "rel_l2": None, "cosine": None, "block_cosine": None, "split": None, "error": None}
     try:
         t0 = time.perf_counter()
         out = step()
@@ -392,6 +603,16 @@ def _measure_one(forward, kwargs: dict, ref, backend, profile: bool) -> dict:
         if backend.is_oom(e):
             backend.free()
     return res
+
+
+def _measure_blocks(res: dict, eager, kwargs: dict, ref_blocks: list, backend) -> None:
+    """``res["block_cosine"]`` from one uncompiled call with hooks, or ``res["block_error"]``."""
+    try:
+        res["block_cosine"] = block_cosines(eager, kwargs, ref_blocks)
+    except Exception as e:  # noqa: BLE001 — the step's own figures stand
+        res["block_error"] = timing.short_error(e)
+        if backend.is_oom(e):
+            backend.free()
 
 
 def _measure_graphed(forward, kwargs: dict, ref, backend) -> dict:
@@ -435,22 +656,39 @@ def _f(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _provider_notes(providers) -> list[str]:
+    """What the caption says about the FP8 and torchao providers among ``providers``."""
+    notes = []
+    if any(p.startswith("flashflow-fp8") and not p.startswith("flashflow-fp8-linear") for p in providers):
+        notes.append("flashflow-fp8: FP8 attention, its quantize pass counted as attention")
+    if any(p.startswith("flashflow-fp8-linear") for p in providers):
+        notes.append("flashflow-fp8-linear: FP8 attention and every block's Linear layers in FP8 e4m3 (per-row "
+                     "activation and per-channel weight scales), the activations' quantize kernels counted as other")
+    if TORCHAO in providers:
+        notes.append(f"{TORCHAO}: torchao's quantize_ with {TORCHAO_CONFIG} on the blocks' Linear layers (a copy "
+                     "of the model), then torch.compile")
+    return notes
+
+
 def caption(result: dict) -> str:
     t = result["timing"]
-    fp8 = any(p.startswith("flashflow-fp8") for row in result["rows"] for p in row["results"])
+    providers = list(dict.fromkeys(p for row in result["rows"] for p in row["results"]))
+    notes = "".join(f"; {n}" for n in _provider_notes(providers))
+    versions = f"diffusers {result.get('diffusers')}" + (f", torchao {result['torchao']}" if result.get("torchao") else "")
+    scale = result.get("qk_norm_scale")
     return (f"Qwen-Image transformer, {result['blocks']} of {MODEL_BLOCKS} blocks at full width, "
-            f"{result['dtype']}, batch 1, on {result['device']} (torch {result['torch']}, diffusers "
-            f"{result.get('diffusers')}): median ms per step (do_bench, warm-up {t['warmup_ms']} ms, "
-            f"{t['rep_ms']} ms timed); ÷ = the anchor's time over this one (> 1: faster); error of "
-            f"the output vs eager diffusers"
-            f"{' (flashflow-fp8: FP8 attention, its quantize pass counted as attention)' if fp8 else ''}; "
-            f"peak = max_memory_allocated over one step; GEMM / attention / other = GPU kernel time "
-            f"per step from torch.profiler (eager providers).")
+            f"{result['dtype']}, batch 1, on {result['device']} (torch {result['torch']}, {versions}): "
+            f"median ms per step (do_bench, warm-up {t['warmup_ms']} ms, {t['rep_ms']} ms timed); ÷ = the "
+            f"anchor's time over this one (> 1: faster); error of the output vs eager diffusers"
+            f"{f' (q/k norm weights ×{scale:g}: peaked attention)' if scale else ''}; block cos min = the "
+            f"lowest per-block cosine of the image stream vs eager diffusers (compiled providers: their "
+            f"model uncompiled){notes}; peak = max_memory_allocated over one step; GEMM / attention / other "
+            f"= GPU kernel time per step from torch.profiler (eager providers).")
 
 
 def markdown_table(result: dict) -> str:
     head = ["shape", "text mask", "provider", "ms/step", "host ms", f"÷ {DEFAULT}", f"÷ {COMPILED_DEFAULT}",
-            "rel L2", "cosine", "peak GiB", "GEMM ms", "attention ms", "other ms", "first call s"]
+            "rel L2", "cosine", "block cos min", "peak GiB", "GEMM ms", "attention ms", "other ms", "first call s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join([":--"] * 3 + ["--:"] * (len(head) - 3)) + "|"]
     for row in result["rows"]:
         s = row["shape"]
@@ -458,16 +696,18 @@ def markdown_table(result: dict) -> str:
         shape = f"{s['name']} ({s['image_tokens']}+{s['text_tokens']})"
         for p, res in row["results"].items():
             if res.get("error"):
-                lines.append(f"| {shape} | {mask} | {p} | {res['error'].replace('|', '/')} |"
-                             + " |" * (len(head) - 4))
+                error = ("skipped: " if res.get("skipped") else "") + res["error"].replace("|", "/")
+                lines.append(f"| {shape} | {mask} | {p} | {error} |" + " |" * (len(head) - 4))
                 continue
             sp = row.get("speedup", {}).get(p, {})
             split = (res.get("split") or {}).get("ms") or {}
             peak = res.get("peak_bytes")
+            blocks = res.get("block_cosine")
             lines.append("| " + " | ".join([
                 shape, mask, p, _f(res.get("ms"), ".2f"), _f(res.get("host_ms"), ".2f"), _f(sp.get(DEFAULT), ".2f"),
                 _f(sp.get(COMPILED_DEFAULT), ".2f"), _f(res.get("rel_l2"), ".1e"),
-                _f(res.get("cosine"), ".6f"), _f(None if peak is None else peak / GIB, ".2f"),
+                _f(res.get("cosine"), ".6f"), _f(min(blocks) if blocks else None, ".6f"),
+                _f(None if peak is None else peak / GIB, ".2f"),
                 _f(split.get("gemm"), ".2f"), _f(split.get("attention"), ".2f"),
                 _f(split.get("other"), ".2f"), _f(res.get("first_call_s"), ".1f")]) + " |")
     return "\n".join(lines)
@@ -491,13 +731,15 @@ def plot(result: dict, path) -> Path | None:
     labels = [f"{r['shape']['name'].removeprefix('qwen-image-')}"
               f"{' mask' if r['shape'].get('text_valid') else ''}" for r in rows]
     providers = list(dict.fromkeys(p for r in rows for p in r["results"]))
-    fig = Figure(figsize=(13, 5.4), layout="constrained")
+    fig = Figure(figsize=(15, 5.8), layout="constrained")
     left, right = fig.subplots(1, 2)
     width = 0.8 / max(len(providers), 1)
     for i, p in enumerate(providers):
         xs = [j + (i - (len(providers) - 1) / 2) * width for j in range(len(rows))]
         ys = [r["results"].get(p, {}).get("ms") or 0.0 for r in rows]
-        bars = left.bar(xs, ys, width, color=f"C{i}", label=p)
+        # ten colours, then the same ten hatched
+        bars = left.bar(xs, ys, width, color=f"C{i % 10}", hatch="//" if i >= 10 else "", edgecolor="white",
+                        linewidth=0.3, label=p)
         for bar, y in zip(bars, ys):
             if y:
                 left.annotate(f"{y:.0f}", (bar.get_x() + bar.get_width() / 2, y), ha="center",
@@ -505,7 +747,7 @@ def plot(result: dict, path) -> Path | None:
     left.set_xticks(range(len(rows)), labels, rotation=15)
     left.set_ylabel("ms per step")
     left.set_title("step time (lower is better)")
-    left.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
+    left.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.2),
                 ncol=min(4, len(providers)))
     left.grid(axis="y", alpha=0.3)
 
@@ -542,6 +784,31 @@ def plot(result: dict, path) -> Path | None:
 # --------------------------------------------------------------------------------------------
 
 
+def setup_record(providers) -> dict:
+    """The JSON's account of what ``providers`` ran: the providers, each one's :class:`Mode`, the
+    q/k norm scale, how the per-block accuracy was taken, and (when it ran) torchao's setup."""
+    record = {
+        "providers": list(providers),
+        "modes": {p: MODES[p]._asdict() for p in providers},
+        "qk_norm_scale": QK_NORM_SCALE,
+        "block_accuracy": {
+            "value": "block_cosine: per transformer block, cosine of its image-stream output vs eager diffusers'",
+            "how": "forward hooks on transformer_blocks[i], one extra call per provider and shape, after its timing",
+            "compiled": "the provider's model uncompiled (hooks added after compiling are not called by the "
+                        "compiled graph); none for diffusers+compile (its uncompiled model is the reference)",
+            "graph": "none (a +graph provider replays its eager provider's kernels)",
+        },
+    }
+    if TORCHAO in providers:
+        record["torchao_setup"] = {
+            "config": TORCHAO_CONFIG, "api": "torchao.quantization.quantize_",
+            "scope": "every nn.Linear of transformer_blocks, on a copy of the model (the original on the CPU meanwhile)",
+            "inductor": "torchao's settings (set_inductor_config=True) for its compile, the defaults restored after",
+        }
+    return record
+
+
+
 def run(args) -> int:
     """Entry point of ``flashflow bench --suite qwen-image`` (args: blocks, quick, providers,
     warmup, rep, no_plot, out; the CLI has checked them with :func:`check_args` and that a GPU
@@ -571,10 +838,10 @@ def run(args) -> int:
     del model, inputs
     backend.free()
     result = {
-        "suite": "qwen-image", **env, "diffusers": diffusers.__version__, "dtype": "bf16",
-        "model": "QwenImageTransformer2DModel", "config": {**CONFIG, "num_layers": args.blocks},
+        "suite": "qwen-image", **env, "diffusers": diffusers.__version__, "torchao": torchao_version(),
+        "dtype": "bf16", "model": "QwenImageTransformer2DModel", "config": {**CONFIG, "num_layers": args.blocks},
         "blocks": args.blocks, "parameters": params, "quick": args.quick,
-        "providers": list(args.providers),
+        **setup_record(args.providers),
         "timing": timing.record("warm", warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median",
                                 profile_steps=PROFILE_STEPS, no_grad=True,
                                 graph_providers="graph (one step per graph)", host_ms="issue"),

@@ -203,8 +203,8 @@ RUNNERS: dict[str, Runner] = {
                        frozenset({"quick"}), {}),
     "qwen-image": Runner("flashflow.bench.qwen_image",
                          "times a Qwen-Image transformer step, diffusers vs flashflow.integrations.diffusers "
-                         "(exact and FP8 attention), eager, compiled and in CUDA graphs; warm-up 200 ms, "
-                         "1000 ms timed",
+                         "(exact and FP8 attention, FP8 linears) and torchao's FP8 linears, eager, compiled and "
+                         "in CUDA graphs, with each output's and block's accuracy; warm-up 200 ms, 1000 ms timed",
                          frozenset({"quick", "providers", "warmup", "rep", "no_plot", "blocks"}),
                          {"warmup": 200, "rep": 1000, "blocks": 6}),
 }

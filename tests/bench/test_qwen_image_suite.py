@@ -2,12 +2,14 @@
 the kernel classes, and the measuring loop and tables on a narrow model with a fake clock."""
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
 import json
 import math
-from types import SimpleNamespace
-
+import sys
 import types
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,30 +212,60 @@ class FakeBackend:
     def free(self):
         self.calls.append("free")
 
+    def park(self, model):
+        self.calls.append("park")
+        return next(model.parameters()).device
+
+    def unpark(self, model, device):
+        self.calls.append("unpark")
+
     def is_oom(self, e):
         return False
 
 
-def _narrow_run(providers, integration=None, compile_fn=None):
-    """``measure`` on a one-block narrow model; the fake clock says 10 ms eager, 8 compiled,
-    5 with flashflow enabled, 4 both, 3 with FP8 attention."""
-    model = qi.build_model(1, "cpu", torch.float32, **NARROW)
+def _perturbed_block(block, block_index, which=1):
+    """Block ``which`` of a copy made different (its image MLP's output weights), the others kept."""
+    if block_index == which:
+        with torch.no_grad():
+            block.img_mlp.net[2].weight.mul_(4.0)
+    return block
+
+
+def _narrow_run(providers, integration=None, compile_fn=None, torchao_copy=None, blocks=1):
+    """``measure`` on a narrow model; the fake clock says 10 ms eager, 8 compiled, 5 with flashflow
+    enabled, 4 both, 3 with FP8 attention, 2 with FP8 linears too (1.6 compiled), 2.5 for the
+    torchao copy, compiled. The fake torchao copy is the model deep-copied, numerics unchanged."""
+    model = qi.build_model(blocks, "cpu", torch.float32, **NARROW)
     config = {**qi.CONFIG, **NARROW}
     shapes = [qi.StepShape("qwen-image-1024px", 1, 4, 8, None), qi.StepShape("qwen-image-1024px", 1, 4, 8, 5)]
     inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", torch.float32) for s in shapes}
-    state = {"enabled": False, "compiled": 0, "reset": 0, "log": [], "via_compiled": False}
+    state = {"enabled": False, "compiled": 0, "reset": 0, "log": [], "via_compiled": False, "model": model}
     times = {(False, False): 10.0, (False, True): 8.0, ("exact", False): 5.0, ("exact", True): 4.0,
-             ("fp8", False): 3.0}
+             ("fp8", False): 3.0, ("fp8+fp8", False): 2.0, ("fp8+fp8", True): 1.6, ("torchao", True): 2.5}
 
-    def enable(m, attention):
+    def enable(m, attention, linear="bf16"):
         assert m is model and not state["enabled"]
-        state["enabled"] = attention
-        state["log"].append("enable" if attention == "exact" else f"enable {attention}")
+        state["enabled"] = attention if linear == "bf16" else f"{attention}+{linear}"
+        state["log"].append(("enable" if attention == "exact" else f"enable {attention}")
+                            + ("" if linear == "bf16" else f" linear {linear}"))
 
     def disable(m):
         assert m is model and state["enabled"]
         state["enabled"] = False
         state["log"].append("disable")
+
+    @contextlib.contextmanager
+    def fake_torchao(m, backend):
+        assert m is model and not state["enabled"]
+        backend.park(m)
+        state["enabled"] = "torchao"
+        state["log"].append("torchao copy")
+        try:
+            yield copy.deepcopy(m)
+        finally:
+            state["enabled"] = False
+            state["log"].append("torchao dropped")
+            backend.unpark(m, "cpu")
 
     def fake_compile(m):
         state["compiled"] += 1
@@ -252,47 +284,281 @@ def _narrow_run(providers, integration=None, compile_fn=None):
     rows = qi.measure(model, shapes, providers, inputs, backend,
                       integration=integration or (lambda: (enable, disable)),
                       compile_fn=compile_fn or fake_compile,
-                      reset_compiled=lambda: state.__setitem__("reset", state["reset"] + 1))
+                      reset_compiled=lambda: state.__setitem__("reset", state["reset"] + 1),
+                      torchao_copy=torchao_copy or fake_torchao)
     return rows, state, backend
 
 
 def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
     rows, state, backend = _narrow_run(list(qi.PROVIDERS))
     assert len(rows) == 2 and all(list(r["results"]) == list(qi.PROVIDERS) for r in rows)
-    # flashflow, +compile, +graph, then flashflow-fp8 and its +graph
-    assert state["log"] == ["enable", "disable"] * 3 + ["enable fp8", "disable"] * 2 and not state["enabled"]
-    assert state["compiled"] == 2 and state["reset"] == 2   # once per compiled provider
+    # flashflow, +compile, +graph; flashflow-fp8 and its +graph; the torchao copy; flashflow-fp8-linear
+    # and its +graph and +compile
+    assert state["log"] == (["enable", "disable"] * 3 + ["enable fp8", "disable"] * 2
+                            + ["torchao copy", "torchao dropped"] + ["enable fp8 linear fp8", "disable"] * 3)
+    assert not state["enabled"]
+    assert state["compiled"] == 4 and state["reset"] == 4   # once per compiled provider
     # freed after every provider, and after each graphed shape (its graph's memory pool)
-    assert backend.calls.count("free") == 8 + 6 and backend.calls.count("profile") == 6
-    assert backend.calls.count("capture") == 6   # the three +graph providers, two shapes each
+    assert backend.calls.count("free") == 12 + 8 and backend.calls.count("profile") == 2 * len(qi.PROFILED)
+    assert backend.calls.count("capture") == 8   # the four +graph providers, two shapes each
+    # the original model waits on the host while torchao's copy runs, and only then
+    assert backend.calls.count("park") == backend.calls.count("unpark") == 1
     for row in rows:
         res = row["results"]
         # the fake clock times a graph replay as the eager model it captured
-        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0, 10.0, 5.0, 3.0, 3.0]
+        assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0, 10.0, 5.0, 3.0, 3.0,
+                                                       2.5, 2.0, 2.0, 1.6]
         assert all(r["error"] is None and r["peak_bytes"] == 1000 and r["step_bytes"] == 100
                    and r["first_call_s"] >= 0 for r in res.values())
-        # the fake "flashflow" is diffusers itself: same output, to the last bit
+        # the fake "flashflow" and torchao copy are diffusers itself: same output, to the last bit
         assert all(r["rel_l2"] == 0.0 and r["cosine"] == pytest.approx(1.0) for r in res.values())
         assert {p for p, r in res.items() if r["split"]} == set(qi.PROFILED)
+        # one cosine per block, except for the +graph providers and diffusers+compile
+        blocks = {p for p, r in res.items() if r["block_cosine"] is not None}
+        assert blocks == {p for p in qi.PROVIDERS if not p.endswith("+graph")} - {"diffusers+compile"}
+        assert all(res[p]["block_cosine"] == [pytest.approx(1.0)] for p in blocks)
         assert res["flashflow"]["split"]["ms"] == {"gemm": 2.0, "attention": 1.0, "other": 0.25}
         assert row["speedup"]["flashflow"] == {"diffusers": 2.0, "diffusers+compile": 1.6}
         assert row["speedup"]["flashflow+compile"] == {"diffusers": 2.5, "diffusers+compile": 2.0}
         assert row["speedup"]["diffusers"]["diffusers"] == 1.0
         assert row["speedup"]["flashflow-fp8"] == {"diffusers": pytest.approx(10 / 3),
                                                    "diffusers+compile": pytest.approx(8 / 3)}
+        assert row["speedup"]["flashflow-fp8-linear+compile"] == {"diffusers": 6.25, "diffusers+compile": 5.0}
+        assert row["speedup"]["torchao-fp8+compile"] == {"diffusers": 4.0, "diffusers+compile": 3.2}
 
 
 def test_fp8_providers_enable_fp8_attention_and_are_measured_by_default():
     assert {"flashflow-fp8", "flashflow-fp8+graph"} <= set(qi.PROVIDERS)
-    assert qi._MODES["flashflow-fp8"] == ("fp8", False, False)
-    assert qi._MODES["flashflow-fp8+graph"] == ("fp8", False, True)
-    assert all(qi._MODES[p][0] == "exact" for p in ("flashflow", "flashflow+compile", "flashflow+graph"))
+    assert qi.MODES["flashflow-fp8"] == ("fp8", "bf16", False, False)
+    assert qi.MODES["flashflow-fp8+graph"] == ("fp8", "bf16", False, True)
+    assert all(qi.MODES[p].attention == "exact" and qi.MODES[p].linear == "bf16"
+               for p in ("flashflow", "flashflow+compile", "flashflow+graph"))
     assert "flashflow-fp8" in qi.PROFILED   # its GPU time split, attention's share included
     args = SimpleNamespace(blocks=6, warmup=200, rep=1000, providers="flashflow-fp8+graph,flashflow-fp8")
     assert qi.check_args(args) is None and args.providers == ["flashflow-fp8+graph", "flashflow-fp8"]
     # FP8 attention's own kernels, quantize pass included, are attention time
     for name in ("attention_fp8_fwd_kernel", "attention_quantize_kernel", "attention_kv_stats_kernel"):
         assert qi.classify_kernel(name) == "attention"
+
+
+def test_fp8_linear_and_torchao_providers_are_measured_by_default():
+    new = {"flashflow-fp8-linear": ("fp8", "fp8", False, False),
+           "flashflow-fp8-linear+graph": ("fp8", "fp8", False, True),
+           "flashflow-fp8-linear+compile": ("fp8", "fp8", True, False),
+           "torchao-fp8+compile": (None, "torchao-fp8", True, False)}
+    assert {p: tuple(qi.MODES[p]) for p in new} == new and set(new) <= set(qi.PROVIDERS)
+    assert "torchao-fp8" not in qi.PROVIDERS   # torchao eager is not a provider: only compiled
+    assert "flashflow-fp8-linear" in qi.PROFILED
+    args = SimpleNamespace(blocks=6, warmup=200, rep=1000,
+                           providers="torchao-fp8+compile, flashflow-fp8-linear+graph,flashflow-fp8-linear+compile")
+    assert qi.check_args(args) is None
+    assert args.providers == ["torchao-fp8+compile", "flashflow-fp8-linear+graph", "flashflow-fp8-linear+compile"]
+    args = SimpleNamespace(blocks=6, warmup=200, rep=1000, providers="torchao-fp8")
+    assert "got 'torchao-fp8'" in qi.check_args(args)
+    assert "torchao-fp8+compile, flashflow-fp8-linear" in qi.check_args(args)   # the list names them
+
+
+def test_fp8_linear_providers_pass_linear_through_enable():
+    rows, state, _ = _narrow_run(["flashflow-fp8-linear", "flashflow-fp8", "flashflow-fp8-linear+compile"])
+    assert state["log"] == ["enable fp8 linear fp8", "disable", "enable fp8", "disable",
+                            "enable fp8 linear fp8", "disable"]
+    for row in rows:
+        assert [row["results"][p]["ms"] for p in ("flashflow-fp8-linear", "flashflow-fp8",
+                                                  "flashflow-fp8-linear+compile")] == [2.0, 3.0, 1.6]
+        assert row["results"]["flashflow-fp8-linear"]["split"]["ms"]["gemm"] == 2.0
+
+
+@pytest.mark.parametrize("name, cls", [
+    # cuBLASLt's FP8 GEMMs, CUTLASS' (torch._scaled_mm with row-wise scales), Triton ones
+    ("nvjet_qqtst_128x256_128x6_2x1_v_bz_coopB_TNN", "gemm"),
+    ("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1_execute_kernel__5x_cublas", "gemm"),
+    ("void cutlass::device_kernel<cutlass3x_sm90_tensorop_s64x128x32gemm_f8_f8_f32_bf16_bf16_128x128x128_1x1x1_0_"
+     "tnn_align16_warpspecialized_cooperative_fp8_fastaccum_epi_tma>(T1::Params)", "gemm"),
+    ("void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::kernel::GemmUniversal<"
+     "cute::tuple<int, int, int>, cutlass::float_e4m3_t>>>", "gemm"),
+    ("fp8_gemm_kernel", "gemm"),
+    ("linear_fp8_matmul_kernel", "gemm"),
+    ("_scaled_mm_matmul_kernel", "gemm"),
+    # the activations' quantize kernels: amax, scale, cast
+    ("fp8_quantize_rows_kernel", "other"),
+    ("linear_act_quantize_kernel", "other"),
+    ("triton_red_fused_abs_amax_clamp_div_reciprocal_0", "other"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::MaxOps<float>, unsigned int, "
+     "float, 4>>", "other"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda, c10::Float8_e4m3fn>", "other"),
+])
+def test_fp8_gemm_kernels_are_gemm_and_quantize_kernels_other(name, cls):
+    assert qi.classify_kernel(name) == cls
+
+
+# ---------------------------------------------------------------------------- accuracy: q/k norms, blocks
+
+
+def test_build_model_scales_the_qk_norm_weights():
+    plain = qi.build_model(2, "cpu", torch.float32, qk_norm_scale=1.0, **NARROW)
+    scaled = qi.build_model(2, "cpu", torch.float32, **NARROW)
+    assert qi.QK_NORM_SCALE == 3.0
+    a, b = plain.state_dict(), scaled.state_dict()
+    norms = {f"transformer_blocks.{i}.attn.{n}.weight" for i in range(2) for n in qi.QK_NORMS}
+    assert norms <= set(a) and len(norms) == 8
+    for key in a:
+        if key in norms:
+            assert torch.equal(a[key], torch.ones_like(a[key])) and torch.equal(b[key], 3 * a[key]), key
+        else:
+            assert torch.equal(a[key], b[key]), key   # same seed: every other weight the same
+
+
+def test_scaled_qk_norms_make_attention_peaked():
+    """What the scale is for: the joint attention's largest probability per query grows."""
+    config = {**qi.CONFIG, **NARROW}
+    shape = qi.StepShape("x", 1, 6, 8, None)
+    peaks = []
+    for scale in (1.0, 3.0):
+        model = qi.build_model(1, "cpu", torch.float32, qk_norm_scale=scale, **NARROW)
+        captured = {}
+        attn = model.transformer_blocks[0].attn
+        attn.norm_k.register_forward_hook(lambda _m, _a, out: captured.__setitem__("k", out))
+        attn.norm_q.register_forward_hook(lambda _m, _a, out: captured.__setitem__("q", out))
+        with torch.no_grad():
+            model(**qi.make_inputs(shape, config, "cpu", torch.float32))
+        q, k = captured["q"].transpose(1, 2), captured["k"].transpose(1, 2)   # image stream: (1, heads, n, d)
+        p = torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        peaks.append(p.amax(-1).mean().item())
+    assert peaks[1] > 2 * peaks[0]
+
+
+def test_block_hooks_give_every_blocks_image_stream_and_cosines_per_block():
+    model = qi.build_model(3, "cpu", torch.float32, **NARROW)
+    config = {**qi.CONFIG, **NARROW}
+    kw = qi.make_inputs(qi.StepShape("x", 1, 4, 8, 5), config, "cpu", torch.float32)
+    with torch.no_grad():
+        want = model(**kw)[0]
+        out, blocks = qi.reference_step(model, kw)
+        assert torch.equal(out, want.float()) and out.dtype == torch.float32
+        assert len(blocks) == 3 and all(b.shape == (1, 16, 64) and b.device.type == "cpu" for b in blocks)
+        assert not torch.equal(blocks[0], blocks[1])
+        assert all(not b._forward_hooks for b in model.transformer_blocks)   # removed after the call
+        # block i's image stream is what block i + 1 takes in
+        seen = []
+        model.transformer_blocks[1].register_forward_pre_hook(
+            lambda _m, args, kwargs: seen.append(kwargs["hidden_states"]), with_kwargs=True)
+        model(**kw)
+        assert torch.equal(seen[0], blocks[0])
+        model.transformer_blocks[1]._forward_pre_hooks.clear()
+
+        assert qi.block_cosines(model, kw, blocks) == [pytest.approx(1.0)] * 3
+        other = copy.deepcopy(model)
+        _perturbed_block(other.transformer_blocks[1], 1)
+        cos = qi.block_cosines(other, kw, blocks)
+        assert cos[0] == pytest.approx(1.0) and cos[1] < 0.9999 and cos[2] < 1
+        with pytest.raises(ValueError, match="the model has 3 transformer blocks, the reference 2"):
+            qi.block_cosines(model, kw, blocks[:2])
+
+
+# ---------------------------------------------------------------------------- torchao
+
+
+def _fake_torchao(monkeypatch, calls):
+    """torchao.quantization as far as the suite uses it: quantize_ marks and changes the Linear
+    weights of what it is given (block 1's MLP more than the rest) and sets an Inductor option,
+    as torchao's config does."""
+    import torch._inductor.config as inductor_config
+
+    quantization = types.ModuleType("torchao.quantization")
+
+    class PerRow:
+        pass
+
+    class Float8DynamicActivationFloat8WeightConfig:
+        def __init__(self, granularity=None):
+            self.granularity = granularity
+
+    def quantize_(module, config):
+        assert isinstance(config.granularity, PerRow)
+        assert all(not p.requires_grad for p in module.parameters())
+        calls.append(("quantize_", type(module).__name__, next(module.parameters()).device.type))
+        inductor_config.coordinate_descent_tuning = True
+        with torch.no_grad():
+            for m in module.modules():
+                if isinstance(m, torch.nn.Linear):
+                    m.weight.copy_(m.weight.to(torch.bfloat16).float())
+        _perturbed_block(module, len([c for c in calls if c[0] == "quantize_"]) - 1)
+
+    quantization.PerRow = PerRow
+    quantization.Float8DynamicActivationFloat8WeightConfig = Float8DynamicActivationFloat8WeightConfig
+    quantization.quantize_ = quantize_
+    package = types.ModuleType("torchao")
+    package.quantization = quantization
+    monkeypatch.setitem(sys.modules, "torchao", package)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", quantization)
+
+
+def test_torchao_copy_quantizes_every_block_of_a_copy_and_leaves_the_model_alone(monkeypatch):
+    import torch._inductor.config as inductor_config
+
+    calls = []
+    _fake_torchao(monkeypatch, calls)
+    tuning = inductor_config.coordinate_descent_tuning
+    rows, state, backend = _narrow_run(["diffusers", "torchao-fp8+compile", "flashflow"],
+                                       torchao_copy=qi.torchao_fp8_copy, blocks=2)
+    model = state["model"]
+    # one quantize_ per block, on the copy's blocks (not on the model, not on the whole copy)
+    assert calls == [("quantize_", "QwenImageTransformerBlock", "cpu")] * 2
+    assert inductor_config.coordinate_descent_tuning == tuning   # torchao's Inductor settings undone
+    # the original waited on the host and came back; the copy was freed before it did
+    i = backend.calls.index("park")
+    assert backend.calls[i:].index("unpark") > backend.calls[i:].index("free")
+    built = qi.build_model(2, "cpu", torch.float32, **NARROW).state_dict()
+    assert all(torch.equal(t, built[k]) for k, t in model.state_dict().items())   # the model untouched
+    for row in rows:
+        res = row["results"]["torchao-fp8+compile"]
+        assert res["error"] is None and res["ms"] == 8.0 and res["cosine"] < 0.99999
+        # block 0: only the bf16 rounding of its weights; block 1: its MLP changed as well
+        assert res["block_cosine"][0] > 0.9999 and res["block_cosine"][1] < res["block_cosine"][0]
+        assert row["results"]["flashflow"]["block_cosine"] == [pytest.approx(1.0)] * 2
+        assert row["results"]["diffusers"]["cosine"] == pytest.approx(1.0)
+
+
+def test_without_torchao_its_provider_is_a_skip_entry_and_the_run_goes_on(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao", None)   # what `import torchao` meets where it is not installed
+    rows, state, backend = _narrow_run(["diffusers", "torchao-fp8+compile", "flashflow"],
+                                       torchao_copy=qi.torchao_fp8_copy)
+    assert "park" not in backend.calls and state["compiled"] == 0
+    for row in rows:
+        res = row["results"]["torchao-fp8+compile"]
+        assert res["skipped"] is True and set(res) == {"error", "skipped"}
+        assert res["error"].startswith("torchao is not installed (pip install torchao): ModuleNotFoundError")
+        assert row["results"]["diffusers"]["ms"] == 10.0 and row["results"]["flashflow"]["ms"] == 5.0
+        assert row["speedup"]["torchao-fp8+compile"] == {"diffusers": None, "diffusers+compile": None}
+    text = qi.markdown_table(_fake_result(rows))
+    line = next(l for l in text.splitlines() if "| torchao-fp8+compile |" in l)
+    assert "| skipped: torchao is not installed (pip install torchao)" in line
+    assert line.count("|") == text.splitlines()[0].count("|")
+
+
+def test_torchao_version_comes_from_the_package_metadata(monkeypatch):
+    from importlib import metadata
+
+    def version(name):
+        assert name == "torchao"
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert qi.torchao_version() is None
+    monkeypatch.setattr(metadata, "version", lambda name: "0.17.0")
+    assert qi.torchao_version() == "0.17.0"
+
+
+def test_setup_record_names_modes_scale_block_pass_and_torchao():
+    rec = qi.setup_record(["diffusers", "torchao-fp8+compile", "flashflow-fp8-linear"])
+    assert rec["providers"] == ["diffusers", "torchao-fp8+compile", "flashflow-fp8-linear"]
+    assert rec["modes"]["flashflow-fp8-linear"] == {"attention": "fp8", "linear": "fp8", "compiled": False,
+                                                   "graphed": False}
+    assert rec["modes"]["torchao-fp8+compile"]["linear"] == "torchao-fp8"
+    assert rec["qk_norm_scale"] == 3.0 and "transformer_blocks[i]" in rec["block_accuracy"]["how"]
+    assert rec["torchao_setup"]["config"] == "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"
+    assert "torchao_setup" not in qi.setup_record(["diffusers"])
+    json.dumps(rec)
 
 
 def test_a_provider_that_cannot_be_set_up_is_an_error_entry_not_the_end():
@@ -341,6 +607,7 @@ def test_measure_with_the_real_integration_matches_diffusers_and_disables():
         res = row["results"]["flashflow"]
         assert res["error"] is None and res["rel_l2"] < 1e-4 and res["cosine"] > 1 - 1e-6, row["label"]
         assert res["split"]["ms"]["gemm"] > 0
+        assert len(res["block_cosine"]) == 1 and res["block_cosine"][0] > 1 - 1e-6
     assert not is_enabled(model)
     processors = {type(b.attn.processor).__name__ for b in model.transformer_blocks}
     assert processors == {"QwenDoubleStreamAttnProcessor2_0"}
@@ -372,6 +639,8 @@ def test_measure_fp8_with_the_real_integration_reports_its_error_and_disables():
             if dtype == torch.float16:
                 assert res["error"] is None and res["cosine"] > 0.99 and res["split"]["ms"]["attention"] > 0
                 assert res["rel_l2"] > exact["rel_l2"]   # FP8 attention's error, beside exact attention's
+                # the block pass sees it too, in the block's own output
+                assert 0.99 < res["block_cosine"][0] < exact["block_cosine"][0]
             else:
                 assert res["error"].startswith("ValueError: attention='fp8' needs a bfloat16 or float16 model")
         assert not is_enabled(model)
@@ -389,9 +658,9 @@ def _fake_result(rows):
 
 
 def _fake_rows():
-    def res(ms, rel, split=None, peak=5 * qi.GIB):
+    def res(ms, rel, split=None, peak=5 * qi.GIB, blocks=None):
         return {"ms": ms, "first_call_s": 1.5, "peak_bytes": peak, "step_bytes": 10, "rel_l2": rel,
-                "cosine": 1 - rel, "split": split, "error": None}
+                "cosine": 1 - rel, "block_cosine": blocks, "split": split, "error": None}
 
     split = {"ms": {"gemm": 20.0, "attention": 5.0, "other": 10.0}, "total_ms": 35.0,
              "share": {}, "top": []}
@@ -400,7 +669,9 @@ def _fake_rows():
         results = {"diffusers": res(40.0, 0.0, split), "diffusers+compile": res(32.0, 2e-3),
                    "flashflow": res(25.0, 3e-3, split),
                    "flashflow+compile": {"ms": None, "error": "RuntimeError: x|y"},
-                   "flashflow-fp8": res(20.0, 4e-2, split)}
+                   "flashflow-fp8": res(20.0, 4e-2, split, blocks=[0.9999, 0.9991, 0.9995]),
+                   "torchao-fp8+compile": {"error": qi.TORCHAO_MISSING + ": ModuleNotFoundError: x", "skipped": True},
+                   "flashflow-fp8-linear": res(16.0, 6e-2, split, blocks=[0.998, 0.997, 0.9985])}
         rows.append({"shape": s.as_dict(), "label": s.label, "results": results,
                      "speedup": qi.speedups(results)})
     return rows
@@ -411,7 +682,7 @@ def test_table_has_one_line_per_shape_and_provider():
     text = qi.report(result)
     assert text.startswith("Qwen-Image transformer, 6 of 60 blocks at full width, bf16")
     lines = [l for l in text.splitlines() if l.startswith("| ")]
-    assert len(lines) == 1 + 4 * 5
+    assert len(lines) == 1 + 4 * 7
     assert "flashflow-fp8: FP8 attention" in text.split("\n\n")[0]   # the caption says what it is
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     ff = next(l for l in lines if "qwen-image-edit-1024px (8192+256) | 200/256 | flashflow |" in l)
@@ -428,13 +699,37 @@ def test_table_has_one_line_per_shape_and_provider():
     assert (cells["ms/step"], cells["÷ diffusers"], cells["rel L2"], cells["cosine"]) == \
         ("20.00", "2.00", "4.0e-02", "0.960000")
     assert cells["attention ms"] == "5.00"
+    assert cells["block cos min"] == "0.999100"   # the block furthest from diffusers'
+    assert dict(zip(head, [c.strip() for c in ff.strip("|").split("|")]))["block cos min"] == "-"
+    linear = next(l for l in lines if "| none | flashflow-fp8-linear |" in l)
+    cells = dict(zip(head, [c.strip() for c in linear.strip("|").split("|")]))
+    assert (cells["ms/step"], cells["÷ diffusers"], cells["block cos min"]) == ("16.00", "2.50", "0.997000")
+    skipped = next(l for l in lines if "| none | torchao-fp8+compile |" in l)
+    assert "| skipped: torchao is not installed (pip install torchao): ModuleNotFoundError: x |" in skipped
+    assert skipped.count("|") == lines[0].count("|")
 
 
 def test_caption_names_fp8_only_where_it_ran():
     rows = _fake_rows()
     for row in rows:
+        for p in ("flashflow-fp8", "flashflow-fp8-linear", "torchao-fp8+compile"):
+            del row["results"][p]
+    assert "fp8" not in qi.caption(_fake_result(rows)).lower()
+
+
+def test_caption_says_what_the_fp8_linear_and_torchao_providers_run():
+    result = {**_fake_result(_fake_rows()), "torchao": "0.17.0", "qk_norm_scale": 3.0}
+    text = qi.caption(result)
+    assert "diffusers 0.42.1, torchao 0.17.0)" in text and "q/k norm weights ×3" in text
+    assert "flashflow-fp8-linear: FP8 attention and every block's Linear layers in FP8 e4m3" in text
+    assert "torchao-fp8+compile: torchao's quantize_ with Float8DynamicActivationFloat8WeightConfig" in text
+    assert "flashflow-fp8: FP8 attention, its quantize pass" in text
+    rows = _fake_rows()
+    for row in rows:
         del row["results"]["flashflow-fp8"]
-    assert "fp8" not in qi.caption(_fake_result(rows))
+    text = qi.caption(_fake_result(rows))   # a result without the fields: no torchao version, no scale
+    assert "flashflow-fp8:" not in text and "flashflow-fp8-linear:" in text and "torchao 0" not in text
+    assert "q/k norm" not in text
 
 
 def test_from_json_prints_a_saved_result(tmp_path, capsys):
