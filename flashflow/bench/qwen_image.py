@@ -78,21 +78,21 @@ TORCHAO = "torchao-fp8+compile"
 class Mode(NamedTuple):
     """What a provider runs."""
     attention: str | None   # flashflow's attention mode ("exact", "fp8"); None: flashflow not enabled
-    linear: str             # "bf16": the model's own Linear layers; "fp8": flashflow's FP8 linears
+    linear: str             # "exact": the model's own Linear layers; "fp8": flashflow's FP8 linears
                             # (enable(..., linear="fp8")); "torchao-fp8": torchao's quantize_, on a copy
     compiled: bool          # torch.compile(model, dynamic=False)
     graphed: bool           # one step captured in a CUDA graph per shape
 
 
 MODES = {
-    DEFAULT: Mode(None, "bf16", False, False),
-    COMPILED_DEFAULT: Mode(None, "bf16", True, False),
-    "flashflow": Mode("exact", "bf16", False, False),
-    "flashflow+compile": Mode("exact", "bf16", True, False),
-    "diffusers+graph": Mode(None, "bf16", False, True),
-    "flashflow+graph": Mode("exact", "bf16", False, True),
-    "flashflow-fp8": Mode("fp8", "bf16", False, False),
-    "flashflow-fp8+graph": Mode("fp8", "bf16", False, True),
+    DEFAULT: Mode(None, "exact", False, False),
+    COMPILED_DEFAULT: Mode(None, "exact", True, False),
+    "flashflow": Mode("exact", "exact", False, False),
+    "flashflow+compile": Mode("exact", "exact", True, False),
+    "diffusers+graph": Mode(None, "exact", False, True),
+    "flashflow+graph": Mode("exact", "exact", False, True),
+    "flashflow-fp8": Mode("fp8", "exact", False, False),
+    "flashflow-fp8+graph": Mode("fp8", "exact", False, True),
     TORCHAO: Mode(None, "torchao-fp8", True, False),
     "flashflow-fp8-linear": Mode("fp8", "fp8", False, False),
     "flashflow-fp8-linear+graph": Mode("fp8", "fp8", False, True),
@@ -489,15 +489,15 @@ def _blocks_measured(mode: Mode) -> bool:
     """Whether a provider gets a block pass: not the ``+graph`` ones (their eager provider's
     kernels, replayed), not ``diffusers+compile`` (its uncompiled model is the reference;
     ``diffusers`` itself gets one: a second eager call against the first)."""
-    return not mode.graphed and not (mode.compiled and mode.attention is None and mode.linear == "bf16")
+    return not mode.graphed and not (mode.compiled and mode.attention is None and mode.linear == "exact")
 
 
 @contextmanager
 def _enabled(model, mode: Mode, integration):
     """``model`` with flashflow enabled as ``mode`` says, disabled on the way out.
-    ``linear="bf16"`` is ``enable``'s default and is not spelled out."""
+    ``linear="exact"`` is ``enable``'s default and is not spelled out."""
     enable, disable = integration()
-    options = {} if mode.linear == "bf16" else {"linear": mode.linear}
+    options = {} if mode.linear == "exact" else {"linear": mode.linear}
     enable(model, attention=mode.attention, **options)
     try:
         yield model

@@ -243,11 +243,11 @@ def _narrow_run(providers, integration=None, compile_fn=None, torchao_copy=None,
     times = {(False, False): 10.0, (False, True): 8.0, ("exact", False): 5.0, ("exact", True): 4.0,
              ("fp8", False): 3.0, ("fp8+fp8", False): 2.0, ("fp8+fp8", True): 1.6, ("torchao", True): 2.5}
 
-    def enable(m, attention, linear="bf16"):
+    def enable(m, attention, linear="exact"):
         assert m is model and not state["enabled"]
-        state["enabled"] = attention if linear == "bf16" else f"{attention}+{linear}"
+        state["enabled"] = attention if linear == "exact" else f"{attention}+{linear}"
         state["log"].append(("enable" if attention == "exact" else f"enable {attention}")
-                            + ("" if linear == "bf16" else f" linear {linear}"))
+                            + ("" if linear == "exact" else f" linear {linear}"))
 
     def disable(m):
         assert m is model and state["enabled"]
@@ -329,9 +329,9 @@ def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
 
 def test_fp8_providers_enable_fp8_attention_and_are_measured_by_default():
     assert {"flashflow-fp8", "flashflow-fp8+graph"} <= set(qi.PROVIDERS)
-    assert qi.MODES["flashflow-fp8"] == ("fp8", "bf16", False, False)
-    assert qi.MODES["flashflow-fp8+graph"] == ("fp8", "bf16", False, True)
-    assert all(qi.MODES[p].attention == "exact" and qi.MODES[p].linear == "bf16"
+    assert qi.MODES["flashflow-fp8"] == ("fp8", "exact", False, False)
+    assert qi.MODES["flashflow-fp8+graph"] == ("fp8", "exact", False, True)
+    assert all(qi.MODES[p].attention == "exact" and qi.MODES[p].linear == "exact"
                for p in ("flashflow", "flashflow+compile", "flashflow+graph"))
     assert "flashflow-fp8" in qi.PROFILED   # its GPU time split, attention's share included
     args = SimpleNamespace(blocks=6, warmup=200, rep=1000, providers="flashflow-fp8+graph,flashflow-fp8")

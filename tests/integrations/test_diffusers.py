@@ -364,6 +364,7 @@ def test_fp8_linear_refusals_leave_the_model_as_it_was():
     assert not is_enabled(model)
     assert not any(isinstance(m, ffd.Fp8Linear) for m in model.modules())
     block.img_mlp.net[2].weight = original
+    assert torch.equal(run(model, kwargs), want)
     with torch.no_grad():
         block.txt_mod[1].weight[0, 0] = float("nan")
     with pytest.raises(ValueError, match=r"transformer_blocks\[1\].txt_mod.1.weight holds a NaN"):
