@@ -61,7 +61,7 @@ class Fp8Rows(NamedTuple):
 # --------------------------------------------------------------------------------------------
 
 
-def check_rows(name: str, x) -> None:
+def _check_rows(name: str, x) -> None:
     """``x`` a ``(..., K)`` float16/bfloat16/float32 tensor flashflow can run on, 1 ≤ K ≤
     :data:`~flashflow.tuning.norm.MAX_ROW_WIDTH`."""
     if not isinstance(x, torch.Tensor):
@@ -157,7 +157,7 @@ def quantize_rows(x) -> Fp8Rows:
         module docstring); x is read in fp32, exactly. A row holding a NaN or ±inf has a NaN
         scale.
     """
-    check_rows("x", x)
+    _check_rows("x", x)
     check_no_grad("quantize_rows", x=x)
     return Fp8Rows(*_dispatch(_quantize_rows_op, _quantize_rows_impl, x))
 
@@ -175,6 +175,6 @@ def gelu_quantize_rows(h) -> Fp8Rows:
         rounded to h's dtype; then as :func:`quantize_rows`. A row of h holding a NaN or ±inf
         has a NaN scale.
     """
-    check_rows("h", h)
+    _check_rows("h", h)
     check_no_grad("gelu_quantize_rows", h=h)
     return Fp8Rows(*_dispatch(_gelu_quantize_rows_op, _gelu_quantize_rows_impl, h))

@@ -1,7 +1,6 @@
 """The diffusion block's norms (:mod:`flashflow.ops.norm`) and the FP8 row quantization
-(:mod:`flashflow.ops.quant`) have no config table: each launch is
-one pass over rows held in registers, and its launch parameters follow from the row's width by
-the rules below."""
+(:mod:`flashflow.ops.quant`) have no config table: each launch is one pass over rows held in
+registers, and its launch parameters follow from the row's width by the rules below."""
 from __future__ import annotations
 
 from flashflow.device import cdiv, next_pow2

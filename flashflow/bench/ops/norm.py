@@ -14,15 +14,16 @@ def _launch(device: str, op: str) -> None:
     b, l, h, d = 1, 4352, 24, 128   # Qwen-Image 1024px: 4096 image + 256 text tokens, 24 heads of 128
     make = torch.empty if device == "cpu" else torch.randn
     bf16 = dict(device=device, dtype=torch.bfloat16)
-    if op in ("layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate"):
+    name, _, fp8 = op.partition(" ")
+    if name in ("layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate"):
         x, y = make(b, l, h * d, **bf16), make(b, l, h * d, **bf16)
         shift, scale, gate = (make(b, h * d, **bf16) for _ in range(3))
-        if op == "layernorm_modulate":
-            norm.layernorm_modulate(x, shift, scale)
-        elif op == "gate_residual":
+        if name == "layernorm_modulate":
+            norm.layernorm_modulate(x, shift, scale, fp8=fp8 == "fp8")
+        elif name == "gate_residual":
             norm.gate_residual(x, y, gate)
         else:
-            norm.gate_residual_layernorm_modulate(x, y, gate, shift, scale)
+            norm.gate_residual_layernorm_modulate(x, y, gate, shift, scale, fp8=fp8 == "fp8")
         return
     freqs = torch.ones(l, d // 2, dtype=torch.complex64, device=device)
     if op == "rmsnorm_rope":
@@ -33,8 +34,9 @@ def _launch(device: str, op: str) -> None:
                              *(make(d, **bf16) for _ in range(4)), freqs[:txt], freqs[txt:])
 
 
-NORM_OPS = ("layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
-            "joint_qkv_norm_rope")
+# "<op> fp8": the op's fp8=True launch (its modulated rows as e4m3 with a scale per token)
+NORM_OPS = ("layernorm_modulate", "layernorm_modulate fp8", "gate_residual", "gate_residual_layernorm_modulate",
+            "gate_residual_layernorm_modulate fp8", "rmsnorm_rope", "joint_qkv_norm_rope")
 
 
 def info_cases(family: str | None = None) -> list[InfoCase]:
