@@ -40,6 +40,7 @@ from every row marks nothing: its non-finite values are taken as 0.
 import triton
 import triton.language as tl
 
+from flashflow.device import interpreting
 from flashflow.kernels.activation import gelu_tanh
 
 INT8_MAX: tl.constexpr = tl.constexpr(127.0)
@@ -49,6 +50,9 @@ E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
 _RNE_MAGIC: tl.constexpr = tl.constexpr(12582912.0)
 # the floor of an amax, so that an all-zero row or block gets a finite scale (its values stay 0)
 AMAX_FLOOR: tl.constexpr = tl.constexpr(1e-20)
+# the GPU's own fp32 -> e4m3 conversion rounds to nearest even and saturates: round_e4m3 uses it
+# wherever kernels are compiled (not under the interpreter, whose conversion truncates)
+_HARDWARE_E4M3: tl.constexpr = tl.constexpr(not interpreting())
 # e4m3 (float8_e4m3fn) NaN, S.1111.111: written as bits, since Triton's interpreter converts an
 # fp32 NaN to a finite e4m3 value (a GPU's conversion keeps it)
 E4M3_NAN_BITS: tl.constexpr = tl.constexpr(0x7F)
@@ -65,8 +69,15 @@ def round_e4m3(x):
     """``x`` (fp32) rounded to nearest even onto the e4m3 grid, saturated at ±448, as fp32.
 
     The grid step is ``2^(e − 3)`` for a value of exponent ``e`` (three mantissa bits), and
-    ``2^-9`` for every value below the smallest normal ``2^-6`` (the subnormals)."""
-    return e4m3_grid(tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX))
+    ``2^-9`` for every value below the smallest normal ``2^-6`` (the subnormals). On a GPU this
+    is the hardware's conversion (``cvt.rn.satfinite`` to e4m3 and back: one instruction per
+    pair of values); under Triton's interpreter, whose conversion does not round to nearest,
+    :func:`e4m3_grid` computes the same values in fp32 arithmetic."""
+    x = tl.minimum(tl.maximum(x, -E4M3_MAX), E4M3_MAX)
+    if _HARDWARE_E4M3:
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+    else:
+        return e4m3_grid(x)
 
 
 @triton.jit
@@ -76,7 +87,9 @@ def e4m3_grid(x):
     exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     exponent = tl.maximum(exponent, -6)
     step = ((exponent + (127 - 3)) << 23).to(tl.float32, bitcast=True)
-    return round_half_even(x / step) * step
+    # times the step's reciprocal, a power of two too: exact, as the division was, and cheaper
+    inverse = ((127 + 3 - exponent) << 23).to(tl.float32, bitcast=True)
+    return round_half_even(x * inverse) * step
 
 
 @triton.jit
