@@ -4,13 +4,18 @@ The forward keeps no probabilities, only each row's log-sum-exp. The backward re
 of them at a time, ``P = exp(S − lse)``, in the base-2 domain of the forward
 (:mod:`flashflow.kernels.softmax`), and never writes an S×S buffer:
 
-    δ_i  = rowsum(dO_i ∘ O_i) − dlse_i                        (:func:`attention_bwd_delta_kernel`)
+    δ_i  = rowsum(dO_i ∘ O_i) − dlse_i
+    dQ_i = scale · Σ_j dS'_ij K_j                              (:func:`attention_bwd_dq_kernel`)
     dV_j = Σ_i P_ij dO_i,   dS_ij = P_ij (dO_i·V_j − δ_i)
     dK_j = scale · Σ_i dS'_ij Q_i                              (:func:`attention_bwd_dkdv_kernel`)
-    dQ_i = scale · Σ_j dS'_ij K_j                              (:func:`attention_bwd_dq_kernel`)
 
 with ``dS' = dS`` or, under a softcap ``c`` (``S = c·tanh(x·scale/c)``), ``dS' = dS·(1 − (S/c)²)``.
 ``dlse`` is the gradient reaching a returned log-sum-exp (0 when it is not used).
+
+δ is fp32, one value per query row, laid out as the LSE. The dQ kernel runs first: each program
+computes δ of its own rows from the O and dO tiles it loads (dO it needs anyway), uses it for its
+dS in registers and stores it; the dK/dV kernel, launched after it on the same stream, reads it
+back. Without dQ (a frozen q) :func:`attention_bwd_delta_kernel` computes δ alone, before dK/dV.
 
 Tiles
 -----
@@ -42,13 +47,24 @@ from flashflow.kernels.softmax import LOG2E_C
 
 
 @triton.jit
+def _delta(o, do, DLSE, sl_s, offs_m, seqlen_q, HAS_DLSE: tl.constexpr):
+    """δ of the rows ``offs_m`` in fp32 from their ``(rows, head_dim)`` tiles of O and dO (zero
+    past the end); ``DLSE`` points at the (sequence, head)'s first row, laid out as the LSE."""
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + offs_m * sl_s, mask=offs_m < seqlen_q, other=0.0)
+    return delta
+
+
+@triton.jit
 def attention_bwd_delta_kernel(O, DO, DLSE, DELTA, seqlen_q, heads,
                                so_b, so_s, so_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
                                HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                                HAS_DLSE: tl.constexpr):
     """δ = rowsum(dO ∘ O) − dlse in fp32, laid out as the LSE (strides ``sl_*``, shared by
-    ``DLSE`` and ``DELTA``). Grid ``(cdiv(seqlen_q, BLOCK_M), batch · heads)``; a varlen batch
-    is one sequence of all its tokens here (δ is per row)."""
+    ``DLSE`` and ``DELTA``), for a backward without dQ (whose kernel computes δ itself). Grid
+    ``(cdiv(seqlen_q, BLOCK_M), batch · heads)``; a varlen batch is one sequence of all its
+    tokens here (δ is per row)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // heads).to(tl.int64)
@@ -58,11 +74,9 @@ def attention_bwd_delta_kernel(O, DO, DLSE, DELTA, seqlen_q, heads,
     mask = rows_mask(offs_m, seqlen_q, offs_d, HEAD_DIM)
     o = tl.load(O + b * so_b + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + b * sdo_b + h * sdo_h + offs_m[:, None] * sdo_s + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    row = b * sl_b + h * sl_h + offs_m * sl_s
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + row, mask=offs_m < seqlen_q, other=0.0)
-    tl.store(DELTA + row, delta, mask=offs_m < seqlen_q)
+    row0 = b * sl_b + h * sl_h
+    delta = _delta(o, do, DLSE + row0, sl_s, offs_m, seqlen_q, HAS_DLSE)
+    tl.store(DELTA + row0 + offs_m * sl_s, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -96,15 +110,20 @@ def _load_tiles(A, B, stride_a, stride_b, offs_rows, n_rows, offs_d, HEAD_DIM: t
 
 
 @triton.jit
+def _lse2(LSE, sl_s, offs_m, seqlen_q):
+    """The rows' log-sum-exp in base 2 (from the forward); ``LSE`` points at the (sequence,
+    head)'s first row. A row that saw no key (lse = -inf) gets +inf, so every probability of it
+    is 0 rather than exp2(+inf)."""
+    lse = tl.load(LSE + offs_m * sl_s, mask=offs_m < seqlen_q, other=0.0)
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
+
+
+@triton.jit
 def _row_stats(LSE, DELTA, sl_s, offs_m, seqlen_q):
-    """The rows' log-sum-exp in base 2 (from the forward) and δ; ``LSE``/``DELTA`` point at the
-    (sequence, head)'s first row. A row that saw no key (lse = -inf) gets +inf, so every
-    probability of it is 0 rather than exp2(+inf)."""
-    row_ok = offs_m < seqlen_q
-    lse = tl.load(LSE + offs_m * sl_s, mask=row_ok, other=0.0)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_C)
-    delta = tl.load(DELTA + offs_m * sl_s, mask=row_ok, other=0.0)
-    return lse, delta
+    """The rows' base-2 log-sum-exp (:func:`_lse2`) and δ, read back from the (sequence, head)'s
+    first row of ``LSE``/``DELTA``."""
+    delta = tl.load(DELTA + offs_m * sl_s, mask=offs_m < seqlen_q, other=0.0)
+    return _lse2(LSE, sl_s, offs_m, seqlen_q), delta
 
 
 @triton.jit
@@ -269,18 +288,22 @@ def _dq_loop(dq, q, do, lse2, delta, K, V, bias_ptrs, KEY_PADDING_MASK, lo, hi, 
 
 @triton.jit
 def attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, BIAS, KEY_PADDING_MASK, CU_Q, CU_K,
-    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, sl_b, sl_h, sl_s,
+    Q, K, V, DO, O, LSE, DLSE, DELTA, DQ, BIAS, KEY_PADDING_MASK, CU_Q, CU_K,
+    sq_b, sq_s, sq_h, sk_b, sk_s, sk_h, sv_b, sv_s, sv_h, sdo_b, sdo_s, sdo_h, so_b, so_s, so_h, sl_b, sl_h, sl_s,
     sdq_b, sdq_s, sdq_h, sb_b, sb_h, sb_m, sb_n, stride_key_padding_mask,
     seqlen_q, seqlen_k, heads, kv_heads, bias_keys, mask_keys, softmax_scale, qk_scale_log2, softcap, window_left,
     window_right,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr, KEY_PADDING: tl.constexpr, HAS_DLSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr = False,
 ):
-    """dQ of one ``BLOCK_M`` block of queries of one head. Grid ``(cdiv(seqlen_q, BLOCK_M),
-    batch · heads)``, the heaviest blocks first under a causal bound; the key blocks the rows may
-    see are streamed (the forward's key range and loops, :func:`flashflow.kernels.mask.key_blocks`)."""
+    """dQ of one ``BLOCK_M`` block of queries of one head, and their δ. Grid
+    ``(cdiv(seqlen_q, BLOCK_M), batch · heads)`` (varlen: the longest sequence's queries), the
+    heaviest blocks first under a causal bound. The program computes its rows' δ from their O and
+    dO tiles, uses it for its own dS and stores it to ``DELTA`` for the dK/dV kernel launched
+    after it; then streams the key blocks the rows may see (the forward's key range and loops,
+    :func:`flashflow.kernels.mask.key_blocks`)."""
     pid_m = tl.program_id(0)
     if HAS_RIGHT:   # causal: the last query blocks see the most keys, so they start first
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -295,8 +318,12 @@ def attention_bwd_dq_kernel(
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         q, do, q_mask = _load_tiles(Q + b * sq_b + q_start * sq_s + h * sq_h, DO + b * sdo_b + q_start * sdo_s + h * sdo_h,
                                     sq_s, sdo_s, offs_m, seqlen_q, offs_d, HEAD_DIM, DOT_FP32)
+        o = tl.load(O + b * so_b + q_start * so_s + h * so_h + offs_m[:, None] * so_s + offs_d[None, :], mask=q_mask,
+                    other=0.0)
         row0 = b * sl_b + h * sl_h + q_start * sl_s
-        lse2, delta = _row_stats(LSE + row0, DELTA + row0, sl_s, offs_m, seqlen_q)
+        delta = _delta(o, do, DLSE + row0, sl_s, offs_m, seqlen_q, HAS_DLSE)
+        tl.store(DELTA + row0 + offs_m * sl_s, delta, mask=offs_m < seqlen_q)
+        lse2 = _lse2(LSE + row0, sl_s, offs_m, seqlen_q)
         diag_offset = seqlen_k - seqlen_q
         m_last = tl.minimum(start_m + BLOCK_M, seqlen_q) - 1
         masked_keys = masked_prefix(bias_keys, mask_keys, HAS_BIAS, KEY_PADDING)

@@ -2,8 +2,10 @@
 
 :func:`attention_backward` takes what the forward saved (q, k, v, the output and its
 log-sum-exp, the bias or key-padding mask) and the incoming gradients, and returns ``(dq, dk, dv)``; a gradient
-nobody asked for is not computed (frozen K/V, as in LoRA: no dK/dV launch). Three launches: δ,
-dK/dV, dQ. ``flashflow.ops.attention`` registers it as the forward op's autograd formula.
+nobody asked for is not computed (frozen K/V, as in LoRA: no dK/dV launch). Two launches: dQ,
+whose programs also compute and store δ for their rows, then dK/dV, which reads δ back; without
+dQ (a frozen q) a δ launch takes its place. ``flashflow.ops.attention`` registers it as the
+forward op's autograd formula.
 """
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
     if has_dlse and not dlse.is_contiguous():
         dlse = dlse.contiguous()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), dout.stride(), out.stride(), lse.shape,
-           q.dtype, dout.dtype, q.get_device(), has_dlse,
+           q.dtype, dout.dtype, out.dtype, q.get_device(), has_dlse,
            None if bias is None else (bias.dtype, bias.shape, bias.stride()),
            bias_keys, None if key_padding_mask is None else (key_padding_mask.dtype, key_padding_mask.shape,
                                                              key_padding_mask.stride()), mask_keys,
@@ -69,19 +71,22 @@ def attention_backward(q, k, v, out, lse, dout, dlse, softmax_scale: float, has_
             _BACKWARD_PLANS[key] = plan
     launch_key = key if key[-1] else None   # else Triton specialises each call
     delta = torch.empty_like(lse)   # δ has the LSE's layout: (b, h, sq) or (h, tq)
-    _DELTA(launch_key, plan.delta_grid, (out, dout, dlse if has_dlse else delta, delta, *plan.delta_ints),
-           plan.delta_constexprs)
+    dlse_t = dlse if has_dlse else delta
     scales = (softmax_scale, softmax_scale / softcap if softcap > 0 else softmax_scale * LOG2E, softcap)
     bias_t = bias if bias is not None else delta
     mask_t = key_padding_mask if key_padding_mask is not None else delta
     cu_q = cu_seqlens_q if varlen else delta
     cu_k = cu_seqlens_k if varlen else delta
+    # δ first: the dQ kernel's programs store it for their rows (every row of every sequence is one
+    # program's), else the δ kernel does; dK/dV, later on the same stream, reads it back
+    if need_dq:
+        _DQ(launch_key, plan.dq_grid, (q, k, v, dout, out, lse, dlse_t, delta, dq, bias_t, mask_t, cu_q, cu_k,
+                                       *plan.dq_ints, *scales, *plan.windows), plan.dq_constexprs)
+    else:
+        _DELTA(launch_key, plan.delta_grid, (out, dout, dlse_t, delta, *plan.delta_ints), plan.delta_constexprs)
     if need_dkv:
         _DKDV(launch_key, plan.dkdv_grid, (q, k, v, dout, lse, delta, dk, dv, bias_t, mask_t, cu_q, cu_k,
                                            *plan.dkdv_ints, *scales, *plan.windows), plan.dkdv_constexprs)
-    if need_dq:
-        _DQ(launch_key, plan.dq_grid, (q, k, v, dout, lse, delta, dq, bias_t, mask_t, cu_q, cu_k, *plan.dq_ints,
-                                       *scales, *plan.windows), plan.dq_constexprs)
     return dq, dk, dv
 
 
@@ -122,11 +127,11 @@ class _BackwardPlan:
         d_pad = head_dim_pad(head_dim)
         cfg = config or attention_bwd_config(d_pad, gpu_family(q.device))
         l_s = (0, *lse.stride()) if varlen else lse.stride()
-        # varlen: all tokens as one sequence (δ is per row)
-        self.delta_grid = (cdiv(rows, DELTA_ROWS), (1 if varlen else batch) * heads, 1)
-        self.delta_ints = (rows, heads, *o_s, *do_s, *l_s)
-        self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_M=DELTA_ROWS, HAS_DLSE=has_dlse,
-                                     num_warps=4)
+        if not need_dq:   # δ's own launch; varlen: all tokens as one sequence (δ is per row)
+            self.delta_grid = (cdiv(rows, DELTA_ROWS), (1 if varlen else batch) * heads, 1)
+            self.delta_ints = (rows, heads, *o_s, *do_s, *l_s)
+            self.delta_constexprs = dict(HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad, BLOCK_M=DELTA_ROWS,
+                                         HAS_DLSE=has_dlse, num_warps=4)
         if bias is None:
             b_s, bias_keys = (0, 0, 0, 0), 0
         else:
@@ -146,9 +151,10 @@ class _BackwardPlan:
                                         num_stages=cfg.num_stages1, **meta)
         if need_dq:
             self.dq_grid = (cdiv(seqlen_q, cfg.BLOCK_M2), batch * heads, 1)
-            self.dq_ints = (*strides, *dq_s, *b_s, mask_s, *shape)
+            # q, k, v, dO strides, then O's for the rows' δ, then the LSE's
+            self.dq_ints = (*q_s, *k_s, *v_s, *do_s, *o_s, *l_s, *dq_s, *b_s, mask_s, *shape)
             self.dq_constexprs = dict(BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, num_warps=cfg.num_warps2,
-                                      num_stages=cfg.num_stages2, **meta)
+                                      num_stages=cfg.num_stages2, HAS_DLSE=has_dlse, **meta)
 
 
 def attention_bwd_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,

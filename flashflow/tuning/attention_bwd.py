@@ -10,7 +10,7 @@ from flashflow.tuning import Config, ConfigTable
 
 TABLE = "attention_bwd"
 
-DELTA_ROWS = 64   # rows per program of the δ pass (a streaming row reduction)
+DELTA_ROWS = 64   # rows per program of the δ kernel (a streaming row reduction; backwards without dQ)
 
 
 @dataclass(frozen=True)

@@ -93,23 +93,103 @@ def test_gradient_of_a_returned_lse(device):
     check(with_lse=True, causal=True, device=device)
 
 
-@pytest.mark.parametrize("need", [(True, False, False), (False, True, True), (False, False, True)])
-def test_only_the_gradients_asked_for(device, need, monkeypatch):
-    """Frozen K/V (LoRA-style) cost no dK/dV launch; a frozen q no dQ launch."""
+def _spy_launches(monkeypatch):
+    """The backward's launches as ``(kernel name, args)``, in order."""
     import flashflow.ops.attention_bwd as bwd
 
     launched = []
-    for name, attr in (("attention_bwd_dkdv_kernel", "_DKDV"), ("attention_bwd_dq_kernel", "_DQ")):
+    for name, attr in (("attention_bwd_delta_kernel", "_DELTA"), ("attention_bwd_dkdv_kernel", "_DKDV"),
+                       ("attention_bwd_dq_kernel", "_DQ")):
         launcher = getattr(bwd, attr)
         assert launcher.kernel is getattr(bwd, name)
 
-        def spy(*args, launcher=launcher, name=name):
-            launched.append(name)
-            return launcher(*args)
+        def spy(key, grid, args, constexprs, launcher=launcher, name=name):
+            launched.append((name, args))
+            return launcher(key, grid, args, constexprs)
         monkeypatch.setattr(bwd, attr, spy)
-    check(need=need, causal=True, device=device)
-    assert ("attention_bwd_dq_kernel" in launched) == need[0]
-    assert ("attention_bwd_dkdv_kernel" in launched) == (need[1] or need[2])
+    return launched
+
+
+@pytest.mark.parametrize("with_lse", [False, True])
+@pytest.mark.parametrize("need", [(True, True, True), (True, False, False), (False, True, True), (False, False, True)])
+def test_only_the_gradients_asked_for(device, need, with_lse, monkeypatch):
+    """Frozen K/V (LoRA-style) cost no dK/dV launch; a frozen q no dQ launch. δ comes from the dQ
+    launch, which runs first; only a backward without dQ launches the δ kernel (before dK/dV)."""
+    launched = _spy_launches(monkeypatch)
+    check(need=need, causal=True, with_lse=with_lse, device=device)
+    names = [name for name, _ in launched]
+    want = (["attention_bwd_dq_kernel"] if need[0] else ["attention_bwd_delta_kernel"]) \
+        + (["attention_bwd_dkdv_kernel"] if need[1] or need[2] else [])
+    assert names == want
+
+
+def _delta_of(launched):
+    """The δ buffer the backward's first launch filled (the dQ kernel's or the δ kernel's)."""
+    name, args = launched[0]
+    return args[7] if name == "attention_bwd_dq_kernel" else args[3]
+
+
+@pytest.mark.parametrize("need_dq", [True, False])
+def test_delta_is_every_row_and_no_other(device, need_dq, monkeypatch):
+    """δ = rowsum(dO ∘ O) − dlse as the backward computes it, against float64, dense (b, h, sq)
+    and varlen (h, tq) with a sequence shorter than a tile and an empty one: every row is written
+    and a program's rows past its sequence write nothing (they would land on the next head's or
+    sequence's rows). Non-causal, so the later programs (past the end) run after the earlier."""
+    g = torch.Generator().manual_seed(5)
+    b, sq, sk, h, hk, d = 2, 37, 29, 4, 2, 24
+    q = torch.randn(b, sq, h, d, generator=g).half().to(device)
+    k, v = (torch.randn(b, sk, hk, d, generator=g).half().to(device) for _ in range(2))
+    do = torch.randn(b, sq, h, d, generator=g).half().to(device)
+    dl = torch.randn(b, h, sq, generator=g).to(device)
+    ins = [q.clone().requires_grad_(need_dq), k.clone().requires_grad_(), v.clone().requires_grad_()]
+    out, lse = flashflow.flash_attn_func(*ins, return_lse=True)
+    launched = _spy_launches(monkeypatch)
+    ((out.float() * do.float()).sum() + (lse * dl).sum()).backward()
+    want = (do.double() * out.detach().double()).sum(-1).transpose(1, 2) - dl.double()
+    torch.testing.assert_close(_delta_of(launched).double(), want, rtol=1e-5, atol=1e-5)
+
+    lq, lk = [17, 0, 33, 5], [23, 4, 33, 1]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for x in (lq, lk))
+    q = torch.randn(sum(lq), h, d, generator=g).half().to(device)
+    k, v = (torch.randn(sum(lk), hk, d, generator=g).half().to(device) for _ in range(2))
+    do = torch.randn(sum(lq), h, d, generator=g).half().to(device)
+    dl = torch.randn(h, sum(lq), generator=g).to(device)
+    ins = [q.clone().requires_grad_(need_dq), k.clone().requires_grad_(), v.clone().requires_grad_()]
+    out, lse = flashflow.flash_attn_varlen_func(*ins, cu_q, cu_k, max(lq), max(lk), return_lse=True)
+    launched.clear()
+    ((out.float() * do.float()).sum() + (lse * dl).sum()).backward()
+    want = (do.double() * out.detach().double()).sum(-1).T - dl.double()
+    torch.testing.assert_close(_delta_of(launched).double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("need", [(True, False, False), (False, True, True), (True, True, True)])
+def test_varlen_gradient_of_a_returned_lse(device, need):
+    """flash_attn_varlen_func with return_lse (GQA, causal, a sequence shorter than a tile, an
+    empty one): each gradient asked for against the float64 reference run per sequence."""
+    from flashflow.reference.attention import attention_varlen_naive
+    g = torch.Generator().manual_seed(6)
+    lq, lk = [17, 0, 33, 5], [23, 4, 33, 1]
+    cu_q, cu_k = (torch.tensor([0, *torch.tensor(x).cumsum(0).tolist()], dtype=torch.int32, device=device)
+                  for x in (lq, lk))
+    q = torch.randn(sum(lq), 4, 32, generator=g).half().to(device)
+    k, v = (torch.randn(sum(lk), 2, 32, generator=g).half().to(device) for _ in range(2))
+    do = torch.randn(sum(lq), 4, 32, generator=g).half().to(device)
+    dl = torch.randn(4, sum(lq), generator=g).to(device)
+
+    def loss(out, lse):
+        fin = torch.isfinite(lse)
+        return (out * do.to(out.dtype)).sum() + (torch.where(fin, lse, 0) * dl.to(lse.dtype)).sum()
+    ins = [t.clone().requires_grad_(n) for t, n in zip((q, k, v), need)]
+    out, lse = flashflow.flash_attn_varlen_func(*ins, cu_q, cu_k, max(lq), max(lk), causal=True, return_lse=True)
+    loss(out.float(), lse).backward()
+    refs = [t.double().requires_grad_(n) for t, n in zip((q, k, v), need)]
+    loss(*attention_varlen_naive(*refs, cu_q, cu_k, causal=True, return_lse=True)).backward()
+    for name, a, r in zip(("dq", "dk", "dv"), ins, refs):
+        if r.grad is None:
+            assert a.grad is None, name
+            continue
+        assert torch.isfinite(a.grad).all() and rel_l2(a.grad, r.grad) < TOL[torch.float16], (name, rel_l2(a.grad, r.grad))
 
 
 def test_deterministic_bits_and_its_argument(device):

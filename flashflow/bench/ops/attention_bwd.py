@@ -1,6 +1,6 @@
-"""The attention backward as the benchmarks see it: its three kernels (δ, dK/dV, dQ) at each
-entry of its config table for ``flashflow info``, and forward + backward against SDPA on cuDNN
-for ``flashflow tune`` (the train suite's shapes)."""
+"""The attention backward as the benchmarks see it: its kernels (dQ with δ, dK/dV, and the δ
+kernel of a backward without dQ) at each entry of its config table for ``flashflow info``, and
+forward + backward against SDPA on cuDNN for ``flashflow tune`` (the train suite's shapes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,7 +13,7 @@ from flashflow.tuning.attention_bwd import AttentionBwdConfig
 # ----------------------------------------------------------------------------- info
 
 
-def _backward(device: str, head_dim: int, causal: bool) -> None:
+def _backward(device: str, head_dim: int, causal: bool, frozen_q: bool = False) -> None:
     import torch
 
     from flashflow import flash_attn_func
@@ -21,13 +21,15 @@ def _backward(device: str, head_dim: int, causal: bool) -> None:
     make = torch.empty if device == "cpu" else torch.randn
     q, k, v = (make(BATCH, SEQLEN, HEADS, head_dim, device=device, dtype=torch.bfloat16).requires_grad_()
                for _ in range(3))
+    if frozen_q:
+        q.requires_grad_(False)
     flash_attn_func(q, k, v, causal=causal).backward(torch.ones_like(q))
 
 
 def info_cases(family: str | None) -> list[InfoCase]:
-    """The backward's three kernels (δ, dK/dV, dQ) through ``flash_attn_func`` + autograd at the
-    largest head_dim of each entry of its config table, causal and not (the causal build masks
-    its diagonal blocks)."""
+    """The backward's kernels through ``flash_attn_func`` + autograd at the largest head_dim of
+    each entry of its config table: dQ (with δ) and dK/dV, causal and not (the causal build masks
+    its diagonal blocks), and with a frozen q the δ kernel and dK/dV."""
     from flashflow.tuning import table
 
     entries = table("attention_bwd").get(family, ()) if family else table("attention_bwd")["sm90"]
@@ -37,6 +39,8 @@ def info_cases(family: str | None) -> list[InfoCase]:
         for causal in (False, True):
             cases.append(InfoCase("attention-bwd", f"d<={d}{' causal' if causal else ''}",
                                   lambda device, d=d, causal=causal: _backward(device, d, causal)))
+        cases.append(InfoCase("attention-bwd", f"d<={d} frozen q",
+                              lambda device, d=d: _backward(device, d, False, frozen_q=True)))
     return cases
 
 
@@ -106,7 +110,7 @@ def tune_case(shape, args) -> TuneCase:
 SPEC = OpSpec(
     name="attention-bwd",
     info_title=f"attention backward through flash_attn_func + autograd (bf16, batch {BATCH}, seqlen {SEQLEN}, "
-               f"{HEADS} heads; δ, dK/dV and dQ kernels)",
+               f"{HEADS} heads; dQ with δ, dK/dV, and the δ kernel of a frozen q)",
     info_cases=info_cases,
     suite="train",
     axes={"BLOCK_M1": (32, 64), "BLOCK_N1": (64, 128), "num_warps1": (4, 8), "num_stages1": (2, 3, 4),
