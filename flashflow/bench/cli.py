@@ -1,7 +1,8 @@
 """`flashflow bench`: time flashflow against its anchors on the GPU and keep the numbers.
 
 Suites: attention (default; flashflow and its FP8 attention vs SDPA cuDNN / FLASH, with each
-output's accuracy against exact attention), decode, train, mlp, host, memory, dataflow, qwen-image.
+output's accuracy against exact attention), decode, train, mlp, host, memory, dataflow, qwen-image,
+fp8-linear.
 Each writes <suite>-<device>.json to --out. Without a CUDA GPU the attention suite runs a
 small correctness demo through Triton's interpreter instead; the other suites need the GPU.
 --from-json prints a saved result's tables, --tables the tables of docs/results.md.
@@ -46,7 +47,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
                    help="comma list (default: all of the suite's; attention: "
-                        f"{','.join(SUITES['attention'].providers)}; mlp and qwen-image take one too)")
+                        f"{','.join(SUITES['attention'].providers)}; mlp, qwen-image and fp8-linear take one too)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="input dtype (default: fp16 for memory, bf16 otherwise)")
     p.add_argument("--warmup", type=int, default=None, metavar="MS",

@@ -201,6 +201,12 @@ RUNNERS: dict[str, Runner] = {
     "dataflow": Runner("flashflow.bench.dataflow",
                        "profiles a GEMM's DRAM bytes per tile order with Nsight Compute",
                        frozenset({"quick"}), {}),
+    "fp8-linear": Runner("flashflow.bench.fp8_linear_suite",
+                         "times the FP8 linear layer, its GEMM with and without fast accumulation and its "
+                         "row-quantize passes against cuBLAS in bf16 and torchao's FP8 linear at a Qwen-Image "
+                         "block's GEMM shapes, with its accuracy against float64; warm-up 10 ms, 50 ms timed, "
+                         "3 rounds",
+                         frozenset({"quick", "providers", "warmup", "rep"}), {"warmup": 10, "rep": 50}),
     "qwen-image": Runner("flashflow.bench.qwen_image",
                          "times a Qwen-Image transformer step, diffusers vs flashflow.integrations.diffusers "
                          "(exact and FP8 attention, FP8 linears) and torchao's FP8 linears, eager, compiled and "

@@ -106,6 +106,16 @@ def mlp_section(results, device=DEVICE) -> str:
     return "\n".join(out)
 
 
+def fp8_linear_section(results, device=DEVICE) -> str:
+    from flashflow.bench import fp8_linear_suite
+
+    d, name = _load(results, "fp8-linear", device)
+    if d is None or not d.get("rows"):
+        return ""
+    return (f"### FP8 linear at a Qwen-Image block's GEMM shapes ({d['dtype']}, `flashflow bench --suite fp8-linear`)"
+            f"\n\n{_header(d, name)}\n\n{fp8_linear_suite.tables(d)}\n")
+
+
 def memory_section(results, device=DEVICE, heading: bool = True) -> str:
     from flashflow.bench import memory
 
@@ -149,7 +159,8 @@ def dataflow_section(results, device=DEVICE) -> str:
             + _header(d, name) + "\n\n" + markdown_table(d["results"]) + "\n")
 
 
-SECTIONS = (attention_section, decode_section, mlp_section, memory_section, info_section, dataflow_section)
+SECTIONS = (attention_section, decode_section, mlp_section, fp8_linear_section, memory_section, info_section,
+            dataflow_section)
 
 
 def render(results="bench/results") -> str:
