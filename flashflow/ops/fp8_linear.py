@@ -10,7 +10,9 @@ rounded to nearest even onto the e4m3 grid: the recipe of torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``.
 
 The GEMM is ``torch._scaled_mm`` with row-wise scales (cuBLASLt / CUTLASS on Hopper), the bias
-in its epilogue; the reasons and the measured alternatives are in flashflow/tuning/fp8_linear.json.
+in its epilogue; a call of a few rows is a weight read, which flashflow's own kernel does on the
+unquantized rows (:mod:`flashflow.kernels.fp8_linear`). The settings and the measured
+alternatives are in flashflow/tuning/fp8_linear.json.
 A row whose scale is NaN (an input row holding a NaN or an inf) comes out NaN: FP8 does not hide
 a non-finite input. :class:`Fp8Linear` is the ``nn.Module`` form that
 :func:`flashflow.integrations.diffusers.enable` puts in place of a model's ``nn.Linear``.
@@ -22,8 +24,9 @@ from typing import NamedTuple, Optional, Union
 import torch
 from torch import nn
 
-from flashflow.device import gpu_family
-from flashflow.ops.common import op_or_direct
+from flashflow.device import cdiv, gpu_family, next_pow2
+from flashflow.kernels.fp8_linear import fp8_weight_rows_kernel
+from flashflow.ops.common import dot_options, op_or_direct, unit_last_stride
 from flashflow.ops.quant import Fp8Rows, quantize_rows
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning.fp8_linear import fp8_linear_config
@@ -97,7 +100,10 @@ def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
     Returns:
         ``(..., out_features)`` in ``weight.dtype``; fp32 accumulation. A bf16 layer's bias is
         added in the GEMM's fp32 epilogue; a layer of another dtype gets the bf16 GEMM output cast
-        to its dtype and the bias added after (one more pass).
+        to its dtype and the bias added after (one more pass). A float x of at most ``rows_max``
+        rows (flashflow/tuning/fp8_linear.json; the AdaLN modulation's time-embedding row) is not
+        quantized: flashflow's kernel multiplies it as it is with the widened e4m3 weight
+        (:mod:`flashflow.kernels.fp8_linear`), the error then the weight's alone.
     """
     _check_weight(weight)
     out_features, in_features = weight.data.shape
@@ -118,7 +124,7 @@ def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
         if x.dim() < 1:
             raise ValueError("x must have at least one dimension (..., in_features)")
         check_no_grad("fp8_linear", x=x)
-        data = x
+        data, scale = x, None
         lead = x.shape[:-1]
     else:
         raise TypeError(f"x must be a torch.Tensor or an Fp8Rows, got {type(x).__name__}")
@@ -133,19 +139,61 @@ def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
             raise ValueError(f"bias must be ({out_features},) {weight.dtype} on {weight.data.device}, got "
                              f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
         check_no_grad("fp8_linear", bias=bias)
-    if isinstance(x, torch.Tensor):
-        data, scale = quantize_rows(x)
-    rows = data.numel() // in_features
-    a = data.reshape(rows, in_features)
+    out = _linear(data, scale, weight.data, weight.scale, bias, weight.dtype)
+    return out.view(*lead, out_features)
+
+
+def _linear_impl(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``(rows, N)`` in ``out_dtype``: x ``(..., K)`` e4m3 rows with their ``x_scale``, or a float
+    x (``x_scale`` None) that is quantized here, or for at most ``rows_max`` rows multiplied as it
+    is (:func:`_few_rows`)."""
+    out_features, in_features = w.shape
+    rows = x.numel() // in_features
+    cfg = fp8_linear_config(gpu_family(w.device))
+    if rows == 0:
+        return torch.empty((0, out_features), dtype=out_dtype, device=w.device)
+    if x_scale is None:
+        if rows <= cfg.rows_max:
+            return _few_rows(x, w, w_scale, bias, out_dtype, cfg)
+        x, x_scale = quantize_rows(x)
+    a = x.reshape(rows, in_features)
     if not a.is_contiguous():
         a = a.contiguous()
-    fused_bias = bias if weight.dtype == _GEMM_OUT else None
-    out = _gemm(a, scale.reshape(rows, 1), weight.data, weight.scale, fused_bias)
-    if weight.dtype != _GEMM_OUT:
-        out = out.to(weight.dtype)
+    out = _gemm_impl(a, x_scale.reshape(rows, 1), w, w_scale, bias if out_dtype == _GEMM_OUT else None)
+    if out_dtype != _GEMM_OUT:
+        out = out.to(out_dtype)
         if bias is not None:
             out += bias
-    return out.view(*lead, out_features)
+    return out
+
+
+_linear_op = torch.library.custom_op("flashflow::fp8_linear", mutates_args=())(_linear_impl)
+
+
+@_linear_op.register_fake
+def _(x, x_scale, w, w_scale, bias, out_dtype):
+    return x.new_empty((x.numel() // w.shape[1], w.shape[0]), dtype=out_dtype)
+
+
+# eager calls skip the custom op's dispatch; torch.compile sees one opaque op (the config lookup
+# it would otherwise trace reads a JSON file)
+_linear = op_or_direct(_linear_op, _linear_impl)
+
+
+def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
+              out_dtype: torch.dtype, cfg) -> torch.Tensor:
+    """``(rows, N)``: x's few rows times the e4m3 weight, x not quantized
+    (:func:`flashflow.kernels.fp8_linear.fp8_weight_rows_kernel`)."""
+    out_features, in_features = w.shape
+    x2 = unit_last_stride(x).reshape(-1, in_features)
+    out = torch.empty((x2.shape[0], out_features), dtype=out_dtype, device=x2.device)
+    fp8_weight_rows_kernel[(cdiv(out_features, cfg.BLOCK_N),)](
+        x2, w, w_scale, bias if bias is not None else w_scale, out,
+        x2.shape[0], out_features, in_features, x2.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, BLOCK_M=next_pow2(max(cfg.rows_max, 16)), BLOCK_N=cfg.BLOCK_N,
+        BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(x2.dtype))
+    return out
 
 
 def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
@@ -154,19 +202,6 @@ def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w:
     scale_a ``(M, 1)``, scale_w ``(1, N)`` float32."""
     return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias, out_dtype=_GEMM_OUT,
                             use_fast_accum=fp8_linear_config(gpu_family(a.device)).fast_accum)
-
-
-_gemm_op = torch.library.custom_op("flashflow::fp8_gemm", mutates_args=())(_gemm_impl)
-
-
-@_gemm_op.register_fake
-def _(a, scale_a, w, scale_w, bias):
-    return a.new_empty((a.shape[0], w.shape[0]), dtype=_GEMM_OUT)
-
-
-# eager calls skip the custom op's dispatch; torch.compile sees one opaque op (the config lookup
-# it would otherwise trace reads a JSON file)
-_gemm = op_or_direct(_gemm_op, _gemm_impl)
 
 
 class Fp8Linear(nn.Module):

@@ -87,10 +87,10 @@ def test_help_lists_the_suite(capsys):
     assert "fp8-linear: times the FP8 linear layer" in out
 
 
-def test_spec_launches_the_quantize_passes_the_gemm_being_cublaslts():
+def test_spec_launches_the_few_rows_kernel_the_gemm_being_cublaslts():
     s = spec("fp8-linear")
     cases = s.info_cases(None)
-    assert [c.label.split()[0] for c in cases] == ["quantize_rows", "gelu_quantize_rows"]
+    assert [c.label.split()[0] for c in cases] == ["fp8_weight_rows"]
     assert all(c.op == "fp8-linear" for c in cases) and "cuBLASLt" in s.info_title
     assert not s.tunable and s.config_classes[0].__module__ == "flashflow.tuning.fp8_linear"
     assert [c.label for c in s.info_cases("sm90")] == [c.label for c in cases]
@@ -144,7 +144,7 @@ def test_the_fp8_gemm_is_the_ops_own_call(device):
     from flashflow.ops.quant import quantize_rows
     from flashflow.tuning.fp8_linear import fp8_linear_config
 
-    x, w, b = fl.make_inputs(7, 48, 32, device)
+    x, w, b = fl.make_inputs(33, 48, 32, device)   # more rows than rows_max: the row-scaled GEMM
     weight, rows = quantize_weight(w), quantize_rows(x)
     fast = fp8_linear_config(gpu_family(torch.device(device))).fast_accum
     got = fl.scaled_gemm(rows.data, rows.scale, weight.data, weight.scale, b, fast)

@@ -19,7 +19,7 @@ from flashflow.reference.metrics import cosine, rel_l2
 pytestmark = pytest.mark.kernels
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # K, N: multiples of 16 (the FP8 GEMM's operands); odd M
-SHAPES = [(1, 16, 32), (7, 48, 16), (33, 80, 112)]
+SHAPES = [(17, 16, 32), (33, 80, 112)]   # more rows than rows_max: quantized rows, the row-scaled GEMM
 
 
 def fresh_seed() -> int:
@@ -64,6 +64,27 @@ def test_matches_the_fake_quantized_float64_product(device, dtype, m, k, n, give
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_few_rows_are_multiplied_unquantized(device, dtype, m):
+    """At most rows_max rows (the modulation's time-embedding row): flashflow's kernel multiplies x
+    as it is with the widened e4m3 weight; NaN and inf go where the exact product puts them."""
+    seed = fresh_seed()
+    x = realistic((m, 80), seed, device, dtype)
+    w, b = weights(112, 80, seed, device, dtype)
+    weight = quantize_weight(w)
+    out = fp8_linear(x, weight, b)
+    values, scale = quantize_weight_reference(w)
+    want = x.double() @ (values * scale).T + b.double()   # only the weight quantized
+    assert out.shape == (m, 112) and out.dtype == dtype
+    assert rel_l2(out, want) < 1e-2, f"seed {seed}"
+    assert rel_l2(fp8_linear(x, weight), want - b.double()) < 1e-2
+    assert fp8_linear(x[None].transpose(0, 1), weight, b).shape == (m, 1, 112)
+    x[0, 3] = float("nan")
+    got = fp8_linear(x, weight, b)
+    assert torch.isnan(got[0]).all() and torch.equal(got[1:], out[1:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_weight_quantization_is_per_channel_e4m3(device, dtype):
     w, _ = weights(48, 80, fresh_seed(), device, dtype)
     w[3] = 0   # an all-zero channel keeps a finite scale and zero values
@@ -90,7 +111,7 @@ def test_layouts_give_the_contiguous_bits(device):
         "transposed": base.t(),                                             # (10, 48), last stride 10
         "row-stride": realistic((10, 96), seed, device, dtype)[:, ::2],    # non-unit last stride
         "sliced-rows": realistic((10, 64), seed, device, dtype)[:, 16:],   # row stride 64
-        "expanded": realistic((1, 48), seed, device, dtype).expand(5, 48),  # stride-0 rows
+        "expanded": realistic((1, 48), seed, device, dtype).expand(25, 48),  # stride-0 rows
         "3-d view": realistic((2, 9, 48), seed, device, dtype).transpose(0, 1),
     }
     for name, x in cases.items():
@@ -103,7 +124,7 @@ def test_layouts_give_the_contiguous_bits(device):
 def test_a_non_finite_row_is_nan_the_others_exact(device):
     dtype = torch.bfloat16
     seed = fresh_seed()
-    x = realistic((6, 48), seed, device, dtype)
+    x = realistic((20, 48), seed, device, dtype)   # more than rows_max: the quantized path
     w, b = weights(16, 48, seed, device, dtype)
     weight = quantize_weight(w)
     clean = fp8_linear(x, weight, b)
@@ -111,7 +132,7 @@ def test_a_non_finite_row_is_nan_the_others_exact(device):
     x[4, 0] = float("inf")
     got = fp8_linear(x, weight, b)
     assert torch.isnan(got[1]).all() and torch.isnan(got[4]).all()
-    keep = [0, 2, 3, 5]
+    keep = [i for i in range(20) if i not in (1, 4)]
     assert torch.equal(got[keep], clean[keep])
 
 

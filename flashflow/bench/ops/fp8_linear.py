@@ -1,50 +1,46 @@
 """The FP8 linear layer as the benchmarks see it (:mod:`flashflow.ops.fp8_linear`).
 
-Its GEMM is cuBLASLt's (``torch._scaled_mm`` with row-wise scales), no kernel of flashflow's:
-``flashflow info`` has nothing to report for it. What flashflow launches is the row quantization
-in front of it (:mod:`flashflow.ops.quant`, ``quantize_rows_kernel``), which ``info`` launches
-where a Qwen-Image block runs it: ``quantize_rows`` on the 3072-wide rows of the attention output
-and the modulation input, ``gelu_quantize_rows`` on the MLP's 12288-wide hidden rows. The op's
-config (``fast_accum``, flashflow/tuning/fp8_linear.json) is not swept by ``flashflow tune``:
-the fp8-linear suite times the GEMM with either value beside cuBLAS in bf16."""
+Its GEMM on quantized rows is cuBLASLt's (``torch._scaled_mm`` with row-wise scales), no kernel of
+flashflow's; the row quantization in front of it is the quant spec's. ``flashflow info``
+launches the op's own kernel, the few-rows product (``fp8_weight_rows_kernel``), where a
+Qwen-Image block runs it: the AdaLN modulation, one time-embedding row of 3072 into 6 · 3072.
+The op's config (flashflow/tuning/fp8_linear.json) is not swept by ``flashflow tune``: the
+fp8-linear suite times the GEMM with either ``fast_accum`` beside cuBLAS in bf16."""
 from __future__ import annotations
 
 from flashflow.bench.spec import InfoCase, OpSpec
 from flashflow.tuning.fp8_linear import Fp8LinearConfig
 
-TOKENS = 8192     # Qwen-Image-Edit at 1024px: the image and its reference, 2 × 4096 image tokens
-WIDTH, HIDDEN = 3072, 12288
+WIDTH = 3072      # Qwen-Image's model width
+MODULATION = 6 * WIDTH
 
 
-def _launch(device: str, op: str, k: int) -> None:
+def _launch(device: str) -> None:
     import torch
 
-    from flashflow.ops import quant
+    from flashflow.ops.fp8_linear import Fp8Weight, fp8_linear
 
     make = torch.empty if device == "cpu" else torch.randn   # CPU tensors are never read offline
-    x = make(TOKENS, k, device=device, dtype=torch.bfloat16)
-    getattr(quant, op)(x)
-
-
-CASES = (("quantize_rows", WIDTH), ("gelu_quantize_rows", HIDDEN))
+    x = make(1, WIDTH, device=device, dtype=torch.bfloat16)
+    data = torch.zeros(MODULATION, WIDTH, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    scale = torch.ones(1, MODULATION, device=device)
+    fp8_linear(x, Fp8Weight(data, scale, torch.bfloat16), make(MODULATION, device=device, dtype=torch.bfloat16))
 
 
 def info_cases(family: str | None = None) -> list[InfoCase]:
-    """The row-quantize passes in front of the FP8 GEMMs, at a Qwen-Image block's widths; on the
-    families with FP8 tensor cores only (those of fp8_linear.json: others get none, their GPUs
-    having no e4m3 to write)."""
+    """The few-rows kernel at the modulation's shape, on the families with FP8 tensor cores only
+    (those of fp8_linear.json: others get none, their GPUs having no e4m3 to read)."""
     from flashflow.tuning.fp8_linear import CONFIGS
 
     if family is not None and family not in CONFIGS.families():
         return []
-    return [InfoCase("fp8-linear", f"{op} M={TOKENS} K={k}", lambda device, op=op, k=k: _launch(device, op, k))
-            for op, k in CASES]
+    return [InfoCase("fp8-linear", f"fp8_weight_rows M=1 K={WIDTH} N={MODULATION}", _launch)]
 
 
 SPEC = OpSpec(
     name="fp8-linear",
-    info_title=(f"the FP8 linear layer's row quantization (bf16 in, {TOKENS} rows); its GEMM is cuBLASLt's "
-                "(torch._scaled_mm), no kernel of flashflow's"),
+    info_title=("the FP8 linear layer's few-rows product (bf16 rows, e4m3 weight); its GEMM on quantized rows "
+                "is cuBLASLt's (torch._scaled_mm), no kernel of flashflow's"),
     info_cases=info_cases,
     suite="fp8-linear",
     config_classes=(Fp8LinearConfig,),
