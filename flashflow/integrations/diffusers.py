@@ -1,4 +1,5 @@
-"""flashflow inside diffusers' Qwen-Image transformer: one call, in place, weights untouched.
+"""flashflow inside diffusers' Qwen-Image transformer: one call, in place; the weights untouched
+unless ``linear="fp8"`` asks for FP8 layers (then kept on the host and put back by ``disable``).
 
 ``enable(transformer)`` swaps, in every ``QwenImageTransformerBlock``:
 
@@ -13,10 +14,12 @@
 - the block's ``forward`` for one that does the same math with fused passes:
   ``layernorm_modulate`` (norm1 + AdaLN modulate), ``gate_residual_layernorm_modulate`` (gate ·
   attention + residual, norm2, modulate), ``gate_residual`` after the MLP, and on CUDA the MLP's
-  first Linear with cuBLASLt's bias + GELU(tanh) epilogue.
+  first Linear with cuBLASLt's bias + GELU(tanh) epilogue;
+- with ``linear="fp8"``, every Linear of the block for :class:`flashflow.ops.fp8_linear.Fp8Linear`
+  (q/k/v of a stream as one fused GEMM), the norms writing the GEMMs' inputs as e4m3 rows.
 
-``disable(transformer)`` puts the original processor objects and the class's ``forward`` back,
-so the model computes exactly what it computed before ``enable``.
+``disable(transformer)`` puts the original processor objects, the class's ``forward`` and the
+original Linear modules back, so the model computes exactly what it computed before ``enable``.
 
 Inference only: the fused block ops have no backward, so a model in training mode is refused, and a
 block or processor called with autograd recording and a parameter or input that requires grad
@@ -597,7 +600,8 @@ def enable(transformer, attention: str = "exact", linear: str = "exact"):
 
     Args:
         transformer: the model, in eval mode (``pipe.transformer``), on a CUDA device (or on the
-            CPU under Triton's interpreter). Its weights are not touched or copied.
+            CPU under Triton's interpreter). With ``linear="exact"`` its weights are not touched or
+            copied.
         attention: ``"exact"`` (default): exact attention in the model's dtype (bf16, fp16 or
             fp32 models). ``"fp8"``: :func:`flashflow.ops.attention_fp8.flash_attn_fp8_func`,
             Q·Kᵀ in INT8 and P·V in e4m3 (about 0.999 cosine to exact attention per call,
