@@ -340,6 +340,20 @@ def test_fp8_linear_under_torch_compile():
     assert torch.equal(got, eager)
 
 
+@pytest.mark.parametrize("attention", ["exact", "fp8"])
+def test_an_fp8_linear_block_traces_as_one_graph(attention):
+    """torch.compile sees a whole enabled block, FP8 layers included, without a graph break."""
+    model = enable(peaked(tiny_model(torch.float16, **HEAD_DIM_64)), attention=attention, linear="fp8")
+    block = model.transformer_blocks[0]
+    captured = {}
+    hook = block.register_forward_pre_hook(lambda m, a, kw: captured.update(args=a, kwargs=kw), with_kwargs=True)
+    run(model, inputs(1, False, torch.float16))
+    hook.remove()
+    with torch.no_grad():
+        explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
 class _QuantizedWeight(torch.Tensor):
     """Stands for a weight quantized by another library (torchao's Float8Tensor is a tensor subclass)."""
 
