@@ -10,8 +10,9 @@ rounded to nearest even onto the e4m3 grid: the recipe of torchao's
 ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())``.
 
 The GEMM is ``torch._scaled_mm`` with row-wise scales (cuBLASLt / CUTLASS on Hopper), the bias
-in its epilogue; a call of a few rows is a weight read, which flashflow's own kernel does on the
-unquantized rows (:mod:`flashflow.kernels.fp8_linear`). The settings and the measured
+in its epilogue (added after it for a shape cuBLASLt refuses so: :func:`_gemm_impl`); a call of
+a few rows is a weight read, which flashflow's own kernel does on the unquantized rows
+(:mod:`flashflow.kernels.fp8_linear`). The settings and the measured
 alternatives are in flashflow/tuning/fp8_linear.json.
 A row whose scale is NaN (an input row holding a NaN or an inf) comes out NaN: FP8 does not hide
 a non-finite input. :class:`Fp8Linear` is the ``nn.Module`` form that
@@ -196,12 +197,71 @@ def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
     return out
 
 
+# torch._scaled_mm, looked up when _gemm_impl runs (a test stands a refusing cuBLASLt in its place)
+_scaled_mm = torch._scaled_mm
+# what cuBLASLt's error says when it has no algorithm for a GEMM
+_REFUSED = "CUBLAS_STATUS_NOT_SUPPORTED"
+# (M, K, N, bias given, out dtype) -> the variant that runs, for the shapes whose configured variant
+# cuBLASLt refuses; bounded (a shape past the bound is worked out again at each call)
+_VARIANTS: dict = {}
+_VARIANTS_MAX = 4096
+
+
+def _variants(fast_accum: bool, has_bias: bool) -> list:
+    """The distinct GEMM variants, ``(fast accumulation, bias in the epilogue)``, in the order
+    tried: the configured one, then the configured accumulation with the bias added after the
+    GEMM, then fp32 promotion with the bias in the epilogue, then after. The configured numerics
+    come first: the bias added after costs one bf16 pass over the (M, N) output, small at the few
+    rows cuBLASLt refuses, while fp32 promotion changes the accumulation (and is slower at every M)."""
+    out = []
+    for fast, epilogue in ((fast_accum, True), (fast_accum, False), (False, True), (False, False)):
+        v = (fast, epilogue and has_bias)
+        if v not in out:
+            out.append(v)
+    return out
+
+
 def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
                bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``(a · scale_a) · (w · scale_w)ᵀ + bias`` in bf16: a ``(M, K)`` and w ``(N, K)`` e4m3,
-    scale_a ``(M, 1)``, scale_w ``(1, N)`` float32."""
-    return torch._scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias, out_dtype=_GEMM_OUT,
-                            use_fast_accum=fp8_linear_config(gpu_family(a.device)).fast_accum)
+    scale_a ``(M, 1)``, scale_w ``(1, N)`` float32.
+
+    cuBLASLt has no algorithm for some shapes with fast accumulation and a bias in its epilogue
+    (on sm90 K = 12288, N = 3072 at each M tried up to 33: ``CUBLAS_STATUS_NOT_SUPPORTED`` from its
+    heuristic query); such a shape runs the first of :func:`_variants` that cuBLASLt takes,
+    remembered per shape so that the refusal is met once. A shape no variant runs is refused (``ValueError``)."""
+    (m, k), n = a.shape, w.shape[0]
+    variants = _variants(fp8_linear_config(gpu_family(a.device)).fast_accum, bias is not None)
+    configured = variants[0]
+    key = (m, k, n, bias is not None, _GEMM_OUT)
+    known = _VARIANTS.get(key)
+    if known is not None:
+        variants = [known] + [v for v in variants if v != known]
+    refused = None
+    for fast, epilogue in variants:
+        # a refused heuristic query launches nothing: trying the next variant is safe inside a CUDA
+        # graph's capture (and under torch.compile this runs inside the opaque flashflow::fp8_linear)
+        try:
+            out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
+                             out_dtype=_GEMM_OUT, use_fast_accum=fast)
+        except RuntimeError as e:
+            if _REFUSED not in str(e):
+                raise
+            refused = e
+            continue
+        if bias is not None and not epilogue:
+            out += bias
+        if (fast, epilogue) == configured:
+            if known is not None:
+                _VARIANTS.pop(key, None)
+        elif (fast, epilogue) != known and (known is not None or len(_VARIANTS) < _VARIANTS_MAX):
+            _VARIANTS[key] = (fast, epilogue)
+        return out
+    tried = "; ".join(("fast accumulation" if fast else "fp32 promotion")
+                      + ("" if bias is None else ", the bias in the epilogue" if epilogue else ", the bias after")
+                      for fast, epilogue in variants)
+    raise ValueError(f"fp8_linear: cuBLASLt has no FP8 row-wise algorithm for the GEMM of shape M={m}, K={k}, "
+                     f"N={n} ({'with' if bias is not None else 'without'} a bias; refused: {tried})") from refused
 
 
 class Fp8Linear(nn.Module):

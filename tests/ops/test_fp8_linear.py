@@ -4,6 +4,7 @@ per row, against the float64 fake-quantized reference and against the exact floa
 Under Triton's interpreter the row quantization is the kernel's; ``torch._scaled_mm`` is torch's
 CPU implementation (the same math on the same e4m3 values). On a GPU it is cuBLASLt's.
 """
+import dataclasses
 import os
 import secrets
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+import flashflow.ops.fp8_linear as fp8_linear_module
 from flashflow.ops.fp8_linear import Fp8Linear, Fp8Weight, fp8_linear, quantize_weight
 from flashflow.ops.quant import Fp8Rows, quantize_rows
 from flashflow.reference.fp8_linear import fp8_linear_reference, quantize_weight_reference
@@ -206,6 +208,100 @@ def test_under_torch_compile(device):
     eager = f(x)
     compiled = torch.compile(f, backend="eager", fullgraph=True)(x)
     assert torch.equal(compiled, eager)
+
+
+# what torch raises when cuBLASLt has no algorithm for a GEMM
+REFUSED = "CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling `cublasLtMatmulAlgoGetHeuristic(...)`"
+
+
+@pytest.fixture
+def cublaslt(monkeypatch):
+    """Installs a stand-in for the op's ``_scaled_mm`` that refuses the calls ``refuse(kwargs)``
+    picks and otherwise runs the real one; returns its log of (M, fast accumulation, bias given).
+    Fast accumulation is configured (sm90's setting; the interpreter's config has it off), and
+    the op's remembered variants are cleared before and after."""
+    fp8_linear_module._VARIANTS.clear()
+    config = fp8_linear_module.fp8_linear_config
+    monkeypatch.setattr(fp8_linear_module, "fp8_linear_config",
+                        lambda family: dataclasses.replace(config(family), fast_accum=True))
+    real, calls = fp8_linear_module._scaled_mm, []
+
+    def install(refuse):
+        def scaled_mm(a, b, **kwargs):
+            calls.append((a.shape[0], kwargs["use_fast_accum"], kwargs["bias"] is not None))
+            error = refuse(kwargs)
+            if error is not None:
+                raise error
+            return real(a, b, **kwargs)
+        monkeypatch.setattr(fp8_linear_module, "_scaled_mm", scaled_mm)
+        return calls
+
+    yield install
+    fp8_linear_module._VARIANTS.clear()
+
+
+REFUSALS = {   # what cuBLASLt refuses -> the variants tried, (fast accumulation, bias in the GEMM)
+    "fast accumulation with a bias": (lambda kw: kw["use_fast_accum"] and kw["bias"] is not None,
+                                      [(True, True), (True, False)]),
+    "fast accumulation": (lambda kw: kw["use_fast_accum"], [(True, True), (True, False), (False, True)]),
+}
+
+
+@pytest.mark.parametrize("refusal", REFUSALS, ids=REFUSALS.keys())
+def test_a_refused_gemm_runs_the_next_variant_once_worked_out(device, cublaslt, refusal):
+    """cuBLASLt without an algorithm for a shape (fast accumulation and a bias: K = 12288,
+    N = 3072, few rows on sm90): the bias added after, or else fp32 promotion; the variant that
+    runs is remembered for the shape, another shape worked out again."""
+    refused, tried = REFUSALS[refusal]
+    calls = cublaslt(lambda kw: RuntimeError(REFUSED) if refused(kw) else None)
+    dtype = torch.bfloat16   # a bf16 layer's bias goes to the GEMM
+    seed = fresh_seed()
+    x = realistic((33, 80), seed, device, dtype)
+    w, b = weights(112, 80, seed, device, dtype)
+    weight = quantize_weight(w)
+    out = fp8_linear(x, weight, b)
+    assert [(c[1], c[2]) for c in calls] == tried and {c[0] for c in calls} == {33}
+    rows = quantize_rows(x)
+    given = (rows.data.double() * rows.scale.double()) @ (weight.data.double() * weight.scale.double().T).T
+    assert out.shape == (33, 112) and out.dtype == dtype
+    assert rel_l2(out, given + b.double()) < 1e-2, f"seed {seed}"
+    del calls[:]
+    assert torch.equal(fp8_linear(x, weight, b), out)
+    assert calls == [(33, *tried[-1])]   # the remembered variant alone
+    del calls[:]
+    fp8_linear(x[:20], weight, b)   # another shape: refused once more
+    assert calls == [(20, *v) for v in tried]
+    del calls[:]
+    fp8_linear(x, weight)   # no bias: a shape of its own
+    assert [(c[1], c[2]) for c in calls] == ([(True, False)] if len(tried) == 2 else [(True, False), (False, False)])
+
+
+def test_a_gemm_no_variant_runs_is_refused_naming_its_shape(device, cublaslt):
+    calls = cublaslt(lambda kw: RuntimeError(REFUSED))
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    x = realistic((33, 80), seed, device, dtype)
+    w, b = weights(112, 80, seed, device, dtype)
+    weight = quantize_weight(w)
+    for _ in range(2):   # refused each time, nothing remembered
+        del calls[:]
+        with pytest.raises(ValueError, match=r"no FP8 row-wise algorithm for the GEMM of shape M=33, K=80, N=112"):
+            fp8_linear(x, weight, b)
+        assert [(c[1], c[2]) for c in calls] == [(True, True), (True, False), (False, True), (False, False)]
+    with pytest.raises(ValueError, match=r"M=33, K=80, N=112 \(without a bias"):
+        fp8_linear(x, weight)
+
+
+def test_another_gemm_error_propagates_as_it_is(device, cublaslt):
+    oom = RuntimeError("CUDA error: out of memory")
+    calls = cublaslt(lambda kw: oom)
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    x = realistic((33, 80), seed, device, dtype)
+    w, b = weights(112, 80, seed, device, dtype)
+    with pytest.raises(RuntimeError) as raised:
+        fp8_linear(x, quantize_weight(w), b)
+    assert raised.value is oom and len(calls) == 1
 
 
 def test_fp8_weight_is_a_named_tuple():
