@@ -97,3 +97,29 @@ def test_cuda_graph_replays():
         static_out.fill_(float("nan"))
         graph.replay()
         assert torch.equal(static_out, fp8_linear(fresh, weight, b))
+
+
+@pytest.mark.parametrize("m", [17, 24, 32, 33, 40, 47, 48, 64])
+def test_shapes_cublaslt_refuses_with_fast_accumulation_and_a_bias(m):
+    """Qwen-Image's text MLP down-projection (K 12288, N 3072) at a short prompt's row counts:
+    cuBLASLt has no fast-accumulation algorithm with a bias in the epilogue for some of them; the
+    call still gives the fake-quantized product, eagerly and captured in a CUDA graph (where the
+    refused variant is worked out before capture or, for a new shape, inside it)."""
+    fresh, w, b = _inputs(m + 1, 12288, 3072, torch.bfloat16, seed=m)   # fresh: a shape first met in the capture
+    x = fresh[:m]
+    weight = quantize_weight(w)
+    want = fp8_linear_reference(x, w, b)
+    out = fp8_linear(x, weight, b)
+    assert torch.isfinite(out).all() and rel_l2(out, want) < 1e-2
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(x, weight, b)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = fp8_linear(x, weight, b)
+        captured_fresh = fp8_linear(fresh, weight, b)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+    assert rel_l2(captured_fresh, fp8_linear_reference(fresh, w, b)) < 1e-2
