@@ -100,8 +100,9 @@ def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
         bias: ``(out_features,)`` in ``weight.dtype``, or None.
     Returns:
         ``(..., out_features)`` in ``weight.dtype``; fp32 accumulation. A bf16 layer's bias is
-        added in the GEMM's fp32 epilogue; a layer of another dtype gets the bf16 GEMM output cast
-        to its dtype and the bias added after (one more pass). A float x of at most ``rows_max``
+        added in the GEMM's fp32 epilogue (in bf16 after the GEMM for a shape cuBLASLt has no
+        such algorithm for: :func:`_gemm_impl`); a layer of another dtype gets the bf16 GEMM
+        output cast to its dtype and the bias added after (one more pass). A float x of at most ``rows_max``
         rows (flashflow/tuning/fp8_linear.json; the AdaLN modulation's time-embedding row) is not
         quantized: flashflow's kernel multiplies it as it is with the widened e4m3 weight
         (:mod:`flashflow.kernels.fp8_linear`), the error then the weight's alone.

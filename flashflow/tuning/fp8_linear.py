@@ -3,7 +3,9 @@ numbers are in ``fp8_linear.json`` beside this module; :func:`fp8_linear_config`
 
 ``fast_accum``: ``torch._scaled_mm``'s ``use_fast_accum``. False: the FP8 MMAs' partial sums are
 promoted into an fp32 accumulator as cuBLASLt does by default (the FP8 tensor cores' own
-accumulator keeps fewer bits); True: they accumulate in the MMA throughout.
+accumulator keeps fewer bits); True: they accumulate in the MMA throughout. A shape cuBLASLt
+refuses with fast accumulation and a bias keeps fast accumulation and gets its bias after the
+GEMM (:func:`flashflow.ops.fp8_linear._gemm_impl`).
 
 ``rows_max`` and the tiles after it: a call of at most ``rows_max`` rows (``BLOCK_M``) runs
 :func:`flashflow.kernels.fp8_linear.fp8_weight_rows_kernel` on its unquantized rows instead of
