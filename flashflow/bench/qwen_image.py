@@ -28,6 +28,9 @@ Providers, timed in one run on the same weights and inputs (:data:`MODES` says w
   * ``flashflow-fp8-linear``, ``flashflow-fp8-linear+graph``, ``flashflow-fp8-linear+compile`` —
     ``enable(model, attention="fp8", linear="fp8")``: FP8 attention and every Linear of every block
     in FP8 e4m3 (per-row activation, per-channel weight scales); eager, captured, and compiled;
+  * ``flashflow-fp8-linear+compile+graph``, ``torchao-fp8+compile+graph`` — compiled, then one
+    step of the compiled model captured in a CUDA graph (what ``mode="reduce-overhead"`` does):
+    both FP8 recipes with no host time between kernels;
   * ``torchao-fp8+compile`` — what a user of torchao does today: ``quantize_`` with
     ``Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())`` on the Linear layers of the
     transformer blocks, then ``torch.compile(model, dynamic=False)``. ``quantize_`` changes a model
@@ -97,6 +100,9 @@ MODES = {
     "flashflow-fp8-linear": Mode("fp8", "fp8", False, False),
     "flashflow-fp8-linear+graph": Mode("fp8", "fp8", False, True),
     "flashflow-fp8-linear+compile": Mode("fp8", "fp8", True, False),
+    # compiled, then one step captured: what torch.compile's mode="reduce-overhead" does
+    "flashflow-fp8-linear+compile+graph": Mode("fp8", "fp8", True, True),
+    TORCHAO + "+graph": Mode(None, "torchao-fp8", True, True),
 }
 PROVIDERS = tuple(MODES)
 # the GPU time split is read from the eager providers: compiled kernels are Inductor's fusions,

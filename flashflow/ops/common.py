@@ -121,6 +121,20 @@ class Launcher:
                                "specialisation of its arguments (a flashflow bug: please report it)")
 
 
+def launch_by_arguments(launcher: Launcher, grid, args: tuple, constexprs: dict) -> None:
+    """``launcher`` with a key made of the launch's own arguments: every tensor's shape,
+    strides, dtype and device, every int and float by value (what Triton specialises on is a
+    function of them), and the constexprs (:func:`call_key`). For the launchers whose ints are
+    few enough that keying on their values costs less than Triton's binding (a few µs against
+    tens); a call with a misaligned tensor or an argument of another kind takes Triton's path."""
+    key = call_key(args)
+    if key is not None and key[-1]:
+        key = (key, tuple(constexprs.items()))
+    else:
+        key = None
+    launcher(key, grid, args, constexprs)
+
+
 def tensor_descriptor(base: torch.Tensor, shape, strides, block_shape):
     """Triton's host ``TensorDescriptor`` of ``base`` for a launch whose key already fixed (and
     checked, on its first call) the shape, strides, block and alignment: built without

@@ -27,7 +27,7 @@ from torch import nn
 
 from flashflow.device import cdiv, gpu_family, next_pow2
 from flashflow.kernels.fp8_linear import fp8_weight_rows_kernel
-from flashflow.ops.common import dot_options, op_or_direct, unit_last_stride
+from flashflow.ops.common import Launcher, dot_options, launch_by_arguments, op_or_direct, unit_last_stride
 from flashflow.ops.quant import Fp8Rows, quantize_rows
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning.fp8_linear import fp8_linear_config
@@ -183,6 +183,9 @@ def _(x, x_scale, w, w_scale, bias, out_dtype):
 _linear = op_or_direct(_linear_op, _linear_impl)
 
 
+_WEIGHT_ROWS = Launcher(fp8_weight_rows_kernel)   # keyed on its arguments: no per-call binding
+
+
 def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
               out_dtype: torch.dtype, cfg) -> torch.Tensor:
     """``(rows, N)``: x's few rows times the e4m3 weight, x not quantized
@@ -190,11 +193,11 @@ def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
     out_features, in_features = w.shape
     x2 = unit_last_stride(x).reshape(-1, in_features)
     out = torch.empty((x2.shape[0], out_features), dtype=out_dtype, device=x2.device)
-    fp8_weight_rows_kernel[(cdiv(out_features, cfg.BLOCK_N),)](
+    launch_by_arguments(_WEIGHT_ROWS, (cdiv(out_features, cfg.BLOCK_N), 1, 1), (
         x2, w, w_scale, bias if bias is not None else w_scale, out,
-        x2.shape[0], out_features, in_features, x2.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_M=next_pow2(max(cfg.rows_max, 16)), BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(x2.dtype))
+        x2.shape[0], out_features, in_features, x2.stride(0), out.stride(0)),
+        dict(HAS_BIAS=bias is not None, BLOCK_M=next_pow2(max(cfg.rows_max, 16)), BLOCK_N=cfg.BLOCK_N,
+             BLOCK_K=cfg.BLOCK_K, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dot_options(x2.dtype)))
     return out
 
 

@@ -39,7 +39,7 @@ import torch
 from flashflow.device import cdiv, next_pow2
 from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernorm_modulate_kernel,
                                     joint_qkv_norm_rope_kernel, layernorm_modulate_kernel, rmsnorm_rope_kernel)
-from flashflow.ops.common import dispatch as _dispatch
+from flashflow.ops.common import Launcher, dispatch as _dispatch, launch_by_arguments
 from flashflow.ops.quant import Fp8Rows, empty_rows
 from flashflow.ops.validate import (check_eps, check_flag, check_no_grad, check_runs_here, check_same_device,
                                     check_tensor, check_unit_last_stride)
@@ -157,6 +157,14 @@ def _index_args(index: Optional[torch.Tensor], x: torch.Tensor) -> tuple:
 # launchers (validated inputs)
 # --------------------------------------------------------------------------------------------
 
+# each kernel's launches keyed on their arguments (ops.common.launch_by_arguments): a repeated
+# call skips Triton's per-call binding, most of the host time of these memory-bound passes
+_LAYERNORM_MODULATE = Launcher(layernorm_modulate_kernel)
+_GATE_RESIDUAL = Launcher(gate_residual_kernel)
+_GATE_RESIDUAL_LAYERNORM_MODULATE = Launcher(gate_residual_layernorm_modulate_kernel)
+_RMSNORM_ROPE = Launcher(rmsnorm_rope_kernel)
+_JOINT_QKV_NORM_ROPE = Launcher(joint_qkv_norm_rope_kernel)
+
 
 def _layernorm_modulate_launch(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
                                index: Optional[torch.Tensor], eps: float, y: torch.Tensor,
@@ -167,12 +175,11 @@ def _layernorm_modulate_launch(x: torch.Tensor, shift: torch.Tensor, scale: torc
         return
     index_ptr, stride_ib, stride_il = _index_args(index, x)
     block = next_pow2(d)
-    layernorm_modulate_kernel[(b * l,)](
+    launch_by_arguments(_LAYERNORM_MODULATE, (b * l, 1, 1), (
         x, shift, scale, index_ptr, y, row_scale if row_scale is not None else y, b, l, d,
         x.stride(0), x.stride(1), shift.stride(0), scale.stride(0), stride_ib, stride_il, y.stride(0), y.stride(1),
-        eps, HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
-        num_warps=_num_warps(block),
-    )
+        eps), dict(HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
+                   num_warps=_num_warps(block)))
 
 
 def _layernorm_modulate_impl(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
@@ -197,12 +204,10 @@ def _gate_residual_impl(residual: torch.Tensor, y: torch.Tensor, gate: torch.Ten
         return out
     index_ptr, stride_ib, stride_il = _index_args(index, residual)
     block = min(next_pow2(d), RESIDUAL_BLOCK)
-    gate_residual_kernel[(b * l, cdiv(d, block))](
+    launch_by_arguments(_GATE_RESIDUAL, (b * l, cdiv(d, block), 1), (
         residual, y, gate, index_ptr, out, b, l, d,
         residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), stride_ib, stride_il,
-        out.stride(0), out.stride(1),
-        HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block),
-    )
+        out.stride(0), out.stride(1)), dict(HAS_INDEX=index is not None, BLOCK_D=block, num_warps=_num_warps(block)))
     return out
 
 
@@ -218,14 +223,13 @@ def _gate_residual_layernorm_modulate_launch(
         return
     index_ptr, stride_ib, stride_il = _index_args(index, residual)
     block = next_pow2(d)
-    gate_residual_layernorm_modulate_kernel[(b * l,)](
+    launch_by_arguments(_GATE_RESIDUAL_LAYERNORM_MODULATE, (b * l, 1, 1), (
         residual, y, gate, shift, scale, index_ptr, new_res, mod, row_scale if row_scale is not None else mod,
         b, l, d,
         residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), shift.stride(0),
         scale.stride(0), stride_ib, stride_il, new_res.stride(0), new_res.stride(1), mod.stride(0), mod.stride(1),
-        eps, HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
-        num_warps=_num_warps(block),
-    )
+        eps), dict(HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
+                   num_warps=_num_warps(block)))
 
 
 def _gate_residual_layernorm_modulate_impl(
@@ -256,12 +260,11 @@ def _rmsnorm_rope_launch(x: torch.Tensor, weight: Optional[torch.Tensor], freqs:
     f = torch.view_as_real(freqs)     # (S, D/2, 2) float32, unit last stride
     half = next_pow2(d // 2)
     block_h = _heads_per_program(h, ROPE_TILE // (2 * half))
-    rmsnorm_rope_kernel[(b * s, cdiv(h, block_h))](
+    launch_by_arguments(_RMSNORM_ROPE, (b * s, cdiv(h, block_h), 1), (
         x, weight if weight is not None else x, f, out, s, h, d,
         x.stride(0), x.stride(1), x.stride(2), f.stride(0), f.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        eps, HAS_WEIGHT=weight is not None, BLOCK_H=block_h, BLOCK_HALF=half,
-        num_warps=_num_warps(block_h * 2 * half),
-    )
+        eps), dict(HAS_WEIGHT=weight is not None, BLOCK_H=block_h, BLOCK_HALF=half,
+                   num_warps=_num_warps(block_h * 2 * half)))
 
 
 def _rmsnorm_rope_impl(x: torch.Tensor, weight: Optional[torch.Tensor], freqs: torch.Tensor,
@@ -296,15 +299,14 @@ def _joint_qkv_norm_rope_impl(
     # without weights, any pointer of one type stands in for the four (never read)
     w_tq, w_tk, w_iq, w_ik = ((txt_q_weight, txt_k_weight, img_q_weight, img_k_weight) if has_weight
                               else (txt_q,) * 4)
-    joint_qkv_norm_rope_kernel[(b * s, 3, cdiv(h, block_h))](
+    launch_by_arguments(_JOINT_QKV_NORM_ROPE, (b * s, 3, cdiv(h, block_h)), (
         txt_q, txt_k, txt_v, img_q, img_k, img_v, w_tq, w_tk, w_iq, w_ik, tf, imf, query, key, value,
         s_txt, s, h, d,
         *txt_q.stride()[:3], *txt_k.stride()[:3], *txt_v.stride()[:3],
         *img_q.stride()[:3], *img_k.stride()[:3], *img_v.stride()[:3],
         tf.stride(0), tf.stride(1), imf.stride(0), imf.stride(1), *query.stride()[:3],
-        eps_txt_q, eps_txt_k, eps_img_q, eps_img_k,
-        HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_HALF=half, num_warps=_num_warps(block_h * 2 * half),
-    )
+        eps_txt_q, eps_txt_k, eps_img_q, eps_img_k),
+        dict(HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_HALF=half, num_warps=_num_warps(block_h * 2 * half)))
     return query, key, value
 
 

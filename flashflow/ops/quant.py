@@ -31,7 +31,7 @@ import torch
 
 from flashflow.device import next_pow2
 from flashflow.kernels.quant import quantize_rows_kernel
-from flashflow.ops.common import dispatch as _dispatch, unit_last_stride
+from flashflow.ops.common import Launcher, dispatch as _dispatch, launch_by_arguments, unit_last_stride
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad, check_runs_here
 from flashflow.tuning.norm import MAX_ROW_WIDTH, row_warps as _num_warps
 
@@ -99,6 +99,9 @@ def _as_rows(x: torch.Tensor) -> torch.Tensor:
     return x.flatten(0, -3) if x.dim() > 3 else x
 
 
+_QUANTIZE_ROWS = Launcher(quantize_rows_kernel)   # keyed on its arguments: no per-call binding
+
+
 def _quantize_rows_launch(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, torch.Tensor]:
     data, scale = empty_rows(x.shape, x.device)
     rows = _as_rows(x)
@@ -106,10 +109,8 @@ def _quantize_rows_launch(x: torch.Tensor, gelu: bool) -> tuple[torch.Tensor, to
     if b * l == 0:
         return data, scale
     block = next_pow2(k)
-    quantize_rows_kernel[(b * l,)](
-        rows, data, scale, l, k, rows.stride(0), rows.stride(1),
-        GELU=gelu, BLOCK_K=block, num_warps=_num_warps(block),
-    )
+    launch_by_arguments(_QUANTIZE_ROWS, (b * l, 1, 1), (rows, data, scale, l, k, rows.stride(0), rows.stride(1)),
+                        dict(GELU=gelu, BLOCK_K=block, num_warps=_num_warps(block)))
     return data, scale
 
 

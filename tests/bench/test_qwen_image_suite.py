@@ -241,7 +241,8 @@ def _narrow_run(providers, integration=None, compile_fn=None, torchao_copy=None,
     inputs = {(s.name, s.text_valid): qi.make_inputs(s, config, "cpu", torch.float32) for s in shapes}
     state = {"enabled": False, "compiled": 0, "reset": 0, "log": [], "via_compiled": False, "model": model}
     times = {(False, False): 10.0, (False, True): 8.0, ("exact", False): 5.0, ("exact", True): 4.0,
-             ("fp8", False): 3.0, ("fp8+fp8", False): 2.0, ("fp8+fp8", True): 1.6, ("torchao", True): 2.5}
+             ("fp8", False): 3.0, ("fp8+fp8", False): 2.0, ("fp8+fp8", True): 1.6, ("torchao", True): 2.5,
+             ("torchao", False): 2.4}   # (a +graph provider replays what it captured, timed as uncompiled)
 
     def enable(m, attention, linear="exact"):
         assert m is model and not state["enabled"]
@@ -293,21 +294,22 @@ def test_measure_times_every_provider_on_every_shape_and_tears_each_down():
     rows, state, backend = _narrow_run(list(qi.PROVIDERS))
     assert len(rows) == 2 and all(list(r["results"]) == list(qi.PROVIDERS) for r in rows)
     # flashflow, +compile, +graph; flashflow-fp8 and its +graph; the torchao copy; flashflow-fp8-linear
-    # and its +graph and +compile
+    # and its +graph, +compile and +compile+graph; torchao's +graph copy
     assert state["log"] == (["enable", "disable"] * 3 + ["enable fp8", "disable"] * 2
-                            + ["torchao copy", "torchao dropped"] + ["enable fp8 linear fp8", "disable"] * 3)
+                            + ["torchao copy", "torchao dropped"] + ["enable fp8 linear fp8", "disable"] * 4
+                            + ["torchao copy", "torchao dropped"])
     assert not state["enabled"]
-    assert state["compiled"] == 4 and state["reset"] == 4   # once per compiled provider
+    assert state["compiled"] == 6 and state["reset"] == 6   # once per compiled provider
     # freed after every provider, and after each graphed shape (its graph's memory pool)
-    assert backend.calls.count("free") == 12 + 8 and backend.calls.count("profile") == 2 * len(qi.PROFILED)
-    assert backend.calls.count("capture") == 8   # the four +graph providers, two shapes each
-    # the original model waits on the host while torchao's copy runs, and only then
-    assert backend.calls.count("park") == backend.calls.count("unpark") == 1
+    assert backend.calls.count("free") == 14 + 12 and backend.calls.count("profile") == 2 * len(qi.PROFILED)
+    assert backend.calls.count("capture") == 12   # the six +graph providers, two shapes each
+    # the original model waits on the host while each torchao copy runs, and only then
+    assert backend.calls.count("park") == backend.calls.count("unpark") == 2
     for row in rows:
         res = row["results"]
         # the fake clock times a graph replay as the eager model it captured
         assert [res[p]["ms"] for p in qi.PROVIDERS] == [10.0, 8.0, 5.0, 4.0, 10.0, 5.0, 3.0, 3.0,
-                                                       2.5, 2.0, 2.0, 1.6]
+                                                       2.5, 2.0, 2.0, 1.6, 2.0, 2.4]
         assert all(r["error"] is None and r["peak_bytes"] == 1000 and r["step_bytes"] == 100
                    and r["first_call_s"] >= 0 for r in res.values())
         # the fake "flashflow" and torchao copy are diffusers itself: same output, to the last bit
@@ -345,7 +347,9 @@ def test_fp8_linear_and_torchao_providers_are_measured_by_default():
     new = {"flashflow-fp8-linear": ("fp8", "fp8", False, False),
            "flashflow-fp8-linear+graph": ("fp8", "fp8", False, True),
            "flashflow-fp8-linear+compile": ("fp8", "fp8", True, False),
-           "torchao-fp8+compile": (None, "torchao-fp8", True, False)}
+           "torchao-fp8+compile": (None, "torchao-fp8", True, False),
+           "flashflow-fp8-linear+compile+graph": ("fp8", "fp8", True, True),
+           "torchao-fp8+compile+graph": (None, "torchao-fp8", True, True)}
     assert {p: tuple(qi.MODES[p]) for p in new} == new and set(new) <= set(qi.PROVIDERS)
     assert "torchao-fp8" not in qi.PROVIDERS   # torchao eager is not a provider: only compiled
     assert "flashflow-fp8-linear" in qi.PROFILED
