@@ -205,8 +205,8 @@ def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
 _scaled_mm = torch._scaled_mm
 # what cuBLASLt's error says when it has no algorithm for a GEMM
 _REFUSED = "CUBLAS_STATUS_NOT_SUPPORTED"
-# (M, K, N, bias given, out dtype) -> the variant that runs, for the shapes whose configured variant
-# cuBLASLt refuses; bounded (a shape past the bound is worked out again at each call)
+# (M, K, N, bias given) -> the variant that runs, for the shapes whose configured variant cuBLASLt
+# refuses; bounded (a shape past the bound is worked out again at each call)
 _VARIANTS: dict = {}
 _VARIANTS_MAX = 4096
 
@@ -232,35 +232,52 @@ def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w:
 
     cuBLASLt has no algorithm for some shapes with fast accumulation and a bias in its epilogue
     (on sm90 K = 12288, N = 3072 at each M tried up to 33: ``CUBLAS_STATUS_NOT_SUPPORTED`` from its
-    heuristic query); such a shape runs the first of :func:`_variants` that cuBLASLt takes,
-    remembered per shape so that the refusal is met once. A shape no variant runs is refused (``ValueError``)."""
-    (m, k), n = a.shape, w.shape[0]
-    variants = _variants(fp8_linear_config(gpu_family(a.device)).fast_accum, bias is not None)
-    configured = variants[0]
-    key = (m, k, n, bias is not None, _GEMM_OUT)
+    heuristic query); such a shape runs the first of :func:`_variants` that cuBLASLt takes
+    (:func:`_gemm_refused`), remembered per shape so that the refusal is met once. A shape no
+    variant runs is refused (``ValueError``)."""
+    fast_accum = fp8_linear_config(gpu_family(a.device)).fast_accum
+    key = (a.shape[0], a.shape[1], w.shape[0], bias is not None)
     known = _VARIANTS.get(key)
-    if known is not None:
-        variants = [known] + [v for v in variants if v != known]
-    refused = None
-    for fast, epilogue in variants:
-        # a refused heuristic query launches nothing: trying the next variant is safe inside a CUDA
-        # graph's capture (and under torch.compile this runs inside the opaque flashflow::fp8_linear)
+    first = known or (fast_accum, bias is not None)
+    try:
+        return _gemm_variant(a, scale_a, w, scale_w, bias, *first)
+    except RuntimeError as e:
+        if _REFUSED not in str(e):
+            raise
+        return _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum, key, first, e)
+
+
+def _gemm_variant(a, scale_a, w, scale_w, bias, fast: bool, epilogue: bool) -> torch.Tensor:
+    out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
+                     out_dtype=_GEMM_OUT, use_fast_accum=fast)
+    if bias is not None and not epilogue:
+        out += bias
+    return out
+
+
+def _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum: bool, key: tuple, refused_variant: tuple,
+                  refused: RuntimeError) -> torch.Tensor:
+    """:func:`_gemm_impl` after cuBLASLt refused ``refused_variant``: the other variants in
+    order; the one that runs is remembered for ``key`` (forgotten if it is the configured one).
+    A refused heuristic query launches nothing: trying the next variant is safe inside a CUDA
+    graph's capture (and under torch.compile this runs inside the opaque flashflow::fp8_linear)."""
+    variants = _variants(fast_accum, bias is not None)
+    for variant in variants:
+        if variant == refused_variant:
+            continue
         try:
-            out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
-                             out_dtype=_GEMM_OUT, use_fast_accum=fast)
+            out = _gemm_variant(a, scale_a, w, scale_w, bias, *variant)
         except RuntimeError as e:
             if _REFUSED not in str(e):
                 raise
             refused = e
             continue
-        if bias is not None and not epilogue:
-            out += bias
-        if (fast, epilogue) == configured:
-            if known is not None:
-                _VARIANTS.pop(key, None)
-        elif (fast, epilogue) != known and (known is not None or len(_VARIANTS) < _VARIANTS_MAX):
-            _VARIANTS[key] = (fast, epilogue)
+        if variant == variants[0]:
+            _VARIANTS.pop(key, None)
+        elif key in _VARIANTS or len(_VARIANTS) < _VARIANTS_MAX:
+            _VARIANTS[key] = variant
         return out
+    (m, k), n = a.shape, w.shape[0]
     tried = "; ".join(("fast accumulation" if fast else "fp32 promotion")
                       + ("" if bias is None else ", the bias in the epilogue" if epilogue else ", the bias after")
                       for fast, epilogue in variants)
