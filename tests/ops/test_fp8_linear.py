@@ -306,3 +306,29 @@ def test_another_gemm_error_propagates_as_it_is(device, cublaslt):
 
 def test_fp8_weight_is_a_named_tuple():
     assert Fp8Weight._fields == ("data", "scale", "dtype")
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided-rows"])
+def test_a_refused_gemm_on_strided_and_non_finite_rows(device, cublaslt, layout):
+    """The variant with the bias after the GEMM takes the op's other inputs as the configured one
+    does: rows read through a transposed view or a row stride give the contiguous rows' bits, and
+    a row holding a NaN or an inf comes out NaN with the other rows untouched."""
+    cublaslt(lambda kw: RuntimeError(REFUSED) if kw["use_fast_accum"] and kw["bias"] is not None else None)
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    x = realistic((24, 80), seed, device, dtype)
+    w, b = weights(112, 80, seed, device, dtype)
+    weight = quantize_weight(w)
+    clean = fp8_linear(x, weight, b)
+    if layout == "transposed":
+        view = x.t().contiguous().t()                        # strides (1, 24)
+    else:
+        view = torch.cat([x, x], dim=1)[:, :80]              # row stride 160
+    assert not view.is_contiguous() and torch.equal(view, x)
+    assert torch.equal(fp8_linear(view, weight, b), clean)
+    x[3, 7] = float("nan")
+    x[9, 0] = float("-inf")
+    got = fp8_linear(x, weight, b)
+    assert torch.isnan(got[3]).all() and torch.isnan(got[9]).all()
+    keep = [i for i in range(24) if i not in (3, 9)]
+    assert torch.equal(got[keep], clean[keep])
