@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 import triton
 
-from flashflow.device import capturing, cdiv, gpu_family, num_sms as device_num_sms
+from flashflow.device import capturing, cdiv, gpu_family, interpreting, num_sms as device_num_sms
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
-from flashflow.ops.common import (Launcher, aligned16, contiguous_strides as _contiguous_strides, dot_options,
+from flashflow.ops.common import (Launcher, aligned16, call_key, contiguous_strides as _contiguous_strides, dot_options,
                                   head_dim_pad as _head_dim_pad, key_padding_for_kernels, op_or_direct, tensor_descriptor, tma_strides_ok,
                                   unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
@@ -83,11 +83,15 @@ def pick_config(q: torch.Tensor, causal: bool, bias: bool = False) -> AttentionC
 # --------------------------------------------------------------------------------------------
 
 _FORWARD_KERNELS: list = []
+# flash_attn_func's calls without a key-padding mask or autograd, by call key: a key seen
+# before skips the validation (a function of the key) and the dispatch, and launches its plan
+_ENTRIES: dict = {}
 
 
 def register_forward_kernel(name: str, supports, launch, first: bool = False) -> None:
     entry = (name, supports, launch)
     _FORWARD_KERNELS.insert(0, entry) if first else _FORWARD_KERNELS.append(entry)
+    _ENTRIES.clear()   # a recorded call may belong to the new kernel
 
 
 def forward_kernel_name(q, k, v, **kw) -> str:
@@ -136,12 +140,25 @@ def _portable_forward(
     allocates its outputs and launches.
     """
     q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
-    varlen = cu_seqlens_q is not None
     if bias is None:
         bias_keys = 0
     elif bias_keys is None:
-        bias_keys = k.shape[1] if not varlen else max_seqlen_k
+        bias_keys = k.shape[1] if cu_seqlens_q is None else max_seqlen_k
     key_padding_mask, mask_keys = key_padding_for_kernels(key_padding_mask, mask_keys)
+    plan, launch_key = _forward_plan(q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, cu_seqlens_k,
+                                     max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap,
+                                     return_lse, heavy_first, config, out, num_sms)
+    return _launch(plan, launch_key, q, k, v, out, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+                   softcap)
+
+
+def _forward_plan(q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, softmax_scale, window_left, window_right, softcap, return_lse, heavy_first, config, out,
+                  num_sms) -> tuple:
+    """``(plan, launch_key)`` of a call of :func:`_portable_forward` (its arguments normalised:
+    unit last strides, ``bias_keys`` and ``mask_keys`` set): the :class:`_ForwardPlan` of its
+    key, worked out on the key's first call, and the key the kernel's :class:`Launcher` is
+    called with (None where Triton must specialise each call)."""
     tune = config is None and autotune.enabled()
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype, q.get_device(),
            None if out is None else (out.stride(), out.dtype),
@@ -164,6 +181,12 @@ def _portable_forward(
                             num_sms, tma_aligned=key[-2], tuning=tuning)
         if not (tune and capturing(q.device)) and len(_FORWARD_PLANS) < MAX_PLANS:
             _FORWARD_PLANS[key] = plan
+    return plan, (key if key[-1] and key[-2] else None)   # else Triton specialises each call
+
+
+def _launch(plan, launch_key, q, k, v, out, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k, softmax_scale,
+            softcap):
+    """Allocate the call's outputs (and split workspaces) and launch ``plan``'s kernels."""
     if out is None:
         out = q.new_empty(q.shape)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
@@ -178,8 +201,8 @@ def _portable_forward(
         ws_ml = q.new_empty(plan.ws_ml_shape, dtype=torch.float32)
     else:
         ws_acc = ws_ml = q
+    varlen = cu_seqlens_q is not None
     dummy = cu_seqlens_q if varlen else q
-    launch_key = key if key[-1] and key[-2] else None   # else Triton specialises each call
     _FORWARD(launch_key, plan.grid, (
         q, k, v, out, lse, bias if bias is not None else q, key_padding_mask if key_padding_mask is not None else q,
         dummy, cu_seqlens_k if varlen else dummy, *descs, ws_acc, ws_ml, *plan.ints,
@@ -328,7 +351,8 @@ class _ForwardPlan:
                                          num_warps=4)
 
 
-register_forward_kernel("triton-portable", lambda q, k, v, **kw: True, _portable_forward)
+PORTABLE = "triton-portable"
+register_forward_kernel(PORTABLE, lambda q, k, v, **kw: True, _portable_forward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -514,6 +538,14 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         ``out`` of q's shape and dtype, or ``(out, lse)``. Rows with no allowed key give 0
         (and lse = -inf).
     """
+    key = None
+    if key_padding_mask is None and not torch.compiler.is_compiling():
+        key = call_key((q, k, v, softmax_scale, causal, window_size, softcap, return_lse, deterministic))
+        entry = _ENTRIES.get(key) if key is not None else None
+        if entry is not None and not autotune.enabled() and (q.is_cuda or interpreting()):
+            plan, launch_key, scale, softcap = entry
+            out, lse = _launch(plan, launch_key, q, k, v, None, None, None, None, None, scale, softcap)
+            return (out, lse) if return_lse else out
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 4, "(batch, seqlen, heads, head_dim)")
     check_qkv(q, k, v, head_axis=2)
@@ -536,9 +568,32 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         # through the registered op, whose autograd formula is the backward kernels; the LSE
         # is what the backward recomputes the probabilities from
         out, lse = _attention_fwd_grad(*args, True, bool(causal))
+    elif key is not None:
+        out, lse = _entry_call(key, q, k, v, args, bool(return_lse), bool(causal))
     else:
         out, lse = _attention_fwd(*args, bool(return_lse), bool(causal))
     return (out, lse) if return_lse else out
+
+
+def _entry_call(key, q, k, v, args, return_lse: bool, heavy_first: bool):
+    """A validated call of :func:`flash_attn_func` (its op arguments ``args``) run as the op runs
+    it, recording ``(plan, launch key, scale, softcap)`` under ``key`` where the portable kernel
+    takes the call on unit-stride inputs and no autotuning is on."""
+    scale, has_left, window_left, has_right, window_right, softcap = args[11:17]
+    window_left = window_left if has_left else None
+    window_right = window_right if has_right else None
+    kw = dict(bias=None, bias_keys=0, key_padding_mask=None, mask_keys=0, cu_seqlens_q=None, cu_seqlens_k=None,
+              max_seqlen_q=0, max_seqlen_k=0, softmax_scale=scale, window_left=window_left,
+              window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first)
+    if (not (q.is_cuda or interpreting()) or autotune.enabled() or len(_ENTRIES) >= MAX_PLANS
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
+            or forward_kernel_name(q, k, v, **kw) != PORTABLE):
+        return attention_forward(q, k, v, **kw)
+    plan, launch_key = _forward_plan(q, k, v, None, 0, None, 0, None, None, 0, 0, scale, window_left, window_right,
+                                     softcap, return_lse, heavy_first, None, None, None)
+    if not plan.empty:
+        _ENTRIES[key] = (plan, launch_key, scale, softcap)
+    return _launch(plan, launch_key, q, k, v, None, None, None, None, None, scale, softcap)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

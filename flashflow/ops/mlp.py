@@ -48,7 +48,8 @@ from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_TH
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
 from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
                                          parse_order)
-from flashflow.ops.common import dot_precision, stream_key, tma_compatible, unit_last_stride
+from flashflow.ops.common import (Launcher, dot_precision, launch_by_arguments, stream_key, tma_compatible,
+                                  unit_last_stride)
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
@@ -270,6 +271,13 @@ def _interpreter_dtype(dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------------------------
 
 
+# the kernels' launches, keyed on their own arguments (no per-call binding by Triton)
+_SPLITK = Launcher(mlp_splitk_kernel)
+_SPLITK_GROUPED = Launcher(mlp_splitk_grouped_kernel)
+_SPLITK_CAST = Launcher(mlp_splitk_cast_kernel)
+_PERSISTENT = Launcher(mlp_persistent_kernel)
+
+
 def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[SplitKConfig] = None):
     """Decode regime (M ≤ 64): the split-K kernel adds fp32 partials into the workspace's
     accumulator; a second, tiny launch casts them to ``out`` and zeroes the accumulator.
@@ -311,14 +319,14 @@ def launch_splitk(x2, w1, w2, activation, workspace=None, config: Optional[Split
         chunk_n = tuning.chunk_n(hidden, cfg.group, cfg.BLOCK_N)
         n_chunks = cdiv(hidden, chunk_n)
         grid = tuning.grouped_programs(n_slices, num_sms(x2.device))
-        mlp_splitk_grouped_kernel[(grid,)](
+        launch_by_arguments(_SPLITK_GROUPED, (grid, 1, 1), (
             x2, w1, w2, acc, h, buf, m, hidden, inter, n_slices, n_groups, n_chunks, chunk_n, grp_off, spin,
-            x2.stride(0), w1.stride(0), w2.stride(0), GROUP=cfg.group, THREADS=cfg.num_warps * 32, **common)
+            x2.stride(0), w1.stride(0), w2.stride(0)), dict(GROUP=cfg.group, THREADS=cfg.num_warps * 32, **common))
     else:
-        mlp_splitk_kernel[(n_slices,)](
-            x2, w1, w2, acc, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0), **common)
-    mlp_splitk_cast_kernel[(cdiv(m * hidden, 1024),)](acc, out, m, hidden, out.stride(0), BLOCK=1024, num_warps=4,
-                                                      PDL=pdl, launch_pdl=pdl)
+        launch_by_arguments(_SPLITK, (n_slices, 1, 1), (
+            x2, w1, w2, acc, m, hidden, inter, x2.stride(0), w1.stride(0), w2.stride(0)), common)
+    launch_by_arguments(_SPLITK_CAST, (cdiv(m * hidden, 1024), 1, 1), (acc, out, m, hidden, out.stride(0)),
+                        dict(BLOCK=1024, num_warps=4, PDL=pdl, launch_pdl=pdl))
     _check_error(buf, spin)
     return out
 
@@ -377,15 +385,15 @@ def launch_persistent(x2, w1, w2, activation, policy="multirow", group_rows=DEFA
     descs = _descriptors(x2, w1, w2, h, inter, gated, cfg)
     use_tma = descs is not None
     spin = _spin_limit(x2.device)
-    mlp_persistent_kernel[(programs,)](
+    # host descriptors make no call key: those launches take Triton's path
+    launch_by_arguments(_PERSISTENT, (programs, 1, 1), (
         x2, w1, w2, h, out, part, buf, *(descs or (None,) * 5), m, hidden, inter,
         x2.stride(0), w1.stride(0), w2.stride(0), h.stride(0), out.stride(0),
-        tiles_m, n0, n1, order.group_rows, order.half, CNT_OFF + 2 * tiles_m, spin,
+        tiles_m, n0, n1, order.group_rows, order.half, CNT_OFF + 2 * tiles_m, spin), dict(
         POLICY=order.code, BLOCK_M=cfg.BLOCK_M, BLOCK_N0=cfg.BLOCK_N0, BLOCK_N1=cfg.BLOCK_N1,
         BLOCK_K=cfg.BLOCK_K, GATED=gated, ACTIVATION=ACTIVATION_CODE[activation], THREADS=threads,
         DOT_PRECISION=dot_precision(x2.dtype), USE_TMA=use_tma, PROXY_FENCE=use_tma and on_gpu(x2.device),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     _check_error(buf, spin)
     return out
 

@@ -57,6 +57,75 @@ def test_forward_plans_follow_flags_and_layouts(device):
                 assert rel_l2(out, ref) < 1e-5, kw
 
 
+def test_flash_attn_func_entry_runs_a_seen_key_on_new_values(device):
+    """A call key seen before launches its recorded plan: right on fresh inputs, and one entry
+    per key (scale, flags and layout each make their own)."""
+    from flashflow.ops import attention as attn_ops
+
+    gen = torch.Generator().manual_seed(1)
+    attn_ops._ENTRIES.clear()
+    for scale in (None, 0.3, None):
+        for _ in range(2):
+            q, k, v = _qkv(device, gen=gen)
+            out, lse = flashflow.flash_attn_func(q, k, v, softmax_scale=scale, return_lse=True)
+            ref = attention_naive(q.double(), k.double(), v.double(), softmax_scale=scale)
+            assert rel_l2(out, ref) < 1e-5, scale
+            assert torch.isfinite(lse).all()
+    assert len(attn_ops._ENTRIES) == 2
+    q, k, v = _qkv(device, gen=gen)
+    flashflow.flash_attn_func(q, k, v, softmax_scale=0.3)      # return_lse False: a key of its own
+    assert len(attn_ops._ENTRIES) == 3
+
+
+def test_flash_attn_func_entry_lets_nothing_refused_through(device):
+    q, k, v = _qkv(device)
+    flashflow.flash_attn_func(q, k, v, causal=True)
+    flashflow.flash_attn_func(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal"):
+        flashflow.flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(TypeError, match="deterministic"):
+        flashflow.flash_attn_func(q, k, v, causal=True, deterministic="yes")
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flashflow.flash_attn_func(q, k, v, causal=True, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="one dtype"):
+        flashflow.flash_attn_func(q, k.half(), v, causal=True)
+
+
+def test_flash_attn_func_entry_keeps_autograd(device):
+    """A key seen without gradients is not the key of the same call with inputs that require
+    them: that call records its backward."""
+    q, k, v = _qkv(device)
+    flashflow.flash_attn_func(q, k, v)
+    qg = q.clone().requires_grad_()
+    out = flashflow.flash_attn_func(qg, k, v)
+    out.sum().backward()
+    assert qg.grad is not None and torch.isfinite(qg.grad).all()
+    with torch.no_grad():   # the same tensors under no_grad: a key of its own, no graph
+        assert not flashflow.flash_attn_func(qg, k, v).requires_grad
+
+
+def test_flash_attn_func_entries_follow_the_kernel_registry(device, monkeypatch):
+    """A forward kernel registered first takes the calls it supports, keys seen before included."""
+    from flashflow.ops import attention as attn_ops
+
+    q, k, v = _qkv(device)
+    flashflow.flash_attn_func(q, k, v)
+    flashflow.flash_attn_func(q, k, v)
+    assert attn_ops._ENTRIES
+    calls = []
+
+    def launch(q, k, v, **kw):
+        calls.append(kw)
+        return attn_ops._portable_forward(q, k, v, **kw)
+    monkeypatch.setattr(attn_ops, "_FORWARD_KERNELS", list(attn_ops._FORWARD_KERNELS))
+    attn_ops.register_forward_kernel("stand-in", lambda q, k, v, **kw: True, launch, first=True)
+    assert not attn_ops._ENTRIES
+    out = flashflow.flash_attn_func(q, k, v)
+    flashflow.flash_attn_func(q, k, v)
+    assert len(calls) == 2 and not attn_ops._ENTRIES
+    assert rel_l2(out, attention_naive(q.double(), k.double(), v.double())) < 1e-5
+
+
 def test_decode_key_seen_before_still_refuses_bad_flags(device):
     q = torch.randn(2, 1, 4, 32, device=device)
     kc, vc = (torch.randn(2, 64, 2, 32, device=device) for _ in range(2))
