@@ -341,3 +341,23 @@ def scaled_dot_product_attention_fp8(query, key, value, attn_mask=None, is_causa
     out = flash_attn_fp8_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), scale, is_causal,
                               key_padding_mask=key_padding_mask, qk_format=qk_format)
     return out.transpose(1, 2)
+
+
+def attention_fp8_gluon_forward(q, k, v, softmax_scale: float, block_m: int = 64, block_n: int = 128,
+                                num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """The Gluon FP8 forward for Hopper (:mod:`flashflow.kernels.attention_fp8_gluon`) on
+    validated bf16/fp16 ``(b, s, h, d)`` q, k, v, non-causal, no key-padding mask: the quantize
+    pass, Vᵀ's keys in the order the kernel reads them, the launch; returns the output. No op
+    dispatches it (it measured slower than the portable kernel: docs/fp8.md); its defaults are
+    its fastest measured config. ``flashflow info`` and its GPU test run it."""
+    from flashflow.kernels.attention_fp8_gluon import launch_attention_fp8_gluon, permute_keys_for_pv
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    bufs = quantize_attention_inputs(q, k, v, softmax_scale, block_m, block_n, "int8")
+    bufs = dict(bufs, vt8=permute_keys_for_pv(bufs["vt8"]))
+    out = torch.empty_like(q)
+    launch_attention_fp8_gluon(bufs, out, batch, heads, kv_heads, seqlen_q, seqlen_k, bufs["sq_pad"], bufs["sk_pad"],
+                               head_dim, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                               num_stages=num_stages, keys_permuted=True)
+    return out

@@ -94,3 +94,22 @@ def test_gluon_fp8_qk(shape):
     assert out.isfinite().all()
     assert rel_l2(out, ref_out) < VS_TRITON_TOL
     assert (lse - ref_lse).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("shape", ["qwen-image", "ragged-gqa", "short"])
+def test_op_level_gluon_forward_matches_the_portable_op(shape):
+    """``attention_fp8_gluon_forward`` (quantize, permute, launch) against the portable op's
+    ``flash_attn_fp8_func`` on the same inputs: the same quantization blocks, the same sums."""
+    from flashflow import flash_attn_fp8_func
+    from flashflow.ops.attention_fp8 import attention_fp8_gluon_forward
+
+    if gpu_family(torch.device("cuda")) != "sm90":
+        pytest.skip("the Gluon kernel is written for Hopper (sm90)")
+    b, sq, sk, h, hk, d = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    out = attention_fp8_gluon_forward(q, k, v, d ** -0.5)
+    ref = flash_attn_fp8_func(q, k, v)
+    assert torch.isfinite(out).all()
+    assert rel_l2(out.float(), ref.float()) < VS_TRITON_TOL

@@ -26,17 +26,34 @@ def _forward(device: str, head_dim: int, causal: bool) -> None:
     flash_attn_fp8_func(q, k, v, causal=causal)
 
 
+def _gluon_forward(device: str) -> None:
+    """The Gluon FP8 forward (Hopper; no op dispatches it) at head_dim 128 with its best measured
+    config (docs/fp8.md); its quantize pass's kernels launch too."""
+    import torch
+
+    from flashflow.ops.attention_fp8 import attention_fp8_gluon_forward
+
+    d = 128
+    make = torch.empty if device == "cpu" else torch.randn
+    q, k, v = (make(BATCH, SEQLEN, HEADS, d, device=device, dtype=torch.bfloat16) for _ in range(3))
+    attention_fp8_gluon_forward(q, k, v, d ** -0.5)
+
+
 def info_cases(family: str | None) -> list[InfoCase]:
     """FP8 attention and its quantize pass (K/V statistics, quantize, the 8-bit forward) at each
-    head_dim it takes, causal and not; Hopper and newer only (other families: none)."""
+    head_dim it takes, causal and not; Hopper and newer only (other families: none). On Hopper
+    also the Gluon forward (``gluon d128``), which no op dispatches."""
     from flashflow.ops.attention_fp8 import FP8_HEAD_DIMS
     from flashflow.tuning.attention_fp8 import supported_families
 
     if family is not None and family not in supported_families():
         return []
-    return [InfoCase("attention-fp8", f"d{d}{' causal' if causal else ''}",
-                     lambda device, d=d, causal=causal: _forward(device, d, causal))
-            for d in FP8_HEAD_DIMS for causal in (False, True)]
+    cases = [InfoCase("attention-fp8", f"d{d}{' causal' if causal else ''}",
+                      lambda device, d=d, causal=causal: _forward(device, d, causal))
+             for d in FP8_HEAD_DIMS for causal in (False, True)]
+    if family in (None, "sm90"):   # the Gluon kernel is written for Hopper only
+        cases.append(InfoCase("attention-fp8", "gluon d128", _gluon_forward))
+    return cases
 
 
 # ----------------------------------------------------------------------------- tune
