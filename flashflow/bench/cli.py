@@ -11,22 +11,20 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import os
 import subprocess
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 
-from flashflow.bench import runner, suites, timing
+from flashflow.bench import runner
 from flashflow.progress import progress as Progress
-from flashflow.bench.suites import ATTENTION_DEFAULTS, ATTENTION_OPTIONS, RUNNERS, SUITES
+from flashflow.bench.attention_suite import DTYPES as _DTYPES
+from flashflow.bench.suites import ATTENTION_OPTIONS, RUNNERS, SUITES
 
 NO_GPU = ("No CUDA GPU found (torch.cuda.is_available() is False), so there is nothing to time. "
           "Running a small correctness demo through the Triton CPU interpreter instead.")
 
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-_ALL_SUITES = sorted(SUITES) + sorted(RUNNERS)
+_ALL_SUITES = sorted(RUNNERS)
 # shared options: argparse dest -> how the user spelled it
 _FLAGS = {"quick": "--quick", "providers": "--providers", "dtype": "--dtype", "warmup": "--warmup",
           "rep": "--rep", "no_plot": "--no-plot", "markdown": "--markdown", "rescore": "--rescore",
@@ -41,9 +39,7 @@ def add_parser(subparsers) -> None:
         description=__doc__.split("\n\n")[0] + " " + " ".join(__doc__.split("\n\n")[1].split()))
     p.add_argument("--suite", choices=_ALL_SUITES, default=None,
                    help="what to measure (default: attention): " + "; ".join(
-                       [f"attention: flashflow's forward and {', '.join(SUITES['attention'].variants)} vs "
-                        f"{', '.join(SUITES['attention'].anchors)}, with each output's accuracy"]
-                       + [f"{name}: {r.measures}" for name, r in sorted(RUNNERS.items())]))
+                       f"{name}: {r.measures}" for name, r in sorted(RUNNERS.items())))
     p.add_argument("--quick", action="store_true", help="a few shapes instead of the full sweep")
     p.add_argument("--providers", default=None,
                    help="comma list (default: all of the suite's; attention: "
@@ -108,9 +104,10 @@ def _run_demo() -> int:
 def print_result(result: dict, markdown: bool = False) -> None:
     """A saved result's tables, whatever suite wrote it."""
     suite = result.get("suite")
-    if suite == "attention":
-        print(runner.markdown_table(result["rows"]) if markdown else runner.text_table(result["rows"]))
-        _print_accuracy(result["rows"])
+    if suite == "attention":   # the one report with a markdown form
+        from flashflow.bench import attention_suite
+
+        print(attention_suite.report(result, markdown=markdown))
     elif suite in RUNNERS:
         print(importlib.import_module(RUNNERS[suite].module).report(result))
     elif suite == "info":
@@ -211,8 +208,7 @@ def main(args: argparse.Namespace) -> int:
             return _error(f"{_FLAGS[name]} needs {needs}")
 
     suite_name = args.suite or "attention"
-    options, defaults = ((ATTENTION_OPTIONS, ATTENTION_DEFAULTS) if suite_name in SUITES else
-                         (RUNNERS[suite_name].options, RUNNERS[suite_name].defaults))
+    options, defaults = RUNNERS[suite_name].options, RUNNERS[suite_name].defaults
     extra = _passed(args, sorted(_SUITE_OPTIONS - options))
     if extra:
         return _error(f"{extra[0]} does not apply to --suite {suite_name}")
@@ -220,73 +216,7 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, key) is None:
             setattr(args, key, value)
 
-    if suite_name in RUNNERS:
-        return _run_runner(suite_name, args)
-
-    suite = SUITES[suite_name]
-    try:
-        providers = runner.parse_providers(args.providers, suite.providers, suite.name)
-    except ValueError as e:
-        return _error(str(e))
-
-    import torch
-
-    from flashflow.device import interpreting
-
-    if not torch.cuda.is_available():
-        print(NO_GPU, flush=True)
-        return _run_demo()
-    if interpreting():
-        return _error("TRITON_INTERPRET is set, so the kernels would run in the CPU interpreter and the "
-                      "timings would mean nothing. Unset it to benchmark the GPU.")
-
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    dtype = getattr(torch, _DTYPES[args.dtype])
-    shapes = suite.shapes(args.quick)
-    started = datetime.now(timezone.utc)
-    env = runner.environment(started)
-    if "H100" not in env["device"]:
-        print(f"note: the ceiling column is the H100's {runner.MATMUL_CEILING_TFLOPS:.0f} TFLOP/s; "
-              f"this is a {env['device']}.", file=sys.stderr)
-    rows = suites.measure(suite, shapes, providers, dtype, args.warmup, args.rep)
-    result = {
-        "schema_version": runner.SCHEMA_VERSION, "suite": suite.name, **env,
-        "dtype": args.dtype, "quick": args.quick, "providers": providers, "ours": suite.ours,
-        "ceiling_tflops": runner.MATMUL_CEILING_TFLOPS,
-        "timing": timing.record("warm", warmup_ms=args.warmup, rep_ms=args.rep, return_mode="median"),
-        "rows": rows,
-    }
-    if suite.reference is not None:
-        result["accuracy"] = {"against": suites.ACCURACY_REFERENCE, "keys": list(suites.ACCURACY_KEYS)}
-    stamped, stable = runner.write_json(result, args.out)
-    for line in runner.failures(rows):
-        print(line)
-    print(f"results: {stamped}\n         {stable}")
-    if not args.no_plot:
-        title = f"{suite.name}, {args.dtype}, {env['device']}"
-        try:
-            png = runner.plot(rows, suite.x_key, title, stable.with_suffix(".png"))
-        except Exception as e:  # noqa: BLE001 — the numbers are saved; still print the table
-            print(f"plot failed: {type(e).__name__}: {e}")
-        else:
-            print(f"plot:    {png}" if png else "plot skipped: matplotlib is not installed "
-                  "(pip install matplotlib, or pass --no-plot)")
-    print(f"\n{suite.name}, {args.dtype}, {env['device']}: median times; causal TF/s count half "
-          f"the FLOPs;\n'X ÷' = X's TF/s over the other provider's (>1: X faster); '% of' "
-          f"{suite.ours}'s share of the bf16 matmul ceiling; 'rel err' of {suite.ours}'s output vs the "
-          f"first anchor's\n")
-    print(runner.markdown_table(rows) if args.markdown else runner.text_table(rows), flush=True)
-    _print_accuracy(rows)
-    return 0
-
-
-def _print_accuracy(rows: list[dict]) -> None:
-    from flashflow.bench import tables
-
-    text = tables.accuracy_table(rows)
-    if text:
-        print(f"\naccuracy against {suites.ACCURACY_REFERENCE}: cosine, and relative L1 error "
-              f"Σ|out − exact| / Σ|exact|\n\n{text}", flush=True)
+    return _run_runner(suite_name, args)
 
 
 def _run_runner(name: str, args) -> int:
@@ -301,12 +231,15 @@ def _run_runner(name: str, args) -> int:
     if problem:
         return _error(problem)
     if not torch.cuda.is_available():
+        if name == "attention":   # the default job: a correctness demo in the interpreter instead
+            print(NO_GPU, flush=True)
+            return _run_demo()
         return _error(f"--suite {name} needs a CUDA GPU (it {spec.measures}) and torch.cuda.is_available() "
                       "is False; without one, only the attention suite runs (a correctness demo in "
                       "Triton's interpreter)")
     if interpreting():
         return _error(f"--suite {name}: TRITON_INTERPRET is set, so the kernels would run in the CPU "
-                      "interpreter. Unset it to benchmark the GPU.")
+                      "interpreter and the timings would mean nothing. Unset it to benchmark the GPU.")
     if name == "mlp":
         try:
             args.providers = runner.parse_providers(args.providers, module.PROVIDERS, name)

@@ -1,8 +1,10 @@
 """Benchmark suites: the shapes to time, how much work each one is, and who runs it.
 
-``flashflow bench --suite NAME`` takes the names of :data:`SUITES` (shapes × providers, timed
-by :mod:`flashflow.bench.runner`) and of :data:`RUNNERS` (suites whose metrics differ: a module
-with ``run(args) -> int``).
+``flashflow bench --suite NAME`` takes the names of :data:`RUNNERS`: a module per suite with
+``run(args) -> int`` (and ``report(result)``, ``check_args(args)`` where it has them). The
+attention suite's shapes and providers are the :class:`Suite` in :data:`SUITES` (shapes ×
+providers, timed by :mod:`flashflow.bench.runner`), which its runner,
+:mod:`flashflow.bench.attention_suite`, measures.
 """
 from __future__ import annotations
 
@@ -182,6 +184,10 @@ ATTENTION_OPTIONS = frozenset({"quick", "providers", "dtype", "warmup", "rep", "
 ATTENTION_DEFAULTS = {"dtype": "bf16", "warmup": 25, "rep": 100}
 
 RUNNERS: dict[str, Runner] = {
+    "attention": Runner("flashflow.bench.attention_suite",
+                        "times flashflow's attention forward and its FP8 variant against SDPA's cuDNN and FLASH "
+                        "backends, with each output's accuracy against exact attention",
+                        ATTENTION_OPTIONS, ATTENTION_DEFAULTS),
     "decode": Runner("flashflow.bench.decode",
                      "times decode attention against SDPA's cuDNN and FLASH backends",
                      frozenset({"quick", "dtype", "warmup", "rep"}), {"dtype": "bf16", "warmup": 25, "rep": 100}),
