@@ -409,6 +409,13 @@ def _check_transformer(transformer) -> list:
     return [block for block in transformer.transformer_blocks if isinstance(block, QwenImageTransformerBlock)]
 
 
+def _check_16bit(dtype, setting: str, why: str = "") -> None:
+    """``setting="fp8"`` (attention or linear) quantizes 16-bit activations: a bf16/fp16 model."""
+    if dtype not in _FP8_DTYPES:
+        raise ValueError(f"{setting}='fp8' needs a bfloat16 or float16 model{why}, got a {dtype} model; convert it "
+                         f"(transformer.to(torch.bfloat16)) or use {setting}='exact'")
+
+
 def _check_fp8(transformer, blocks) -> None:
     """What ``attention="fp8"`` needs, checked before any block changes: a bf16/fp16 model,
     head_dim 64, 128 or 256, and a device that runs FP8 attention. The device is probed with a
@@ -416,10 +423,7 @@ def _check_fp8(transformer, blocks) -> None:
     a model whose weights are on the CPU outside Triton's interpreter (offloaded to the GPU per
     call) is probed at its first step instead, by the op."""
     dtype, device = transformer.dtype, transformer.device
-    if dtype not in _FP8_DTYPES:
-        raise ValueError(f"attention='fp8' needs a bfloat16 or float16 model (FP8 attention quantizes 16-bit "
-                         f"q, k, v), got a {dtype} model; convert it (transformer.to(torch.bfloat16)) or use "
-                         "attention='exact'")
+    _check_16bit(dtype, "attention", " (FP8 attention quantizes 16-bit q, k, v)")
     head_shapes = {}
     for i, block in enumerate(blocks):
         heads, head_dim = block.attn.heads, block.attn.inner_dim // block.attn.heads
@@ -469,9 +473,7 @@ def _check_fp8_linear(transformer, blocks) -> None:
     a model quantized by torchao is refused here) with finite weights and in/out features
     that are multiples of 16."""
     dtype, device = transformer.dtype, transformer.device
-    if dtype not in _FP8_DTYPES:
-        raise ValueError(f"linear='fp8' needs a bfloat16 or float16 model, got a {dtype} model; convert it "
-                         "(transformer.to(torch.bfloat16)) or use linear='exact'")
+    _check_16bit(dtype, "linear")
     if device.type == "cuda":
         if torch.cuda.get_device_capability(device)[0] < 9:
             raise ValueError(f"linear='fp8' needs FP8 tensor cores with row-wise scaled GEMMs (Hopper, sm90, or newer); "

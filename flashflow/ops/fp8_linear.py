@@ -233,10 +233,11 @@ def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w:
     cuBLASLt has no algorithm for some shapes with fast accumulation and a bias in its epilogue
     (on sm90 K = 12288, N = 3072 at each M tried up to 33: ``CUBLAS_STATUS_NOT_SUPPORTED`` from its
     heuristic query); such a shape runs the first of :func:`_variants` that cuBLASLt takes
-    (:func:`_gemm_refused`), remembered per shape so that the refusal is met once. A shape no
+    (:func:`_gemm_refused`), remembered per shape and device so that the refusal is met once. A shape no
     variant runs is refused (``ValueError``)."""
     fast_accum = fp8_linear_config(gpu_family(a.device)).fast_accum
-    key = (a.shape[0], a.shape[1], w.shape[0], bias is not None)
+    # per device: two GPUs of one host may be of different kinds, with different cuBLASLt algorithms
+    key = (a.shape[0], a.shape[1], w.shape[0], bias is not None, a.get_device())
     known = _VARIANTS.get(key)
     first = known or (fast_accum, bias is not None)
     try:

@@ -268,6 +268,8 @@ def test_a_refused_gemm_runs_the_next_variant_once_worked_out(device, cublaslt, 
     del calls[:]
     assert torch.equal(fp8_linear(x, weight, b), out)
     assert calls == [(33, *tried[-1])]   # the remembered variant alone
+    # remembered per device too (two GPUs of one host may differ)
+    assert list(fp8_linear_module._VARIANTS) == [(33, 80, 112, True, x.get_device())]
     del calls[:]
     fp8_linear(x[:20], weight, b)   # another shape: refused once more
     assert calls == [(20, *v) for v in tried]
