@@ -72,6 +72,18 @@ def _scores(qk, QK_FP8: gl.constexpr):
 
 
 @gluon.jit
+def _row_scale(q_scale, k_scale_ptr, QK_FP8: gl.constexpr):
+    """``(row_scale, offset)`` of one key block: the query rows' scales times the block's K scale,
+    and the offset :func:`_scores` leaves in an INT8 score (none for FP8)."""
+    row_scale = q_scale * gl.load(k_scale_ptr)
+    if QK_FP8:
+        offset = gl.zeros_like(row_scale)
+    else:
+        offset = INT_AS_FLOAT_OFFSET * row_scale
+    return row_scale, offset
+
+
+@gluon.jit
 def _to_e4m3_x4(x):
     """fp32 → e4m3 (round to nearest even, saturating: what ``.to(float8e4nv)`` compiles to on
     sm90), four values of a thread packed into one register by two conversions."""
@@ -214,11 +226,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
         elif NUM_STAGES < n_blocks:
             gl.thread_barrier()
             _load_k(k_desc, k_smem, k_bar, k_row0 + NUM_STAGES * BLOCK_N, 0)
-        row_scale = q_scale * gl.load(KS)
-        if QK_FP8:
-            offset = gl.zeros_like(row_scale)
-        else:
-            offset = INT_AS_FLOAT_OFFSET * row_scale
+        row_scale, offset = _row_scale(q_scale, KS, QK_FP8)
         p, alpha, l_i, m_i = _softmax_step(_scores(qk, QK_FP8), m_i, l_i, row_scale, offset, 0, seqlen_k,
                                             BLOCK_N, False, s_layout)
         for j in range(1, n_full):
@@ -237,11 +245,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
             qk = warpgroup_mma_wait(1, deps=[qk])
             if PRODUCER:
                 mbarrier.arrive(k_free.index(stage))
-            row_scale = q_scale * gl.load(KS + j)
-            if QK_FP8:
-                offset = gl.zeros_like(row_scale)
-            else:
-                offset = INT_AS_FLOAT_OFFSET * row_scale
+            row_scale, offset = _row_scale(q_scale, KS + j, QK_FP8)
             # the softmax of block j under block j−1's P·V
             p, alpha, l_i, m_i = _softmax_step(_scores(qk, QK_FP8), m_i, l_i, row_scale, offset, 0, seqlen_k,
                                                 BLOCK_N, False, s_layout)
@@ -280,11 +284,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         _pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
-        row_scale = q_scale * gl.load(KS + n_full)
-        if QK_FP8:
-            offset = gl.zeros_like(row_scale)
-        else:
-            offset = INT_AS_FLOAT_OFFSET * row_scale
+        row_scale, offset = _row_scale(q_scale, KS + n_full, QK_FP8)
         p, alpha, l_i, m_i = _softmax_step(_scores(qk, QK_FP8), m_i, l_i, row_scale, offset, n_full * BLOCK_N,
                                             seqlen_k, BLOCK_N, True, s_layout)
         mbarrier.wait(v_bar.index(stage), phase)
