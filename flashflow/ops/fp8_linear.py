@@ -205,8 +205,8 @@ def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Opt
 _scaled_mm = torch._scaled_mm
 # what cuBLASLt's error says when it has no algorithm for a GEMM
 _REFUSED = "CUBLAS_STATUS_NOT_SUPPORTED"
-# (M, K, N, bias given) -> the variant that runs, for the shapes whose configured variant cuBLASLt
-# refuses; bounded (a shape past the bound is worked out again at each call)
+# (M, K, N, bias given, device index) -> the variant that runs, for the shapes whose configured
+# variant cuBLASLt refuses; bounded (a shape past the bound is worked out again at each call)
 _VARIANTS: dict = {}
 _VARIANTS_MAX = 4096
 

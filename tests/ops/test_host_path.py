@@ -126,6 +126,40 @@ def test_flash_attn_func_entries_follow_the_kernel_registry(device, monkeypatch)
     assert rel_l2(out, attention_naive(q.double(), k.double(), v.double())) < 1e-5
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "expanded", "packed"])
+def test_flash_attn_func_entry_on_every_layout(device, layout):
+    """Each layout twice with fresh values: the second call of a unit-stride layout (a
+    transposed view, a stride-0 expansion, a slice along heads) runs from its recorded entry;
+    a non-unit last stride is never recorded. Every call against float64."""
+    from flashflow.ops import attention as attn_ops
+    from layout_cases import make
+
+    gen = torch.Generator().manual_seed(5)
+    b, sq, sk, h, hk, d = 2, 19, 23, 4, 2, 24
+    attn_ops._ENTRIES.clear()
+    for _ in range(2):
+        q = make((b, sq, h, d), layout, torch.float32, device, gen)
+        k, v = (make((b, sk, hk, d), layout, torch.float32, device, gen) for _ in range(2))
+        out = flashflow.flash_attn_func(q, k, v, causal=True)
+        ref = attention_naive(q.double(), k.double(), v.double(), causal=True)
+        assert rel_l2(out, ref) < 1e-5, layout
+    assert len(attn_ops._ENTRIES) == (0 if layout == "strided" else 1)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_flash_attn_func_entry_carries_non_finite_inputs(device, which, bad):
+    """A NaN or inf in q, k or v reaches exactly the rows exact math says, on the call that
+    records the key and on the one that runs from it."""
+    from flashflow.ops import attention as attn_ops
+    from nonfinite_cases import check_attention_forward
+
+    attn_ops._ENTRIES.clear()
+    for seed in (0, 1):
+        check_attention_forward(which, bad, False, device, torch.float32, seed=seed)
+    assert len(attn_ops._ENTRIES) == 1
+
+
 def test_decode_key_seen_before_still_refuses_bad_flags(device):
     q = torch.randn(2, 1, 4, 32, device=device)
     kc, vc = (torch.randn(2, 64, 2, 32, device=device) for _ in range(2))
