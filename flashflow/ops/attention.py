@@ -539,7 +539,9 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         (and lse = -inf).
     """
     key = None
-    if key_padding_mask is None and not torch.compiler.is_compiling():
+    # a call that records autograd never runs from an entry: no key to build for it
+    grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
+    if key_padding_mask is None and not grad and not torch.compiler.is_compiling():
         key = call_key((q, k, v, softmax_scale, causal, window_size, softcap, return_lse, deterministic))
         entry = _ENTRIES.get(key) if key is not None else None
         if entry is not None and not autotune.enabled() and (q.is_cuda or interpreting()):
@@ -564,7 +566,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return_lse = check_flag("return_lse", return_lse)
     args = (q, k, v, None, 0, key_padding_mask, mask_keys, None, None, 0, 0, scale,
             *_window_args(causal, window_size), check_softcap(softcap))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+    if grad:
         # through the registered op, whose autograd formula is the backward kernels; the LSE
         # is what the backward recomputes the probabilities from
         out, lse = _attention_fwd_grad(*args, True, bool(causal))
