@@ -10,13 +10,14 @@ ROOT = Path(__file__).resolve().parents[1] / "flashflow"
 
 # layer (first folder under flashflow/) -> packages it never imports
 NEVER = {
-    "kernels": ("ops", "reference", "bench", "tuning", "integrations", "dataflow"),
-    "tuning": ("ops", "reference", "bench", "integrations"),
-    "ops": ("reference", "bench", "integrations"),
-    "reference": ("kernels", "ops", "tuning", "bench", "integrations"),
+    "kernels": ("ops", "reference", "bench", "tuning", "integrations", "dataflow", "distributed"),
+    "tuning": ("ops", "reference", "bench", "integrations", "distributed"),
+    "ops": ("reference", "bench", "integrations", "distributed"),
+    "reference": ("kernels", "ops", "tuning", "bench", "integrations", "distributed"),
     "bench": ("kernels",),
+    "distributed": ("kernels", "reference", "bench", "integrations"),
     "integrations": ("kernels", "reference", "bench"),
-    "dataflow": ("ops", "reference", "bench", "integrations"),
+    "dataflow": ("ops", "reference", "bench", "integrations", "distributed"),
 }
 
 

@@ -25,10 +25,15 @@ Inference only: the fused block ops have no backward, so a model in training mod
 block or processor called with autograd recording and a parameter or input that requires grad
 raises one ``ValueError`` at its entry (docs/diffusion.md).
 
-One GPU per model: diffusers' context parallelism (``enable_parallelism`` with a
-``ContextParallelConfig``) is refused in either order (docs/diffusion.md): flashflow's processor
-does not implement its Ulysses / ring attention, so each rank would attend over its own part of
-the sequence only.
+Several GPUs: diffusers' context parallelism (``enable_parallelism`` with a
+``ContextParallelConfig``: ``ulysses_degree``, ``ring_degree`` or both), in either order of
+``enable`` and ``enable_parallelism``. diffusers' hooks split the text and image streams along
+the sequence; the processor runs the fused norm/RoPE pass on its rank's slice, then
+:func:`flashflow.distributed.context_attention` (an all-to-all to head slices of the whole
+sequence, a ring of K/V slices merged by their LSE, or both) with flashflow's attention, exact or
+FP8 (docs/diffusion.md). ``ulysses_anything`` / ``ring_anything`` (uneven slices) and tensor
+parallelism are refused with a ``ValueError``. CFG parallel, the conditional and unconditional
+passes of a pipeline step on two groups of ranks: :func:`enable_cfg_parallel`.
 """
 from __future__ import annotations
 
@@ -49,6 +54,7 @@ except ImportError as e:   # pragma: no cover - depends on the environment
     raise ImportError("flashflow.integrations.diffusers needs diffusers (pip install diffusers)") from e
 
 from flashflow.device import interpreting
+from flashflow.distributed.attention import context_attention
 from flashflow.ops.attention import flash_attn_func
 from flashflow.ops.attention_fp8 import FP8_HEAD_DIMS, flash_attn_fp8_func
 from flashflow.ops.fp8_linear import GEMM_MULTIPLE, Fp8Linear, Fp8Weight, quantize_weight
@@ -77,10 +83,6 @@ _ORIGINAL_LINEARS = "_flashflow_original_linears"
 # The original (processor, instance-level forward or None) of a block, kept on the block itself.
 _ORIGINAL = "_flashflow_original"
 
-_CONTEXT_PARALLEL_UNSUPPORTED = (
-    "flashflow's attention processors do not support context parallelism: each rank's attention would see "
-    "only its own part of the sequence (a silently wrong result)")
-
 # cuBLASLt's bias + GELU epilogue is the tanh approximation; CPU builds of this private op use the
 # erf GELU instead, hence CUDA only.
 _HAS_ADDMM_ACTIVATION = hasattr(torch, "_addmm_activation")
@@ -97,14 +99,26 @@ def _context_parallel(config):
     return getattr(config, "context_parallel_config", None)
 
 
-def _context_parallel_refused(config) -> ValueError:
+def _context_parallel_refused(config, heads: int | None = None) -> ValueError | None:
+    """The error for a context-parallel config flashflow's processor cannot run, else None:
+    uneven slices (``ulysses_anything`` / ``ring_anything``), or a Ulysses degree that does not
+    divide the heads (``heads``, when known)."""
     cp = _context_parallel(config)
-    return ValueError(
-        f"transformer.enable_parallelism(config=ContextParallelConfig(ring_degree={cp.ring_degree}, "
-        f"ulysses_degree={cp.ulysses_degree})) on a model that flashflow.integrations.diffusers.enable() runs: "
-        f"{_CONTEXT_PARALLEL_UNSUPPORTED}. For a correct parallel run, call "
-        "flashflow.integrations.diffusers.disable(transformer) first (diffusers' own processors), then "
-        "enable_parallelism; on one GPU, keep flashflow and leave parallelism off")
+    if cp is None:
+        return None
+    what = (f"ContextParallelConfig(ring_degree={cp.ring_degree}, ulysses_degree={cp.ulysses_degree}"
+            f"{', ulysses_anything=True' if cp.ulysses_anything else ''}{', ring_anything=True' if cp.ring_anything else ''})")
+    if cp.ulysses_anything or cp.ring_anything:
+        return ValueError(
+            f"{what} with flashflow.integrations.diffusers.enable(): flashflow's processor runs equal sequence slices "
+            "only (the sequence length a multiple of the degrees); leave ulysses_anything / ring_anything off, or use "
+            "diffusers' own processors (flashflow.integrations.diffusers.disable(transformer) first)")
+    if heads is not None and heads % cp.ulysses_degree:
+        return ValueError(
+            f"{what}: Ulysses splits the attention heads across ranks, and the model's {heads} heads are not a "
+            f"multiple of ulysses_degree={cp.ulysses_degree}; use a ulysses_degree that divides {heads}, or "
+            "ring_degree")
+    return None
 
 
 def _tensor_parallel_refused(config) -> ValueError | None:
@@ -180,19 +194,25 @@ class FlashflowQwenAttnProcessor:
     rounding with ``attention="exact"``, up to FP8 attention's error with ``"fp8"``).
 
     ``attention``: one of :data:`ATTENTION_MODES`; :func:`enable` sets it (and checks that the
-    model can run it). It refuses, with a ``ValueError``, the context-parallel config that diffusers'
-    ``enable_parallelism`` hands it, and a call while autograd records with parameters or inputs
-    that require grad (no backward)."""
+    model can run it). ``heads``: the attention module's head count, when known (a Ulysses degree
+    that does not divide it is refused when the parallel config arrives). Under diffusers' context
+    parallelism (the config ``enable_parallelism`` hands it) each rank's slice of the joint
+    sequence attends to the whole sequence through :func:`flashflow.distributed.context_attention`;
+    a config it cannot run is refused with a ``ValueError`` (``ulysses_anything`` / ``ring_anything``,
+    tensor parallelism), and so is a call while autograd records with parameters or inputs that
+    require grad (no backward)."""
 
-    def __init__(self, attention: str = "exact"):
+    def __init__(self, attention: str = "exact", heads: int | None = None):
         self.attention = _check_attention(attention)
+        self.heads = heads
         self._given_parallel_config = None
+        self._refusal = None
 
     # diffusers hands its parallel config to every processor that has this attribute
     # (ModelMixin.enable_parallelism: ``if hasattr(processor, "_parallel_config"): processor._parallel_config =
-    # config``), before it installs the hooks that split the sequence across ranks. Refusing a context-parallel
-    # config here stops enable_parallelism there, with the model still whole; the config is kept, so that a model
-    # run after the refusal raises too (__call__) and disable() can undo what enable_parallelism had recorded.
+    # config``), before it installs the hooks that split the sequence across ranks. Refusing a config here stops
+    # enable_parallelism there, with the model still whole; a refused config is kept, so that a model run after the
+    # refusal raises too (__call__) and disable() can undo what enable_parallelism had recorded.
     @property
     def _parallel_config(self):
         return self._given_parallel_config
@@ -200,11 +220,9 @@ class FlashflowQwenAttnProcessor:
     @_parallel_config.setter
     def _parallel_config(self, config) -> None:
         self._given_parallel_config = config
-        if _context_parallel(config) is not None:
-            raise _context_parallel_refused(config)
-        tp_error = _tensor_parallel_refused(config)
-        if tp_error is not None:
-            raise tp_error
+        self._refusal = _tensor_parallel_refused(config) or _context_parallel_refused(config, self.heads)
+        if self._refusal is not None:
+            raise self._refusal
 
     def __call__(
         self,
@@ -215,12 +233,13 @@ class FlashflowQwenAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._given_parallel_config is not None:
-            if _context_parallel(self._given_parallel_config) is not None:
-                raise _context_parallel_refused(self._given_parallel_config)
-            tp_error = _tensor_parallel_refused(self._given_parallel_config)
-            if tp_error is not None:
-                raise tp_error
+        if self._refusal is not None:
+            raise self._refusal
+        cp = _context_parallel(self._given_parallel_config)
+        if cp is not None:
+            refused = _context_parallel_refused(self._given_parallel_config, attn.heads)
+            if refused is not None:
+                raise refused
         if torch.is_grad_enabled():
             _refuse_autograd(attn, "the attention module", hidden_states=hidden_states,
                              encoder_hidden_states=encoder_hidden_states)
@@ -272,17 +291,26 @@ class FlashflowQwenAttnProcessor:
             _norm_rope_into(attn.norm_k, img_k, img_freqs, key[:, seq_txt:])
             value = torch.cat([txt_v, img_v], dim=1)
 
-        attend = flash_attn_fp8_func if self.attention == "fp8" else flash_attn_func
-        if encoder_hidden_states_mask is None:
-            out = attend(query, key, value)
-        else:
+        mask = None
+        if encoder_hidden_states_mask is not None:
             if tuple(encoder_hidden_states_mask.shape) != (batch, seq_txt):
                 raise ValueError(f"encoder_hidden_states_mask must be (batch, text_seqlen) = ({batch}, {seq_txt}), "
                                  f"got shape {tuple(encoder_hidden_states_mask.shape)}")
             # The text keys come first in the joint sequence, so the text mask (nonzero = a real
             # token, as the model's forward normalises it) is a key-padding mask over its first
             # seq_txt keys; the image keys always attend and take the unmasked loop.
-            out = attend(query, key, value, key_padding_mask=encoder_hidden_states_mask.to(torch.bool))
+            mask = encoder_hidden_states_mask.to(torch.bool)
+        if cp is not None:
+            # diffusers' hooks gave this rank its slice of both streams (and of the text mask):
+            # the joint slice [text slice, image slice] attends to every rank's slice
+            out = context_attention(
+                query, key, value, cp._ulysses_mesh.get_group() if cp.ulysses_degree > 1 else None,
+                cp._ring_mesh.get_group() if cp.ring_degree > 1 else None, key_padding_mask=mask,
+                attention=self.attention)
+        elif self.attention == "fp8":
+            out = flash_attn_fp8_func(query, key, value, key_padding_mask=mask)
+        else:
+            out = flash_attn_func(query, key, value, key_padding_mask=mask)
         out = out.flatten(2, 3)
 
         if qkv is not None:
@@ -583,8 +611,43 @@ def _to_exact_linears(block) -> None:
         block.attn._modules.pop(fused_name, None)
 
 
+def _hook_reference(block):
+    """The innermost reference of diffusers' hooks on ``block`` (``HookRegistry``: context
+    parallelism's split hooks, caches, offloading), whose forward is the block's own forward under
+    the hooks; None without hooks."""
+    refs = getattr(block.__dict__.get("_diffusers_hook"), "_fn_refs", None)
+    return refs[0] if refs else None
+
+
+def _inner_forward(block):
+    """The block's own forward: under diffusers' hooks the one their innermost reference calls,
+    else the instance's ``forward`` attribute (None: the class's)."""
+    ref = _hook_reference(block)
+    if ref is None:
+        return block.__dict__.get("forward")
+    return ref.original_forward if ref.original_forward is not None else ref.forward
+
+
+def _set_inner_forward(block, forward) -> None:
+    """Make ``forward`` (None: the class's) the block's own forward, under diffusers' hooks when it
+    has some: ``enable`` and ``enable_parallelism`` then work in either order, the hooks splitting
+    the inputs of whichever forward runs."""
+    ref = _hook_reference(block)
+    if ref is None:
+        if forward is None:
+            block.__dict__.pop("forward", None)
+        else:
+            block.forward = forward
+        return
+    forward = forward if forward is not None else types.MethodType(type(block).forward, block)
+    if ref.original_forward is not None:
+        ref.original_forward = forward
+    else:
+        ref.forward = forward
+
+
 def _forward_is_ours(block) -> bool:
-    return getattr(block.__dict__.get("forward"), "__func__", None) is _block_forward
+    return getattr(_inner_forward(block), "__func__", None) is _block_forward
 
 
 def _processor_is_ours(block) -> bool:
@@ -630,30 +693,33 @@ def enable(transformer, attention: str = "exact", linear: str = "exact"):
         (``enable(model, attention="fp8")`` after ``enable(model)`` switches attention; the same
         for ``linear``); ``disable`` undoes it.
 
-    Every block is checked before any is changed, so a refused model is left as it was. A model
-    that runs diffusers' context parallelism is refused, and so is ``enable_parallelism`` on an
-    enabled model, both with a ``ValueError``: flashflow's processor does not support it.
+    Every block is checked before any is changed, so a refused model is left as it was.
+    diffusers' context parallelism works in either order: ``enable`` on a model that runs it
+    hands its config to flashflow's processors and puts the fused block forward under the hooks
+    that split the sequence; ``enable_parallelism`` on an enabled model hands the config to them.
+    A config the processor cannot run (uneven slices, a Ulysses degree that does not divide the
+    heads, tensor parallelism) is refused with a ``ValueError``, in either order.
     """
     attention = _check_attention(attention)
     linear = _check_linear(linear)
     blocks = _check_transformer(transformer)
-    tp_error = _tensor_parallel_refused(getattr(transformer, "_parallel_config", None))
+    parallel = getattr(transformer, "_parallel_config", None)
+    tp_error = _tensor_parallel_refused(parallel)
     if tp_error is not None:
         raise tp_error
-    cp = _context_parallel(getattr(transformer, "_parallel_config", None))
-    if cp is not None:
-        raise ValueError(
-            f"transformer runs with context parallelism (enable_parallelism or from_pretrained(parallel_config=...) "
-            f"with ContextParallelConfig(ring_degree={cp.ring_degree}, ulysses_degree={cp.ulysses_degree})): "
-            f"{_CONTEXT_PARALLEL_UNSUPPORTED}. Leave this model's parallel run to diffusers' own processors, or use "
-            "flashflow on one GPU, without enable_parallelism")
+    for block in blocks:
+        cp_error = _context_parallel_refused(parallel, block.attn.heads)
+        if cp_error is not None:
+            raise cp_error
     if transformer.training or any(block.training for block in blocks):
         raise ValueError("enable() takes a model in eval mode: the fused block ops are inference-only (no backward); "
                          "call transformer.eval() first")
     for i, block in enumerate(blocks):
-        if not _forward_is_ours(block) and "forward" in block.__dict__:
-            raise ValueError(f"transformer_blocks[{i}].forward is already replaced on the instance (a hook or "
-                             "offloading wrapper?); call enable() before installing it")
+        inner = _inner_forward(block)
+        if not _forward_is_ours(block) and inner is not None and getattr(inner, "__func__", None) is not type(
+                block).forward:
+            raise ValueError(f"transformer_blocks[{i}].forward is already replaced on the instance (a wrapper other "
+                             "than diffusers' hooks?); call enable() before installing it")
         if not _processor_is_ours(block) and type(block.attn.processor) is not QwenDoubleStreamAttnProcessor2_0:
             raise ValueError(f"transformer_blocks[{i}].attn.processor is {type(block.attn.processor).__name__}; "
                              "enable() replaces only diffusers' QwenDoubleStreamAttnProcessor2_0")
@@ -675,9 +741,12 @@ def enable(transformer, attention: str = "exact", linear: str = "exact"):
             block.attn.processor.attention = attention
         else:
             setattr(block, _ORIGINAL, block.attn.processor)
-            block.attn.set_processor(FlashflowQwenAttnProcessor(attention))
+            processor = FlashflowQwenAttnProcessor(attention, heads=block.attn.heads)
+            if _context_parallel(parallel) is not None:
+                processor._parallel_config = parallel   # enable_parallelism came first (checked above)
+            block.attn.set_processor(processor)
         if not _forward_is_ours(block):
-            block.forward = types.MethodType(_block_forward, block)
+            _set_inner_forward(block, types.MethodType(_block_forward, block))
     return transformer
 
 
@@ -689,14 +758,21 @@ def disable(transformer):
     config that ``enable_parallelism`` had recorded on the model before the refusal, so that
     ``enable_parallelism`` can be called again (with diffusers' processors). Returns ``transformer``."""
     blocks = _check_transformer(transformer)
-    refused = [b.attn.processor._given_parallel_config for b in blocks if _processor_is_ours(b)]
+    refused = [b.attn.processor._given_parallel_config for b in blocks
+               if _processor_is_ours(b) and b.attn.processor._refusal is not None]
     for block in blocks:
         _to_exact_linears(block)
         original = block.__dict__.pop(_ORIGINAL, None)
         if original is not None and _processor_is_ours(block):
+            given = block.attn.processor._given_parallel_config
+            if (block.attn.processor._refusal is None and _context_parallel(given) is not None
+                    and hasattr(original, "_parallel_config")):
+                # enable_parallelism handed its config to flashflow's processor only: diffusers'
+                # processor needs it too, or it would attend over its rank's slice alone
+                original._parallel_config = given
             block.attn.set_processor(original)
         if _forward_is_ours(block):
-            del block.forward
+            _set_inner_forward(block, None)
     # diffusers 0.42.1's enable_parallelism records its config on the model, hands it to the processors (where ours
     # refused it), and only then installs the hooks that split the sequence: the refusal left no hook, only the
     # record, which makes a second enable_parallelism raise "Parallelism is already applied".

@@ -583,61 +583,52 @@ def cp_config(degrees):
     return diffusers.ParallelConfig(context_parallel_config=diffusers.ContextParallelConfig(**degrees))
 
 
-CP_REFUSED = (r"enable_parallelism\(config=ContextParallelConfig\(ring_degree={ring}, ulysses_degree={ulysses}\)\) .*"
-              r"flashflow's attention processors do not support context parallelism: each rank's attention would "
-              r"see only its own part of the sequence .* call flashflow\.integrations\.diffusers\.disable"
-              r"\(transformer\) first")
+def set_processors_config(model, config):
+    """What diffusers 0.42.1's enable_parallelism does to the processors (ModelMixin.enable_parallelism):
+    records the config on the model, then hands it to every attention processor that has a
+    `_parallel_config` attribute. enable_parallelism itself cannot run in one process:
+    ContextParallelConfig's setup refuses degrees above the world size; the gloo tests below run
+    the real call."""
+    model._parallel_config = config
+    attention_classes = (diffusers.models.attention_processor.Attention,
+                         diffusers.models.attention_processor.MochiAttention,
+                         diffusers.models.attention.AttentionModuleMixin)   # enable_parallelism's own list
+    for module in model.modules():
+        if isinstance(module, attention_classes):
+            processor = module.processor
+            if processor is not None and hasattr(processor, "_parallel_config"):
+                processor._parallel_config = config
 
 
-@pytest.mark.parametrize("degrees", [dict(ulysses_degree=2), dict(ring_degree=2)], ids=["ulysses", "ring"])
-def test_context_parallelism_is_refused_when_enable_parallelism_hands_the_config(degrees):
-    """enable, then diffusers' enable_parallelism: refused where diffusers hands the processors its
-    config, before its hooks split the sequence; the model then refuses to run until disable, which
-    gives back a working model on which enable_parallelism can be called again.
-
-    enable_parallelism itself cannot run in one process: ContextParallelConfig refuses degrees of
-    1 × 1 and its setup refuses degrees above the world size. So this test does its two steps that
-    concern the processors, as diffusers 0.42.1 does them (ModelMixin._resolve_parallel_config
-    records the config on the model, then every attention processor that has a `_parallel_config`
-    attribute gets the config); the two-rank test below runs the real call."""
+@pytest.mark.parametrize("degrees, match", [
+    (dict(ulysses_degree=2, ulysses_anything=True), r"ulysses_anything=True\).*equal sequence slices only"),
+    (dict(ring_degree=2, ring_anything=True), r"ring_anything=True\).*equal sequence slices only"),
+    (dict(ulysses_degree=4), r"the model's 2 heads are not a multiple of ulysses_degree=4"),
+], ids=["ulysses-anything", "ring-anything", "heads"])
+def test_a_context_parallel_config_the_processor_cannot_run_is_refused(degrees, match):
+    """enable, then enable_parallelism with a config flashflow cannot run: refused where diffusers
+    hands the processors its config (before its hooks split the sequence), and at a run after
+    that; disable gives back a working model on which enable_parallelism can be called again. In
+    the other order, enable refuses the model and leaves it untouched."""
     model = tiny_model()
     kwargs = inputs(1, False)
     want = run(model, kwargs)
     enable(model)
     config = cp_config(degrees)
-    model._parallel_config = config
-    refused = pytest.raises(ValueError, match=CP_REFUSED.format(ring=degrees.get("ring_degree", 1),
-                                                                ulysses=degrees.get("ulysses_degree", 1)))
-    attention_classes = (diffusers.models.attention_processor.Attention,
-                         diffusers.models.attention_processor.MochiAttention,
-                         diffusers.models.attention.AttentionModuleMixin)   # enable_parallelism's own list
-    with refused:
-        for module in model.modules():
-            if isinstance(module, attention_classes):
-                processor = module.processor
-                if processor is not None and hasattr(processor, "_parallel_config"):
-                    processor._parallel_config = config
-    with refused:   # and a model run after the refusal, never attention over a local part
+    with pytest.raises(ValueError, match=match):
+        set_processors_config(model, config)
+    with pytest.raises(ValueError, match=match):   # and a model run after the refusal
         run(model, kwargs)
-    with pytest.raises(ValueError, match="transformer runs with context parallelism"):
-        enable(model, attention="fp8")
     disable(model)
     assert model._parallel_config is None   # enable_parallelism may be called again
     assert torch.equal(run(model, kwargs), want)
 
-
-def test_enable_refuses_a_model_that_runs_context_parallel():
-    """enable_parallelism (or from_pretrained(parallel_config=...)), then enable: refused with the
-    reason, the model untouched. Here the config alone, as _resolve_parallel_config records it on
-    the model; the two-rank test runs the real call."""
-    model = tiny_model()
-    model._parallel_config = cp_config(dict(ulysses_degree=2))
-    with pytest.raises(ValueError, match=r"transformer runs with context parallelism .*ContextParallelConfig\("
-                                         r"ring_degree=1, ulysses_degree=2\)\): flashflow's attention processors do "
-                                         r"not support context parallelism: each rank"):
-        enable(model)
-    assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in model.transformer_blocks)
-    assert all("forward" not in b.__dict__ for b in model.transformer_blocks)
+    other = tiny_model()
+    other._parallel_config = config
+    with pytest.raises(ValueError, match=match):
+        enable(other)
+    assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in other.transformer_blocks)
+    assert all("forward" not in b.__dict__ for b in other.transformer_blocks)
 
 
 def test_tensor_parallelism_is_refused_both_ways():
@@ -659,40 +650,89 @@ def test_tensor_parallelism_is_refused_both_ways():
     assert not any(isinstance(b.attn.processor, FlashflowQwenAttnProcessor) for b in other.transformer_blocks)
 
 
-def _two_rank_worker(rank, init_method):
-    """One of two gloo ranks on the CPU: the real enable_parallelism on an enabled model."""
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+def _peaked_model(dtype=torch.float32, **config):
+    model = tiny_model(dtype, **config)
+    with torch.no_grad():   # peaked attention: a wrong key set shows in the output
+        for name, p in model.named_parameters():
+            if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
+                p.mul_(3)
+    return model
+
+
+def _cp_inputs(world, padded, dtype=torch.float32):
+    """Inputs whose text (8 tokens) and image (4 × 6 patches) split evenly over ``world`` ranks;
+    with ``padded`` the text mask hides tokens of the last rank's text slice and of another's."""
+    kwargs = inputs(1, False, dtype=dtype, batch=1)
+    kwargs["encoder_hidden_states"] = torch.randn(1, 8, 48, generator=torch.Generator().manual_seed(2)).to(dtype)
+    if padded:
+        mask = torch.ones(1, 8, dtype=torch.bool)
+        mask[0, 5:] = False
+        mask[0, 1] = False
+        kwargs["encoder_hidden_states_mask"] = mask
+    return kwargs
+
+
+def _context_parallel_worker(rank, world, init_method, cases):
+    """One of ``world`` gloo ranks on the CPU: diffusers' real enable_parallelism with flashflow's
+    processor, in both orders, against the one-process output of the same model."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
     try:
         # diffusers 0.42.1 picks the rank's device as rank % torch.accelerator.device_count(): 0 here
         torch.accelerator.device_count = lambda: 1
-        model = tiny_model()
-        with torch.no_grad():   # peaked attention: a wrong key set shows in the output
-            for name, p in model.named_parameters():
-                if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
-                    p.mul_(3)
-        kwargs = inputs(1, False, batch=1)
-        kwargs["encoder_hidden_states"] = torch.randn(1, 8, 48, generator=torch.Generator().manual_seed(2))
-        want = run(model, kwargs)   # one process, no parallelism
-        enable(model)
-        with pytest.raises(ValueError, match=CP_REFUSED.format(ring=1, ulysses=2)):
-            model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
-        with pytest.raises(ValueError, match="do not support context parallelism"):
-            run(model, kwargs)
-        disable(model)
-        model.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
-        got = run(model, kwargs)    # diffusers' own Ulysses attention over both ranks' halves
-        assert rel_l2(got, want) < 1e-5, rel_l2(got, want)
-        with pytest.raises(ValueError, match="transformer runs with context parallelism"):
-            enable(model)
+        for degrees, padded, attention, order in cases:
+            dtype = torch.bfloat16 if attention == "fp8" else torch.float32
+            config = HEAD_DIM_64 if attention == "fp8" else {}
+            model = _peaked_model(dtype, **config)
+            kwargs = _cp_inputs(world, padded, dtype)
+            want = run(model, kwargs)   # one process, diffusers' own processors
+            if order == "enable-first":
+                enable(model, attention=attention)
+                model.enable_parallelism(config=diffusers.ContextParallelConfig(**degrees))
+            else:
+                model.enable_parallelism(config=diffusers.ContextParallelConfig(**degrees))
+                enable(model, attention=attention)
+            assert is_enabled(model)
+            got = run(model, kwargs)
+            where = f"rank {rank}: {degrees} padded={padded} {attention} {order}"
+            if attention == "fp8":
+                assert cosine(got, want) > 0.999, (where, cosine(got, want))
+            else:
+                assert rel_l2(got, want) < TOL[dtype], (where, rel_l2(got, want))
+            disable(model)
+            assert not is_enabled(model)
+            if degrees.get("ring_degree", 1) == 1 and attention == "exact":
+                # diffusers' own processors took the config back: their Ulysses attention, not a local one
+                assert rel_l2(run(model, kwargs), want) < 1e-5, where
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed's gloo")
-def test_enable_parallelism_on_two_ranks(tmp_path):
-    """The real scenario, two processes: enable, then enable_parallelism(ContextParallelConfig(
-    ulysses_degree=2)) raises on both ranks (were it to run, each rank's attention would see half
-    the sequence); disable, and diffusers' own parallel run matches the one-process output; enable on
-    that model is refused."""
-    torch.multiprocessing.spawn(_two_rank_worker, args=(f"file://{tmp_path / 'rendezvous'}",), nprocs=2)
+def _spawn(world, tmp_path, cases):
+    torch.multiprocessing.spawn(_context_parallel_worker,
+                                args=(world, f"file://{tmp_path / 'rendezvous'}", cases), nprocs=world)
+
+
+GLOO = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()),
+                          reason="needs torch.distributed's gloo")
+
+
+@GLOO
+def test_context_parallel_on_two_ranks(tmp_path):
+    """Two processes: Ulysses and ring, both orders of enable and enable_parallelism, with and
+    without a text mask, exact and FP8 attention: each rank's output equals the one-process
+    model's (peaked attention, so a rank attending its own half would show)."""
+    _spawn(2, tmp_path, [
+        (dict(ulysses_degree=2), False, "exact", "enable-first"),
+        (dict(ulysses_degree=2), True, "exact", "parallel-first"),
+        (dict(ring_degree=2), True, "exact", "enable-first"),
+        (dict(ring_degree=2), False, "exact", "parallel-first"),
+        (dict(ulysses_degree=2), True, "fp8", "parallel-first"),
+    ])
+
+
+@GLOO
+def test_context_parallel_on_four_ranks(tmp_path):
+    """Four processes: Ulysses 2 inside a ring of 2 (diffusers' mesh: ring outside), with a text mask."""
+    _spawn(4, tmp_path, [(dict(ulysses_degree=2, ring_degree=2), True, "exact", "enable-first"),
+                         (dict(ring_degree=4), False, "exact", "parallel-first")])
