@@ -219,4 +219,9 @@ RUNNERS: dict[str, Runner] = {
                          "in CUDA graphs, with each output's and block's accuracy; warm-up 200 ms, 1000 ms timed",
                          frozenset({"quick", "providers", "warmup", "rep", "no_plot", "blocks"}),
                          {"warmup": 200, "rep": 1000, "blocks": 6}),
+    "distributed": Runner("flashflow.bench.distributed_suite",
+                          "times attention and a Qwen-Image step across 2 GPUs of one host (one process per GPU, "
+                          "NCCL): flashflow's Ulysses and ring attention against one GPU, and flashflow inside "
+                          "diffusers' context parallelism against diffusers' own, with each output's accuracy",
+                          frozenset({"quick", "blocks"}), {"blocks": 6}),
 }

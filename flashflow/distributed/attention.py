@@ -290,16 +290,28 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, *, lay
     return (out, lse) if return_lse else out
 
 
+# Ulysses in context_attention: the heads of each rank cut in this many groups, the next group's
+# all-to-all under the current group's attention (where the heads per rank divide; else 1).
+HEAD_GROUPS = 2
+
+
 def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=None, attention="exact",
-                      softmax_scale=None):
+                      softmax_scale=None, head_groups=None):
     """Non-causal attention over a sequence split across a Ulysses group (inside) and a ring group
     (outside), as diffusers' ``ContextParallelConfig(ulysses_degree, ring_degree)`` lays ranks out:
     the flattened rank ``ring_rank·U + ulysses_rank`` holds the sequence slice of that index. Either
     group may be None (degree 1). Forward only (the diffusion processor's path); the caller checks
-    its inputs."""
+    its inputs.
+
+    Ulysses alone runs in ``head_groups`` groups of heads (default :data:`HEAD_GROUPS`): each
+    group's all-to-all of q, k, v runs under the previous group's attention, and its output's
+    all-to-all under the next one's."""
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     u_world = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
     r_world = dist.get_world_size(ring_group) if ring_group is not None else 1
+    if u_world > 1 and r_world == 1:
+        return _ulysses_groups(q, k, v, ulysses_group, u_world, key_padding_mask, attention, scale,
+                               HEAD_GROUPS if head_groups is None else head_groups)
     mask = key_padding_mask
     if u_world > 1:
         (q, k, v), work = seq_to_heads([q, k, v], ulysses_group, u_world, async_op=True)
@@ -313,6 +325,30 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     if u_world > 1:
         out = heads_to_seq(out, ulysses_group, u_world)
     return out
+
+
+def _ulysses_groups(q, k, v, group, world, key_padding_mask, attention, scale, groups):
+    """Ulysses attention over ``groups`` head groups, exchanges overlapped with attention."""
+    batch, seqlen, heads, head_dim = q.shape
+    per_rank, kv_per_rank = heads // world, k.shape[2] // world
+    if groups < 1 or per_rank % groups or kv_per_rank % groups:
+        groups = 1
+    qg, kg, vg = (t.unflatten(2, (world, groups, t.shape[2] // (world * groups))) for t in (q, k, v))
+    # every group's exchange queued up front: NCCL runs them in order while the attention of the
+    # groups before runs on the compute stream
+    exchanges = [seq_to_heads([qg[:, :, :, g], kg[:, :, :, g], vg[:, :, :, g]], group, world, async_op=True)
+                 for g in range(groups)]
+    mask = expand_masks(gather_masks(key_padding_mask, group, world), seqlen)
+    out = q.new_empty((batch, seqlen, world, groups, per_rank // groups, head_dim))
+    finishes = []
+    for g, (views, work) in enumerate(exchanges):
+        work.wait()
+        o, _ = _attend(*views, scale, False, mask, attention)
+        finish, _ = heads_to_seq(o, group, world, out=out[:, :, :, g], async_op=True)
+        finishes.append(finish)
+    for finish in finishes:
+        finish()
+    return out.view(batch, seqlen, heads, head_dim)
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,13 +43,15 @@ def seq_to_heads(tensors, group, world: int, async_op: bool = False):
     ``async_op`` it returns ``(views, work)``: the views hold their values once ``work.wait()`` has
     been called (which orders the caller's stream after the transfer)."""
     batch, seqlen = tensors[0].shape[:2]
-    parts = [(t.shape[2] // world, t.shape[3]) for t in tensors]
+    # a 5-D tensor is (batch, seqlen, world, heads per rank, head_dim) already: a head group's view
+    tensors = [t if t.dim() == 5 else t.unflatten(2, (world, t.shape[2] // world)) for t in tensors]
+    parts = [(t.shape[3], t.shape[4]) for t in tensors]
     width = sum(h * d for h, d in parts)
     # per destination: (seqlen, batch, width): the received chunks stack along the sequence
     send = torch.empty((world, seqlen, batch, width), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
     for t, (h, d) in zip(tensors, parts):
-        send[..., offset:offset + h * d].unflatten(-1, (h, d)).copy_(t.unflatten(2, (world, h)).permute(2, 1, 0, 3, 4))
+        send[..., offset:offset + h * d].unflatten(-1, (h, d)).copy_(t.permute(2, 1, 0, 3, 4))
         offset += h * d
     recv = torch.empty_like(send)
     work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
@@ -61,16 +63,28 @@ def seq_to_heads(tensors, group, world: int, async_op: bool = False):
     return (views, work) if async_op else views
 
 
-def heads_to_seq(x: torch.Tensor, group, world: int) -> torch.Tensor:
+def heads_to_seq(x: torch.Tensor, group, world: int, out: torch.Tensor | None = None, async_op: bool = False):
     """The inverse of :func:`seq_to_heads` for one tensor: ``x`` ``(batch, world·seqlen_local,
     heads_local, head_dim)`` -> ``(batch, seqlen_local, world·heads_local, head_dim)``, contiguous.
-    A contiguous ``x`` of batch 1 is sent as it is (its per-rank chunks are already adjacent)."""
+    A contiguous ``x`` of batch 1 is sent as it is (its per-rank chunks are already adjacent).
+
+    ``out``: a ``(batch, seqlen_local, world, heads_local, head_dim)`` view to write the result
+    into (a head group's slots of a larger output). With ``async_op`` it returns ``(finish, work)``:
+    call ``finish()`` (after or instead of ``work.wait()``) for the result."""
     batch, total, heads, head_dim = x.shape
     seqlen = total // world
     send = x.unflatten(1, (world, seqlen)).transpose(0, 1).contiguous()   # (world, batch, seqlen, h, d)
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.permute(1, 2, 0, 3, 4).reshape(batch, seqlen, world * heads, head_dim)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+
+    def finish():
+        if work is not None:
+            work.wait()
+        if out is not None:
+            return out.copy_(recv.permute(1, 2, 0, 3, 4))
+        return recv.permute(1, 2, 0, 3, 4).reshape(batch, seqlen, world * heads, head_dim)
+
+    return (finish, work) if async_op else finish()
 
 
 def lse_heads_to_seq(lse: torch.Tensor, group, world: int) -> torch.Tensor:

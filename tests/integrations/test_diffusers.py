@@ -28,10 +28,9 @@ HEAD_DIM_64 = dict(attention_head_dim=64, axes_dims_rope=(16, 24, 24))
 
 def tiny_model(dtype=torch.float32, zero_cond_t=False, seed=0, **config):
     torch.manual_seed(seed)
-    config = {"attention_head_dim": 32, "axes_dims_rope": (8, 12, 12), **config}
+    config = {"attention_head_dim": 32, "axes_dims_rope": (8, 12, 12), "num_attention_heads": 2, **config}
     model = diffusers.QwenImageTransformer2DModel(
-        num_layers=2, num_attention_heads=2, joint_attention_dim=48,
-        in_channels=16, out_channels=4, zero_cond_t=zero_cond_t, **config)
+        num_layers=2, joint_attention_dim=48, in_channels=16, out_channels=4, zero_cond_t=zero_cond_t, **config)
     with torch.no_grad():   # the RMSNorm weights start at 1: make them count
         for name, p in model.named_parameters():
             if name.endswith(("norm_q.weight", "norm_k.weight", "norm_added_q.weight", "norm_added_k.weight")):
@@ -680,10 +679,10 @@ def _context_parallel_worker(rank, world, init_method, cases):
     try:
         # diffusers 0.42.1 picks the rank's device as rank % torch.accelerator.device_count(): 0 here
         torch.accelerator.device_count = lambda: 1
-        for degrees, padded, attention, order in cases:
+        for degrees, padded, attention, order, heads in cases:
             dtype = torch.bfloat16 if attention == "fp8" else torch.float32
             config = HEAD_DIM_64 if attention == "fp8" else {}
-            model = _peaked_model(dtype, **config)
+            model = _peaked_model(dtype, num_attention_heads=heads, **config)
             kwargs = _cp_inputs(world, padded, dtype)
             want = run(model, kwargs)   # one process, diffusers' own processors
             if order == "enable-first":
@@ -723,16 +722,16 @@ def test_context_parallel_on_two_ranks(tmp_path):
     without a text mask, exact and FP8 attention: each rank's output equals the one-process
     model's (peaked attention, so a rank attending its own half would show)."""
     _spawn(2, tmp_path, [
-        (dict(ulysses_degree=2), False, "exact", "enable-first"),
-        (dict(ulysses_degree=2), True, "exact", "parallel-first"),
-        (dict(ring_degree=2), True, "exact", "enable-first"),
-        (dict(ring_degree=2), False, "exact", "parallel-first"),
-        (dict(ulysses_degree=2), True, "fp8", "parallel-first"),
+        (dict(ulysses_degree=2), False, "exact", "enable-first", 2),
+        (dict(ulysses_degree=2), True, "exact", "parallel-first", 4),   # 2 heads per rank: two head groups
+        (dict(ring_degree=2), True, "exact", "enable-first", 2),
+        (dict(ring_degree=2), False, "exact", "parallel-first", 2),
+        (dict(ulysses_degree=2), True, "fp8", "parallel-first", 2),
     ])
 
 
 @GLOO
 def test_context_parallel_on_four_ranks(tmp_path):
     """Four processes: Ulysses 2 inside a ring of 2 (diffusers' mesh: ring outside), with a text mask."""
-    _spawn(4, tmp_path, [(dict(ulysses_degree=2, ring_degree=2), True, "exact", "enable-first"),
-                         (dict(ring_degree=4), False, "exact", "parallel-first")])
+    _spawn(4, tmp_path, [(dict(ulysses_degree=2, ring_degree=2), True, "exact", "enable-first", 2),
+                         (dict(ring_degree=4), False, "exact", "parallel-first", 2)])

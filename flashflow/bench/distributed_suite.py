@@ -1,0 +1,376 @@
+"""``flashflow bench --suite distributed``: attention and a Qwen-Image step across the GPUs of one
+host, beside one GPU and diffusers' own context parallelism, in one run.
+
+The suite starts one process per GPU (NCCL), each building the same model with the same random
+weights (the q/k norm weights ×3: peaked attention, :mod:`flashflow.bench.qwen_image`) and the
+same inputs. Rows:
+
+- ``step``: a Qwen-Image(-Edit) 1024px step. One GPU (every rank alone, rank 0's time): diffusers'
+  default, flashflow exact and FP8 attention. Parallel: diffusers' ``enable_parallelism`` with
+  its own processors (Ulysses), and with flashflow enabled (Ulysses, ring; exact and FP8). Each
+  output against the one-GPU diffusers output (cosine, relative L2); the NCCL kernels' time per step.
+- ``prefill``: causal GQA attention over a long sequence (``flash_attn_func`` on one GPU against
+  :func:`flashflow.distributed.ulysses_attention` and :func:`~flashflow.distributed.ring_attention`,
+  contiguous and zigzag), each rank's slice of the output against the one-GPU output.
+
+Timing (``ranks``): every rank runs the same fixed number of calls (a collective inside a call
+keeps them in step; ``do_bench`` picks its own count per process and would not), rounds of calls
+between CUDA events, the median round per rank and the slowest rank's median.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+
+from flashflow.bench import timing
+
+SUITE = "distributed"
+WORLD = 2
+PREFILL = dict(batch=1, seqlen=65536, heads=32, kv_heads=8, head_dim=128, causal=True)
+PREFILL_QUICK = dict(batch=1, seqlen=16384, heads=32, kv_heads=8, head_dim=128, causal=True)
+# (name, images): text of 256 tokens, no mask
+STEP_SHAPES = (("qwen-image-edit-1024px", 2), ("qwen-image-1024px", 1))
+ROUNDS, CALLS, WARMUP = 7, 3, 3
+
+# provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
+# (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
+def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None):
+    return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups)
+
+
+U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
+STEP_PROVIDERS = {
+    "diffusers": _p(),
+    "flashflow": _p("exact"),
+    "flashflow-fp8": _p("fp8"),
+    "flashflow-fp8+graph": _p("fp8", graph=True),
+    "diffusers+ulysses2": _p(None, U2),
+    "flashflow+ulysses2": _p("exact", U2),
+    "flashflow-fp8+ulysses2": _p("fp8", U2),
+    "flashflow-fp8+ulysses2 (parallel first)": _p("fp8", U2, order="parallel-first"),
+    "flashflow-fp8+ulysses2 (1 head group)": _p("fp8", U2, head_groups=1),
+    "flashflow-fp8+ulysses2 (3 head groups)": _p("fp8", U2, head_groups=3),
+    "flashflow-fp8+ulysses2+graph": _p("fp8", U2, graph=True),
+    "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
+    "flashflow-fp8+ring2": _p("fp8", R2),
+}
+# the provider whose eager step's host profile is printed (rank 0): where the host time goes
+PROFILED = "flashflow-fp8+ulysses2"
+
+
+def check_args(args) -> str | None:
+    blocks = args.blocks
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= 60:
+        return f"--blocks must be a whole number from 1 to 60, got {blocks!r}"
+    return None
+
+
+def _time_rounds(fn, sync) -> float:
+    """Median ms per call over :data:`ROUNDS` rounds of :data:`CALLS` calls (CUDA events)."""
+    import torch
+
+    for _ in range(WARMUP):
+        fn()
+    sync()
+    per_round = []
+    for _ in range(ROUNDS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(CALLS):
+            fn()
+        end.record()
+        end.synchronize()
+        per_round.append(start.elapsed_time(end) / CALLS)
+    per_round.sort()
+    return per_round[len(per_round) // 2]
+
+
+def _slowest(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _nccl_ms(fn) -> dict:
+    """GPU time of one call's kernels: NCCL's and all, in ms (the profiler's kernel intervals)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    nccl = total = 0.0
+    for e in prof.events():
+        if e.device_type != DeviceType.CUDA:
+            continue
+        us = e.time_range.elapsed_us()
+        total += us
+        if "nccl" in e.name.lower():
+            nccl += us
+    return {"nccl_kernels_ms": nccl / 1e3, "all_kernels_ms": total / 1e3}
+
+
+_MESHES: dict = {}
+
+
+def _mesh(degrees):
+    """One device mesh per degrees for the whole run: each new mesh is new NCCL communicators."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (degrees.get("ring_degree", 1), degrees.get("ulysses_degree", 1))
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cuda", key, mesh_dim_names=("ring", "ulysses"))
+    return _MESHES[key]
+
+
+@contextmanager
+def _parallelism(model, degrees):
+    """``model.enable_parallelism(ContextParallelConfig(**degrees))`` for the block, then its hooks
+    removed and the config forgotten (diffusers has no public inverse)."""
+    import diffusers
+    from diffusers.hooks.context_parallel import remove_context_parallel
+
+    model.enable_parallelism(config=diffusers.ContextParallelConfig(**degrees, mesh=_mesh(degrees)))
+    try:
+        yield model
+    finally:
+        remove_context_parallel(model, model._cp_plan)
+        model._parallel_config = None
+        for block in model.transformer_blocks:
+            processor = block.attn.processor
+            if "_parallel_config" in getattr(processor, "__dict__", {}):
+                del processor.__dict__["_parallel_config"]   # diffusers' processor: back to its class's None
+
+
+def _host_profile(fn) -> None:
+    """Print where one call's host time goes (the profiler's CPU ops by self time)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _provider(model, attention, degrees, order):
+    """``model`` as the provider runs it; flashflow disabled before the parallelism is removed, so
+    that no processor keeps a config whose hooks are gone."""
+    from flashflow.integrations.diffusers import disable, enable
+
+    if degrees is None:
+        if attention is not None:
+            enable(model, attention=attention)
+        try:
+            yield model
+        finally:
+            disable(model)
+        return
+    if attention is not None and order == "enable-first":
+        enable(model, attention=attention)
+    try:
+        with _parallelism(model, degrees):
+            if attention is not None and order != "enable-first":
+                enable(model, attention=attention)
+            try:
+                yield model
+            finally:
+                disable(model)
+    finally:
+        disable(model)
+
+
+def _step_rows(rank, blocks, quick):
+    import torch
+
+    from flashflow.bench import qwen_image as qi
+    from flashflow.distributed import attention as dist_attention
+    from flashflow.reference.metrics import cosine, rel_l2
+
+    head_groups = dist_attention.HEAD_GROUPS
+
+    dtype = torch.bfloat16
+    model = qi.build_model(blocks, "cuda", dtype)
+    rows = []
+    shapes = STEP_SHAPES[:1] if quick else STEP_SHAPES
+    for name, images in shapes:
+        shape = qi.StepShape(name, images, qi.IMAGE_SIDE, qi.TEXT_TOKENS, None)
+        kwargs = qi.make_inputs(shape, qi.CONFIG, "cuda", dtype)
+
+        def step():
+            with torch.inference_mode():
+                return model(**kwargs)[0]
+
+        ref = step()
+        results = {}
+        for provider, how in STEP_PROVIDERS.items():
+            degrees = how["degrees"]
+            if how["head_groups"] is not None:
+                dist_attention.HEAD_GROUPS = how["head_groups"]
+            try:
+                with _provider(model, how["attention"], degrees, how["order"]):
+                    out = step()
+                    res = {"rel_l2": rel_l2(out, ref), "cosine": cosine(out, ref)}
+                    if how["graph"]:
+                        graph, out = timing.capture_graph(step)
+                        ms = _time_rounds(graph.replay, torch.cuda.synchronize)
+                        res.update(rel_l2=rel_l2(out, ref), cosine=cosine(out, ref))
+                        del graph
+                    else:
+                        ms = _time_rounds(step, torch.cuda.synchronize)
+                        res["issue_ms"] = timing.issue_ms(step)
+                    res.update(ms=_slowest(ms) if degrees else ms, ms_rank=ms)
+                    if degrees and not how["graph"]:
+                        res.update(_nccl_ms(step))
+                    if provider == PROFILED and rank == 0:
+                        _host_profile(step)
+            except Exception as e:  # noqa: BLE001 — a refusal is a result
+                res = {"error": timing.short_error(e)}
+                torch.cuda.synchronize()
+            finally:
+                dist_attention.HEAD_GROUPS = head_groups
+            results[provider] = res
+            if rank == 0:
+                print(f"  {name} {provider}: {res}", file=sys.stderr, flush=True)
+        rows.append({"kind": "step", "shape": shape.as_dict(), "results": results})
+    return rows
+
+
+def _prefill_rows(rank, world, quick):
+    import torch
+
+    from flashflow.distributed import ring_attention, shard_sequence, ulysses_attention
+    from flashflow.ops.attention import flash_attn_func
+    from flashflow.reference.metrics import rel_l2
+
+    p = PREFILL_QUICK if quick else PREFILL
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shape_q = (p["batch"], p["seqlen"], p["heads"], p["head_dim"])
+    shape_kv = (p["batch"], p["seqlen"], p["kv_heads"], p["head_dim"])
+    q = torch.randn(shape_q, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(shape_kv, device="cuda", dtype=torch.bfloat16, generator=g)
+    flops = 4.0 * p["batch"] * p["heads"] * p["seqlen"] ** 2 * p["head_dim"] / (2 if p["causal"] else 1)
+    results = {}
+    with torch.inference_mode():
+        whole = flash_attn_func(q, k, v, causal=p["causal"])
+        ms = _time_rounds(lambda: flash_attn_func(q, k, v, causal=p["causal"]), torch.cuda.synchronize)
+        results["flashflow (one GPU)"] = {"ms": ms, "tflops": flops / ms / 1e9}
+        for provider, fn, layout in (("ulysses", ulysses_attention, "contiguous"),
+                                     ("ring", ring_attention, "contiguous"),
+                                     ("ring zigzag", ring_attention, "zigzag")):
+            ql, kl, vl = (shard_sequence(t, layout=layout) for t in (q, k, v))
+            kw = {"layout": layout} if fn is ring_attention else {}
+            try:
+                out = fn(ql, kl, vl, causal=p["causal"], **kw)
+                err = rel_l2(out, shard_sequence(whole, layout=layout))
+                ms_rank = _time_rounds(lambda: fn(ql, kl, vl, causal=p["causal"], **kw), torch.cuda.synchronize)
+                ms = _slowest(ms_rank)
+                results[provider] = {"ms": ms, "ms_rank": ms_rank, "tflops": flops / ms / 1e9,
+                                     "rel_l2": _slowest(err), **_nccl_ms(lambda: fn(ql, kl, vl, causal=p["causal"], **kw))}
+            except Exception as e:  # noqa: BLE001
+                results[provider] = {"error": timing.short_error(e)}
+            if rank == 0:
+                print(f"  prefill {provider}: {results[provider]}", file=sys.stderr, flush=True)
+    return [{"kind": "prefill", "shape": {**p, "world": world}, "results": results}]
+
+
+def _worker(rank, world, port, blocks, quick, parts, out_dir):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        rows = []
+        if "prefill" in parts:
+            rows += _prefill_rows(rank, world, quick)
+        if "step" in parts:
+            rows += _step_rows(rank, blocks, quick)
+        if rank == 0:
+            Path(out_dir, "rows.json").write_text(json.dumps(rows))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(args) -> int:
+    import socket
+
+    import torch
+
+    from flashflow.bench import runner
+
+    if torch.cuda.device_count() < WORLD:
+        print(f"the distributed suite needs {WORLD} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        return 2
+    started = datetime.now(timezone.utc)
+    wall = time.perf_counter()
+    env = runner.environment(started)
+    parts = os.environ.get("FLASHFLOW_DISTRIBUTED_PARTS", "prefill,step").split(",")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_worker, args=(WORLD, port, args.blocks, args.quick, parts, tmp), nprocs=WORLD)
+        rows = json.loads(Path(tmp, "rows.json").read_text())
+    import diffusers
+
+    result = {
+        "suite": SUITE, **env, "diffusers": diffusers.__version__, "world": WORLD, "blocks": args.blocks,
+        "quick": args.quick, "providers": list(STEP_PROVIDERS),
+        "timing": timing.record("rounds", of="warm", rounds=ROUNDS, calls=CALLS, warmup_calls=WARMUP,
+                                ranks="every rank the same calls; the slowest rank's median round"),
+        "reference": "step: diffusers' default on one GPU, same weights and inputs; prefill: flash_attn_func on one GPU",
+        "rows": rows,
+        "total_s": time.perf_counter() - wall,
+    }
+    path = runner.write_result(result, args.out)
+    print(f"results: {path}")
+    print(report(result))
+    return 0
+
+
+def report(result: dict, markdown: bool = False) -> str:
+    lines = []
+    for row in result["rows"]:
+        res = row["results"]
+        if row["kind"] == "step":
+            base = res.get("flashflow-fp8", {}).get("ms")
+            default = res.get("diffusers", {}).get("ms")
+            theirs = res.get("diffusers+ulysses2", {}).get("ms")
+            lines.append(f"step {row['shape']['name']}: ms | × one-GPU flashflow-fp8 | × diffusers | "
+                         f"× diffusers+ulysses2 | cosine | nccl ms")
+            for provider, r in res.items():
+                if "error" in r:
+                    lines.append(f"  {provider}: {r['error']}")
+                    continue
+                ms = r["ms"]
+                ratio = lambda other: f"{other / ms:.2f}" if other else "-"  # noqa: E731
+                lines.append(f"  {provider}: {ms:.2f} | {ratio(base)} | {ratio(default)} | {ratio(theirs)} | "
+                             f"{r['cosine']:.6f} | {r.get('nccl_kernels_ms', 0):.2f}")
+        else:
+            one = res.get("flashflow (one GPU)", {}).get("ms")
+            lines.append(f"prefill {row['shape']}: ms | TFLOP/s | × one GPU | rel_l2")
+            for provider, r in res.items():
+                if "error" in r:
+                    lines.append(f"  {provider}: {r['error']}")
+                    continue
+                lines.append(f"  {provider}: {r['ms']:.2f} | {r['tflops']:.0f} | {one / r['ms']:.2f} | "
+                             f"{r.get('rel_l2', 0):.2e}")
+    return "\n".join(lines)
