@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from flashflow.bench import timing
@@ -49,16 +49,17 @@ STEP_PROVIDERS = {
     "diffusers": _p(),
     "flashflow": _p("exact"),
     "flashflow-fp8": _p("fp8"),
-    "flashflow-fp8+graph": _p("fp8", graph=True),
     "diffusers+ulysses2": _p(None, U2),
     "flashflow+ulysses2": _p("exact", U2),
     "flashflow-fp8+ulysses2": _p("fp8", U2),
-    "flashflow-fp8+ulysses2 (parallel first)": _p("fp8", U2, order="parallel-first"),
     "flashflow-fp8+ulysses2 (1 head group)": _p("fp8", U2, head_groups=1),
-    "flashflow-fp8+ulysses2 (3 head groups)": _p("fp8", U2, head_groups=3),
-    "flashflow-fp8+ulysses2+graph": _p("fp8", U2, graph=True),
-    "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
+    "flashflow-fp8+ulysses2 (parallel first)": _p("fp8", U2, order="parallel-first"),
     "flashflow-fp8+ring2": _p("fp8", R2),
+    # CUDA graphs last: a capture that fails on one rank leaves the other in a collective
+    "flashflow-fp8+graph": _p("fp8", graph=True),
+    "flashflow-fp8+ulysses2+graph": _p("fp8", U2, graph=True),
+    "flashflow-fp8+ulysses2+graph (1 head group)": _p("fp8", U2, graph=True, head_groups=1),
+    "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
 }
 # the provider whose eager step's host profile is printed (rank 0): where the host time goes
 PROFILED = "flashflow-fp8+ulysses2"
@@ -153,8 +154,8 @@ def _parallelism(model, degrees):
                 del processor.__dict__["_parallel_config"]   # diffusers' processor: back to its class's None
 
 
-def _host_profile(fn) -> None:
-    """Print where one call's host time goes (the profiler's CPU ops by self time)."""
+def _host_profile(fn, rank: int) -> None:
+    """Print (rank 0) where one call's host time goes (the profiler's CPU ops by self time)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -162,7 +163,8 @@ def _host_profile(fn) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), file=sys.stderr, flush=True)
+    if rank == 0:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12), file=sys.stderr, flush=True)
 
 
 @contextmanager
@@ -193,7 +195,7 @@ def _provider(model, attention, degrees, order):
         disable(model)
 
 
-def _step_rows(rank, blocks, quick):
+def _step_rows(rank, blocks, quick, save):
     import torch
 
     from flashflow.bench import qwen_image as qi
@@ -235,8 +237,8 @@ def _step_rows(rank, blocks, quick):
                     res.update(ms=_slowest(ms) if degrees else ms, ms_rank=ms)
                     if degrees and not how["graph"]:
                         res.update(_nccl_ms(step))
-                    if provider == PROFILED and rank == 0:
-                        _host_profile(step)
+                    if provider == PROFILED:
+                        _host_profile(step, rank)   # every rank: the step's collectives need both
             except Exception as e:  # noqa: BLE001 — a refusal is a result
                 res = {"error": timing.short_error(e)}
                 torch.cuda.synchronize()
@@ -245,6 +247,7 @@ def _step_rows(rank, blocks, quick):
             results[provider] = res
             if rank == 0:
                 print(f"  {name} {provider}: {res}", file=sys.stderr, flush=True)
+            save(rows + [{"kind": "step", "shape": shape.as_dict(), "results": results}])
         rows.append({"kind": "step", "shape": shape.as_dict(), "results": results})
     return rows
 
@@ -295,15 +298,22 @@ def _worker(rank, world, port, blocks, quick, parts, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    # a collective left waiting (a rank that failed elsewhere) aborts after this, not never
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=timedelta(seconds=120))
     try:
         rows = []
+
+        def save(more):   # after every provider: a run cut short keeps what it measured
+            if rank == 0:
+                Path(out_dir, "rows.json").write_text(json.dumps(rows + more))
+
         if "prefill" in parts:
             rows += _prefill_rows(rank, world, quick)
+            save([])
         if "step" in parts:
-            rows += _step_rows(rank, blocks, quick)
-        if rank == 0:
-            Path(out_dir, "rows.json").write_text(json.dumps(rows))
+            rows += _step_rows(rank, blocks, quick, save)
+            save([])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -326,9 +336,16 @@ def run(args) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    failed = None
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_worker, args=(WORLD, port, args.blocks, args.quick, parts, tmp), nprocs=WORLD)
-        rows = json.loads(Path(tmp, "rows.json").read_text())
+        try:
+            torch.multiprocessing.spawn(_worker, args=(WORLD, port, args.blocks, args.quick, parts, tmp),
+                                        nprocs=WORLD)
+        except Exception as e:  # noqa: BLE001 — keep the rows measured before it
+            failed = timing.short_error(e)
+            print(f"a rank failed: {failed}", file=sys.stderr, flush=True)
+        rows_file = Path(tmp, "rows.json")
+        rows = json.loads(rows_file.read_text()) if rows_file.exists() else []
     import diffusers
 
     result = {
@@ -338,12 +355,13 @@ def run(args) -> int:
                                 ranks="every rank the same calls; the slowest rank's median round"),
         "reference": "step: diffusers' default on one GPU, same weights and inputs; prefill: flash_attn_func on one GPU",
         "rows": rows,
+        "failed": failed,
         "total_s": time.perf_counter() - wall,
     }
     path = runner.write_result(result, args.out)
     print(f"results: {path}")
     print(report(result))
-    return 0
+    return 0 if failed is None else 1
 
 
 def report(result: dict, markdown: bool = False) -> str:
