@@ -291,8 +291,11 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, *, lay
 
 
 # Ulysses in context_attention: the heads of each rank cut in this many groups, the next group's
-# all-to-all under the current group's attention (where the heads per rank divide; else 1).
-HEAD_GROUPS = 2
+# all-to-all under the current group's attention (where the heads per rank divide; else 1). One
+# group: on 2 × H200 at Qwen-Image-Edit 1024px, 6 blocks, FP8 attention, two groups gave 15.54 ms
+# per step against 15.78 in CUDA graphs, but 23.47 against 19.46 eager, where the step is
+# host-bound and each group adds two collectives' host time (bench/results/distributed-*.json).
+HEAD_GROUPS = 1
 
 
 def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=None, attention="exact",

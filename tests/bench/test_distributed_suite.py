@@ -1,0 +1,41 @@
+"""The distributed suite's CPU parts: its option check, and its report of a saved result (the
+ratios read off the JSON's own numbers)."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from flashflow.bench import distributed_suite as ds
+from flashflow.bench.suites import RUNNERS
+
+RESULTS = sorted((Path(__file__).resolve().parents[2] / "bench" / "results").glob("distributed-*.json"))
+
+
+def test_registered_as_a_suite():
+    assert RUNNERS["distributed"].module == "flashflow.bench.distributed_suite"
+
+
+@pytest.mark.parametrize("blocks", [0, 61, 2.5, True])
+def test_check_args_refuses_a_block_count(blocks):
+    assert "--blocks" in ds.check_args(SimpleNamespace(blocks=blocks))
+
+
+def test_check_args_takes_a_block_count():
+    assert ds.check_args(SimpleNamespace(blocks=6)) is None
+
+
+@pytest.mark.skipif(not RESULTS, reason="no saved distributed result")
+@pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
+def test_report_of_a_saved_result(path):
+    result = json.loads(path.read_text())
+    text = ds.report(result)
+    for row in result["rows"]:
+        res = row["results"]
+        for provider, r in res.items():
+            assert f"  {provider}: " in text
+            if row["kind"] == "prefill" and "error" not in r:
+                one = res["flashflow (one GPU)"]["ms"]
+                assert f"{r['ms']:.2f} | {r['tflops']:.0f} | {one / r['ms']:.2f}" in text
+            if row["kind"] == "step" and "error" not in r:
+                assert f"{r['ms']:.2f} | {res['flashflow-fp8']['ms'] / r['ms']:.2f}" in text
