@@ -19,8 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashflow.distributed.exchange import (HeadsToSeq, LseHeadsToSeq, Ring, SeqToHeads, expand_masks,
-                                            gather_masks, group_size_rank, heads_to_seq, seq_to_heads, wait)
+from flashflow.distributed.exchange import (HEADS_BACK, LSE_BACK, Exchange, Ring, SeqToHeads, expand_masks,
+                                            gather_masks, group_size_rank, heads_to_seq, lse_heads_to_seq, seq_to_heads,
+                                            wait)
 from flashflow.ops.attention import flash_attn_func
 from flashflow.ops.attention_bwd import attention_backward
 from flashflow.ops.attention_fp8 import flash_attn_fp8_func
@@ -249,10 +250,10 @@ def ulysses_attention(q, k, v, group=None, causal=False, softmax_scale=None, *, 
     mask = expand_masks(gather_masks(key_padding_mask, group, world), q.shape[1])
     qh, kh, vh = SeqToHeads.apply(group, world, q, k, v)
     out, lse = _attend(qh, kh, vh, scale, causal, mask, attention)
-    out = HeadsToSeq.apply(group, world, out)
+    out = Exchange.apply(heads_to_seq, HEADS_BACK, group, world, out)
     if not return_lse:
         return out
-    return out, LseHeadsToSeq.apply(group, world, lse)
+    return out, Exchange.apply(lse_heads_to_seq, LSE_BACK, group, world, lse)
 
 
 def _attend_whole(q, k, v, scale, causal, mask, attention, return_lse):

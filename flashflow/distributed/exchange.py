@@ -100,6 +100,7 @@ def lse_heads_to_seq(lse: torch.Tensor, group, world: int) -> torch.Tensor:
 def lse_seq_to_heads(lse: torch.Tensor, group, world: int) -> torch.Tensor:
     """The inverse of :func:`lse_heads_to_seq` (the gradient's way back)."""
     batch, heads, seqlen = lse.shape
+    lse = lse.contiguous()   # a gradient may come strided
     send = lse.unflatten(1, (world, heads // world)).transpose(0, 1).contiguous()   # (world, batch, h/w, s)
     recv = torch.empty_like(send)
     dist.all_to_all_single(recv, send, group=group)
@@ -119,30 +120,26 @@ class SeqToHeads(torch.autograd.Function):
         return (None, None, *(None if g is None else heads_to_seq(g, ctx.group, ctx.world) for g in grads))
 
 
-class HeadsToSeq(torch.autograd.Function):
-    """:func:`heads_to_seq` with its gradient."""
+def _one_seq_to_heads(x, group, world):
+    return seq_to_heads([x], group, world)[0]
+
+
+class Exchange(torch.autograd.Function):
+    """One exchange ``there(x, group, world)`` with its gradient: its inverse ``back`` on the
+    output's gradient (``Exchange.apply(heads_to_seq, HEADS_BACK, group, world, out)``)."""
 
     @staticmethod
-    def forward(ctx, group, world, x):
-        ctx.group, ctx.world = group, world
-        return heads_to_seq(x, group, world)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return None, None, seq_to_heads([grad], ctx.group, ctx.world)[0]
-
-
-class LseHeadsToSeq(torch.autograd.Function):
-    """:func:`lse_heads_to_seq` with its gradient."""
-
-    @staticmethod
-    def forward(ctx, group, world, lse):
-        ctx.group, ctx.world = group, world
-        return lse_heads_to_seq(lse, group, world)
+    def forward(ctx, there, back, group, world, x):
+        ctx.back, ctx.group, ctx.world = back, group, world
+        return there(x, group, world)
 
     @staticmethod
     def backward(ctx, grad):
-        return None, None, lse_seq_to_heads(grad.contiguous(), ctx.group, ctx.world)
+        return None, None, None, None, ctx.back(grad, ctx.group, ctx.world)
+
+
+# the inverses Exchange takes for heads_to_seq and lse_heads_to_seq
+HEADS_BACK, LSE_BACK = _one_seq_to_heads, lse_seq_to_heads
 
 
 # --------------------------------------------------------------------------------------------

@@ -236,10 +236,13 @@ class FlashflowQwenAttnProcessor:
         if self._refusal is not None:
             raise self._refusal
         cp = _context_parallel(self._given_parallel_config)
-        if cp is not None:
+        if cp is not None and self.heads != attn.heads:
+            # a processor made without heads (or moved to another module): its config checked against
+            # this module's heads once, not at every call
             refused = _context_parallel_refused(self._given_parallel_config, attn.heads)
             if refused is not None:
                 raise refused
+            self.heads = attn.heads
         if torch.is_grad_enabled():
             _refuse_autograd(attn, "the attention module", hidden_states=hidden_states,
                              encoder_hidden_states=encoder_hidden_states)
