@@ -33,7 +33,8 @@ the sequence; the processor runs the fused norm/RoPE pass on its rank's slice, t
 sequence, a ring of K/V slices merged by their LSE, or both) with flashflow's attention, exact or
 FP8 (docs/diffusion.md). ``ulysses_anything`` / ``ring_anything`` (uneven slices) and tensor
 parallelism are refused with a ``ValueError``. CFG parallel, the conditional and unconditional
-passes of a pipeline step on two groups of ranks: :func:`enable_cfg_parallel`.
+passes of a pipeline step on two ranks or two groups of ranks, is a pipeline-level switch:
+:func:`flashflow.integrations.cfg_parallel.enable_cfg_parallel`.
 """
 from __future__ import annotations
 
