@@ -9,6 +9,13 @@ same inputs. Rows:
   default, flashflow exact and FP8 attention. Parallel: diffusers' ``enable_parallelism`` with
   its own processors (Ulysses), and with flashflow enabled (Ulysses, ring; exact and FP8). Each
   output against the one-GPU diffusers output (cosine, relative L2); the NCCL kernels' time per step.
+- ``cfg``: a true-CFG step (``true_cfg_scale=4``, a negative prompt) of diffusers' real
+  ``QwenImagePipeline`` and ``QwenImageEditPipeline`` at 1024px (prompt embeddings given, random
+  VAE for the Edit reference image, ``output_type="latent"``): ms per step, the median interval
+  between CUDA events recorded at the end of each step (the prompt, VAE and set-up costs fall
+  outside), the slowest rank. One GPU (diffusers' default, flashflow FP8), diffusers' Ulysses-2
+  and flashflow FP8 with Ulysses-2, flashflow's CFG parallel (FP8, and diffusers' own processors);
+  the final latents against the one-GPU diffusers pipeline's.
 - ``prefill``: causal GQA attention over a long sequence (``flash_attn_func`` on one GPU against
   :func:`flashflow.distributed.ulysses_attention` and :func:`~flashflow.distributed.ring_attention`,
   contiguous and zigzag), each rank's slice of the output against the one-GPU output.
@@ -37,6 +44,9 @@ PREFILL_QUICK = dict(batch=1, seqlen=16384, heads=32, kv_heads=8, head_dim=128, 
 # (name, images): text of 256 tokens, no mask
 STEP_SHAPES = (("qwen-image-edit-1024px", 2), ("qwen-image-1024px", 1))
 ROUNDS, CALLS, WARMUP = 7, 3, 3
+# the cfg part: (name, pipeline class); steps of a timed pipeline call, timed calls
+CFG_SHAPES = (("qwen-image-1024px", "QwenImagePipeline"), ("qwen-image-edit-1024px", "QwenImageEditPipeline"))
+CFG_STEPS, CFG_REPEATS = 12, 3
 
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
@@ -60,6 +70,15 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2+graph": _p("fp8", U2, graph=True),
     "flashflow-fp8+ulysses2+graph (1 head group)": _p("fp8", U2, graph=True, head_groups=1),
     "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
+}
+# cfg part: provider -> (flashflow's attention mode or None, "cfg" / context-parallel degrees / None: one GPU)
+CFG_PROVIDERS = {   # the context-parallel ones last: whatever their hooks leave cannot reach the others
+    "diffusers": (None, None),
+    "flashflow-fp8": ("fp8", None),
+    "diffusers+cfg2": (None, "cfg"),
+    "flashflow-fp8+cfg2": ("fp8", "cfg"),
+    "diffusers+ulysses2": (None, U2),
+    "flashflow-fp8+ulysses2": ("fp8", U2),
 }
 # the provider whose eager step's host profile is printed (rank 0): where the host time goes
 PROFILED = "flashflow-fp8+ulysses2"
@@ -252,6 +271,115 @@ def _step_rows(rank, blocks, quick, save):
     return rows
 
 
+def _cfg_pipeline(kind: str, model, dtype):
+    """diffusers' pipeline around ``model``, no text encoder (the embeddings are given); the Edit
+    pipeline with diffusers' Qwen-Image VAE (default config, random weights) for its reference image."""
+    import diffusers
+
+    scheduler = diffusers.FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True)
+    if kind == "QwenImagePipeline":
+        pipe = diffusers.QwenImagePipeline(scheduler=scheduler, vae=None, text_encoder=None, tokenizer=None,
+                                           transformer=model)
+    else:
+        vae = diffusers.AutoencoderKLQwenImage().to("cuda", dtype).eval()
+        pipe = diffusers.QwenImageEditPipeline(scheduler=scheduler, vae=vae, text_encoder=None, tokenizer=None,
+                                               processor=None, transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _cfg_call(kind: str, dtype) -> dict:
+    """The pipeline call's arguments: 256-token prompt and negative prompt embeddings, 1024px."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from flashflow.bench import qwen_image as qi
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    width = qi.CONFIG["joint_attention_dim"]
+    ones = torch.ones(1, qi.TEXT_TOKENS, dtype=torch.long, device="cuda")
+    kw = dict(prompt_embeds=torch.randn(1, qi.TEXT_TOKENS, width, device="cuda", generator=g).to(dtype),
+              negative_prompt_embeds=torch.randn(1, qi.TEXT_TOKENS, width, device="cuda", generator=g).to(dtype),
+              prompt_embeds_mask=ones, negative_prompt_embeds_mask=ones, true_cfg_scale=4.0,
+              height=1024, width=1024, output_type="latent")
+    if kind == "QwenImageEditPipeline":
+        pixels = np.random.default_rng(2).integers(0, 256, (1024, 1024, 3), dtype=np.uint8)
+        kw["image"] = Image.fromarray(pixels)
+    return kw
+
+
+def _cfg_rows(rank, blocks, quick, save):
+    import gc
+    import statistics
+
+    import torch
+
+    from flashflow.bench import qwen_image as qi
+    from flashflow.integrations.cfg_parallel import disable_cfg_parallel, enable_cfg_parallel
+    from flashflow.reference.metrics import cosine, rel_l2
+
+    dtype = torch.bfloat16
+    model = qi.build_model(blocks, "cuda", dtype)
+    rows = []
+    for name, kind in (CFG_SHAPES[:1] if quick else CFG_SHAPES):
+        pipe = _cfg_pipeline(kind, model, dtype)
+        kw = _cfg_call(kind, dtype)
+
+        def call(steps, **more):
+            with torch.inference_mode():
+                return pipe(**kw, num_inference_steps=steps, generator=torch.Generator("cuda").manual_seed(0),
+                            **more).images
+
+        def step_intervals():
+            """ms between the ends of consecutive steps (CUDA events from the step-end callback)."""
+            intervals = []
+            for _ in range(CFG_REPEATS):
+                events = []
+
+                def mark(_pipe, _i, _t, _kwargs):
+                    events.append(torch.cuda.Event(enable_timing=True))
+                    events[-1].record()
+                    return {}
+
+                gc.collect()
+                call(CFG_STEPS, callback_on_step_end=mark, callback_on_step_end_tensor_inputs=[])
+                torch.cuda.synchronize()
+                intervals += [x.elapsed_time(y) for x, y in zip(events, events[1:])]
+            return intervals
+
+        results, ref = {}, None
+        for provider, (attention, parallel) in CFG_PROVIDERS.items():
+            degrees = parallel if isinstance(parallel, dict) else None
+            try:
+                with _provider(model, attention, degrees, "enable-first"):
+                    if parallel == "cfg":
+                        enable_cfg_parallel(pipe)
+                    try:
+                        out = call(CFG_STEPS)   # warm-up, and the output compared
+                        if ref is None:
+                            ref = out
+                        intervals = step_intervals()
+                        ms_rank = statistics.median(intervals)
+                        quartiles = statistics.quantiles(intervals, n=4)
+                        res = {"ms": _slowest(ms_rank), "ms_rank": ms_rank,
+                               "quartiles_rank": [quartiles[0], quartiles[2]],
+                               "rel_l2": rel_l2(out, ref), "cosine": cosine(out, ref)}
+                    finally:
+                        disable_cfg_parallel(pipe)
+            except Exception as e:  # noqa: BLE001 — a refusal is a result
+                res = {"error": timing.short_error(e)}
+                torch.cuda.synchronize()
+            results[provider] = res
+            if rank == 0:
+                print(f"  cfg {name} {provider}: {res}", file=sys.stderr, flush=True)
+            save(rows + [{"kind": "cfg", "shape": {"name": name, "pipeline": kind, "steps": CFG_STEPS},
+                          "results": results}])
+        rows.append({"kind": "cfg", "shape": {"name": name, "pipeline": kind, "steps": CFG_STEPS},
+                     "results": results})
+    return rows
+
+
 def _prefill_rows(rank, world, quick):
     import torch
 
@@ -314,6 +442,9 @@ def _worker(rank, world, port, blocks, quick, parts, out_dir):
         if "step" in parts:
             rows += _step_rows(rank, blocks, quick, save)
             save([])
+        if "cfg" in parts:
+            rows += _cfg_rows(rank, blocks, quick, save)
+            save([])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -332,7 +463,7 @@ def run(args) -> int:
     started = datetime.now(timezone.utc)
     wall = time.perf_counter()
     env = runner.environment(started)
-    parts = os.environ.get("FLASHFLOW_DISTRIBUTED_PARTS", "prefill,step").split(",")
+    parts = os.environ.get("FLASHFLOW_DISTRIBUTED_PARTS", "prefill,step,cfg").split(",")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -350,10 +481,14 @@ def run(args) -> int:
 
     result = {
         "suite": SUITE, **env, "diffusers": diffusers.__version__, "world": WORLD, "blocks": args.blocks,
-        "quick": args.quick, "providers": list(STEP_PROVIDERS),
+        "quick": args.quick, "providers": list(STEP_PROVIDERS), "cfg_providers": list(CFG_PROVIDERS),
         "timing": timing.record("rounds", of="warm", rounds=ROUNDS, calls=CALLS, warmup_calls=WARMUP,
-                                ranks="every rank the same calls; the slowest rank's median round"),
-        "reference": "step: diffusers' default on one GPU, same weights and inputs; prefill: flash_attn_func on one GPU",
+                                ranks="every rank the same calls; the slowest rank's median round",
+                                cfg_part=f"CUDA events recorded at the end of each step (the pipeline's step-end "
+                                         f"callback), the median interval over {CFG_REPEATS} calls of {CFG_STEPS} "
+                                         f"steps; the slowest rank's median"),
+        "reference": "step and cfg: diffusers' default on one GPU, same weights and inputs; prefill: flash_attn_func "
+                     "on one GPU",
         "rows": rows,
         "failed": failed,
         "total_s": time.perf_counter() - wall,
@@ -382,6 +517,18 @@ def report(result: dict, markdown: bool = False) -> str:
                 ratio = lambda other: f"{other / ms:.2f}" if other else "-"  # noqa: E731
                 lines.append(f"  {provider}: {ms:.2f} | {ratio(base)} | {ratio(default)} | {ratio(theirs)} | "
                              f"{r['cosine']:.6f} | {r.get('nccl_kernels_ms', 0):.2f}")
+        elif row["kind"] == "cfg":
+            base = res.get("flashflow-fp8", {}).get("ms")
+            default = res.get("diffusers", {}).get("ms")
+            lines.append(f"cfg step {row['shape']['name']}: ms per step | × one-GPU flashflow-fp8 | × diffusers | "
+                         f"cosine")
+            for provider, r in res.items():
+                if "error" in r:
+                    lines.append(f"  {provider}: {r['error']}")
+                    continue
+                ms = r["ms"]
+                ratio = lambda other: f"{other / ms:.2f}" if other else "-"  # noqa: E731
+                lines.append(f"  {provider}: {ms:.2f} | {ratio(base)} | {ratio(default)} | {r['cosine']:.6f}")
         else:
             one = res.get("flashflow (one GPU)", {}).get("ms")
             lines.append(f"prefill {row['shape']}: ms | TFLOP/s | × one GPU | rel_l2")

@@ -150,15 +150,17 @@ def _leaves(value, out: list):
 def _check_same_inputs(group, inputs, device) -> None:
     """Every rank of ``group`` was given the same inputs for both branches (one all-gather of a few
     numbers per input and one host synchronisation)."""
-    parts = []
+    stats, values = [], []   # per tensor (sum, sum of squares) on the device; the rest from the host, one copy
     for leaf in _leaves(inputs, []):
         if isinstance(leaf, torch.Tensor):
             x = leaf.detach().to(device=device, dtype=torch.float64)
-            parts.append(torch.stack([x.sum(), x.square().sum(), torch.tensor(float(x.numel()), device=device,
-                                                                               dtype=torch.float64)]))
+            stats.append(torch.stack([x.sum(), x.square().sum()]))
+            values.append(float(x.numel()))
         else:
-            parts.append(torch.tensor([float(leaf)], device=device, dtype=torch.float64))
-    mine = torch.cat(parts)
+            values.append(float(leaf))
+    mine = torch.tensor(values, dtype=torch.float64).to(device)
+    if stats:
+        mine = torch.cat([torch.cat(stats), mine])
     every = torch.empty(2 * mine.numel(), device=device, dtype=torch.float64)
     dist.all_gather_into_tensor(every, mine, group=group)
     a, b = every.view(2, -1).cpu()
