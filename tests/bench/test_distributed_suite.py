@@ -37,5 +37,7 @@ def test_report_of_a_saved_result(path):
             if row["kind"] == "prefill" and "error" not in r:
                 one = res["flashflow (one GPU)"]["ms"]
                 assert f"{r['ms']:.2f} | {r['tflops']:.0f} | {one / r['ms']:.2f}" in text
+            if row["kind"] == "cfg" and "error" not in r:
+                assert f"{r['ms']:.2f} | {res['flashflow-fp8']['ms'] / r['ms']:.2f} | {res['diffusers']['ms'] / r['ms']:.2f}" in text
             if row["kind"] == "step" and "error" not in r:
                 assert f"{r['ms']:.2f} | {res['flashflow-fp8']['ms'] / r['ms']:.2f}" in text
