@@ -386,6 +386,86 @@ def nan_in_one_ranks_k_reaches_what_one_process_gives(rank, world):
         assert rel_l2(got[fin], want[fin]) < FWD_TOL[torch.float16], (where, rel_l2(got[fin], want[fin]))
 
 
+LAYOUT_CASES = ((ulysses_attention, True, "contiguous"), (ring_attention, False, "contiguous"),
+                (ring_attention, True, "zigzag"))
+
+
+def _forward_backward(op, causal, layout, rank, world, q, k, v, dout):
+    """The op on this rank's slices, then its gradients; the output and gradients gathered whole."""
+    kw = {"layout": layout} if op is ring_attention else {}
+    views = [local_slice(t, rank, world, layout).requires_grad_() for t in (q, k, v)]
+    out = op(*views, causal=causal, **kw)
+    grads = torch.autograd.grad(out, views, local_slice(dout, rank, world, layout))
+    return [gather_whole(t, world, layout) for t in (out, *grads)]
+
+
+def _one_process(q, k, v, dout, causal):
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flash_attn_func(*whole, causal=causal)
+    return [out.detach(), *torch.autograd.grad(out, whole, dout)]
+
+
+@case(2)
+def nan_in_k_is_never_hidden_and_never_spoils_a_finite_value(rank, world):
+    """A NaN in rank 1's k (one element), then the backward. Every query row that attends that key
+    gets a NaN output row and dq row, the key's dk and dv are NaN, and every finite entry of the
+    output, dq, dk and dv equals one-process flash_attn_func's with that element 0. Ulysses runs
+    the one-process kernels on whole sequences: its NaN pattern is theirs exactly; the ring's
+    tiles differ (a masked key's 0 · NaN turns other entries of its tile NaN)."""
+    b, s_local, h, hk, d = 2, 12, 4, 2, 16
+    s = s_local * world
+    checks = []
+    for op, causal, layout in LAYOUT_CASES:
+        q, k, v, dout, _ = draw(5, b, s, h, hk, d, torch.float16)
+        j = int(positions(s_local, world, 1, layout)[3])
+        clean = _one_process(q, k, v, dout, causal)
+        k = k.clone()
+        k[1, j, 1, 5] = float("nan")
+        got = _forward_backward(op, causal, layout, rank, world, q, k, v, dout)
+        checks.append((op, f"{op.__name__} causal={causal} layout={layout}", j, causal, got, clean,
+                       _one_process(q, k, v, dout, causal)))
+    for op, where, j, causal, got, clean, one in checks:
+        rows = torch.arange(j, s) if causal else torch.arange(s)   # the rows that attend key j
+        heads = [hh for hh in range(h) if hh * hk // h == 1]      # the query heads of KV head 1
+        for name, t in (("out", got[0]), ("dq", got[1])):
+            assert torch.isnan(t[1][rows][:, heads]).all(), (where, name, "a row attending the NaN key is not NaN")
+        assert torch.isnan(got[2][1, j, 1]).all() and torch.isnan(got[3][1, j, 1]).all(), (where, "dk/dv of the key")
+        for name, g, c, o in zip(("out", "dq", "dk", "dv"), got, clean, one):
+            fin = torch.isfinite(g)
+            assert fin.any(), (where, name)
+            assert rel_l2(g[fin], c[fin]) < 1e-2, (where, name, rel_l2(g[fin], c[fin]))
+            if op is ulysses_attention:
+                assert torch.equal(torch.isnan(g), torch.isnan(o)), (where, name)
+
+
+@case(2)
+def inf_in_v_is_never_hidden_and_never_spoils_a_finite_value(rank, world):
+    """An inf in rank 0's v (one element), then the backward. Every query row that attends that key
+    gets a non-finite output in that channel (never a finite one); every finite entry of the
+    output and of dq, dk, dv equals one-process flash_attn_func's with that element 0 (an entry
+    the inf can reach is never finite and wrong). Which other entries turn NaN follows the
+    kernels' tiles (a masked key's 0 · inf), which differ between layouts."""
+    b, s_local, h, hk, d = 2, 12, 4, 2, 16
+    s = s_local * world
+    checks = []
+    for op, causal, layout in LAYOUT_CASES:
+        q, k, v, dout, _ = draw(6, b, s, h, hk, d, torch.float16)
+        j = int(positions(s_local, world, 0, layout)[s_local - 2])   # a late key: causal rows before it miss it
+        clean = _one_process(q, k, v, dout, causal)
+        v = v.clone()
+        v[0, j, 0, 2] = float("inf")
+        got = _forward_backward(op, causal, layout, rank, world, q, k, v, dout)
+        checks.append((f"{op.__name__} causal={causal} layout={layout}", j, causal, got, clean))
+    for where, j, causal, got, clean in checks:
+        rows = torch.arange(j, s) if causal else torch.arange(s)   # the rows that attend key j
+        heads = [hh for hh in range(h) if hh * hk // h == 0]      # the query heads of KV head 0
+        assert not torch.isfinite(got[0][0][rows][:, heads, 2]).any(), (where, "a row attending the inf is finite")
+        for name, g, c in zip(("out", "dq", "dk", "dv"), got, clean):
+            fin = torch.isfinite(g)
+            assert fin.any(), (where, name)
+            assert rel_l2(g[fin], c[fin]) < 1e-2, (where, name, rel_l2(g[fin], c[fin]))
+
+
 @case(2)
 def shard_and_gather_sequence(rank, world):
     """shard_sequence cuts the ranks' slices as the layouts say (checked against positions());
