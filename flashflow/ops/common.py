@@ -13,6 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 from flashflow.device import interpreting, next_pow2
 
 _HOOKS = _knobs.runtime.launch_enter_hook   # Proton's launch hooks: installed, they see every launch
+_Parameter = torch.nn.Parameter
 
 
 def head_dim_pad(head_dim: int) -> int:
@@ -98,7 +99,7 @@ class Launcher:
                 None, None, None, *args, *tail)
             return
         compiled = self.kernel[grid](*args, **constexprs)
-        if key is None or len(self._entries) >= self.MAX_KEYS or not getattr(args[0], "is_cuda", False) \
+        if key is None or len(self._entries) >= self.MAX_KEYS or not _on_cuda(args[0]) \
                 or not hasattr(compiled, "function"):
             return   # (CPU tensors: the interpreter, or compiling offline for a GPU not here)
         compiled._init_handles()
@@ -119,6 +120,11 @@ class Launcher:
         if self._specialisation(args, constexprs) != spec:
             raise RuntimeError(f"{self.kernel.__name__}: launch key {key!r} does not determine Triton's "
                                "specialisation of its arguments (a flashflow bug: please report it)")
+
+
+def _on_cuda(arg) -> bool:
+    """The launch's first argument (a tensor, or a host TMA descriptor of one) lives on a CUDA GPU."""
+    return getattr(getattr(arg, "base", arg), "is_cuda", False)
 
 
 def launch_by_arguments(launcher: Launcher, grid, args: tuple, constexprs: dict) -> None:
@@ -155,7 +161,8 @@ def aligned16(*tensors) -> bool:
 
 def call_key(args) -> Optional[tuple]:
     """A hashable key of a call's arguments for ops that check a call once per key: a tensor
-    stands for its shape, strides, dtype, device and ``requires_grad``, a scalar for its value
+    (or an ``nn.Parameter``, not a subclass of either) stands for its shape, strides, dtype,
+    device and ``requires_grad``, a scalar for its value
     and type (``True``, ``1`` and ``1.0`` differ), a tuple of two ints (a window) for itself;
     the grad mode is part of it. The last element says whether every tensor's address is a
     multiple of 16 bytes (a :class:`Launcher` key needs that). None for an argument of any
@@ -168,7 +175,7 @@ def call_key(args) -> Optional[tuple]:
             append(None)
             continue
         c = x.__class__
-        if c is torch.Tensor:
+        if c is torch.Tensor or c is _Parameter:   # a module's weight: a plain tensor to a kernel
             append((x.shape, x.stride(), x.dtype, x.get_device(), x.is_meta, x.requires_grad))
             if x.data_ptr() % 16:
                 aligned = False

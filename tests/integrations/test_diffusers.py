@@ -742,3 +742,31 @@ def test_context_parallel_on_four_ranks(tmp_path):
     """Four processes: Ulysses 2 inside a ring of 2 (diffusers' mesh: ring outside), with a text mask."""
     _spawn(4, tmp_path, [(dict(ulysses_degree=2, ring_degree=2), True, "exact", "enable-first", 2),
                          (dict(ring_degree=4), False, "exact", "parallel-first", 2)])
+
+
+def test_the_block_calls_the_processor_itself_unless_the_attention_module_is_hooked(monkeypatch):
+    """Without hooks on a block's Attention module the fused block calls flashflow's processor
+    directly (diffusers' Attention.forward costs an inspect.signature a call); a hooked module, or
+    joint_attention_kwargs, go through the module, hooks and all: same output either way."""
+    model = tiny_model()
+    kwargs = inputs(1, False)
+    want = run(model, kwargs)
+    enable(model)
+    attn_class = type(model.transformer_blocks[0].attn)
+    module_calls, hook_calls = [], []
+    original_forward = attn_class.forward
+    monkeypatch.setattr(attn_class, "forward",
+                        lambda self, *a, **kw: module_calls.append(1) or original_forward(self, *a, **kw))
+    direct = run(model, kwargs)
+    assert module_calls == []
+    assert rel_l2(direct, want) < TOL[torch.float32]
+    handle = model.transformer_blocks[1].attn.register_forward_pre_hook(lambda *a: hook_calls.append(1))
+    try:
+        hooked = run(model, kwargs)
+    finally:
+        handle.remove()
+    assert module_calls == [1] and hook_calls == [1]   # the hooked block only, its hook run
+    assert torch.equal(hooked, direct)
+    module_calls.clear()
+    run(model, dict(kwargs, attention_kwargs={"unexpected": 1}))   # diffusers warns about and drops it
+    assert module_calls == [1, 1]

@@ -25,7 +25,15 @@ def test_call_key_tells_kinds_apart():
         assert call_key((t, True, 1.0, "NHD", None, (-1, -1))) != base
     assert call_key(([1, 2],)) is None                       # a list: checked in full, never cached
     assert call_key(((-1.0, -1.0),)) is None                  # a window of floats
-    assert call_key((torch.nn.Parameter(t),)) is None         # a tensor subclass
+    # a module's weight is a plain tensor to the kernels: keyed as one (its requires_grad included)
+    weight = torch.nn.Parameter(torch.zeros(2, 3), requires_grad=False)
+    assert call_key((weight,)) == call_key((torch.zeros(2, 3),))
+    assert call_key((torch.nn.Parameter(torch.zeros(2, 3)),)) != call_key((torch.zeros(2, 3),))
+
+    class Sub(torch.Tensor):
+        pass
+
+    assert call_key((t.as_subclass(Sub),)) is None              # a tensor subclass: checked in full
 
 
 def test_call_key_alignment_flag():
