@@ -105,6 +105,7 @@ class _CfgState:
         cond_args, cond_kwargs, buffer = self.pending
         self.pending = None
         if not self.checked:
+            _check_separate_groups(transformer, self.group)   # enable_parallelism may have come later
             _check_same_inputs(self.group, (cond_args, cond_kwargs, args, kwargs), buffer.device)
             self.checked = True
         mine = (cond_args, cond_kwargs) if self.position == 0 else (args, kwargs)
@@ -145,6 +146,34 @@ def _leaves(value, out: list):
     else:
         out.append(zlib.crc32(repr(value).encode()))
     return out
+
+
+def _model_parallel_ranks(transformer) -> set:
+    """The ranks this rank runs the transformer's passes with under diffusers' ``enable_parallelism``:
+    its context-parallel group (ring × Ulysses) and its tensor-parallel group; empty without."""
+    config = getattr(transformer, "_parallel_config", None)
+    ranks = set()
+    cp = getattr(config, "context_parallel_config", None)
+    if getattr(cp, "_flattened_mesh", None) is not None:
+        ranks |= set(cp._flattened_mesh.mesh.flatten().tolist())
+    tp = getattr(config, "tensor_parallel_config", None)
+    if getattr(tp, "_mesh", None) is not None:
+        ranks |= set(tp._mesh.mesh.flatten().tolist())
+    return ranks
+
+
+def _check_separate_groups(transformer, group) -> None:
+    """The two ranks of the CFG group run different branches: neither may be in the other's
+    context- or tensor-parallel group, whose collectives would pair one branch's data with the
+    other's."""
+    cfg_ranks = set(dist.get_process_group_ranks(group))
+    shared = (_model_parallel_ranks(transformer) & cfg_ranks) - {dist.get_rank()}
+    if shared:
+        raise ValueError(
+            f"group: CFG parallel runs a different branch on each of the ranks {sorted(cfg_ranks)}, but the "
+            f"transformer's enable_parallelism group of this rank also holds rank(s) {sorted(shared)}, whose "
+            "collectives would then mix the two branches; put CFG and the context/tensor parallelism on separate "
+            "dimensions of one device mesh (docs/distributed.md)")
 
 
 def _check_same_inputs(group, inputs, device) -> None:
@@ -262,6 +291,7 @@ def enable_cfg_parallel(pipe, group=None):
     if not isinstance(transformer, QwenImageTransformer2DModel):
         raise TypeError(f"pipe.transformer: a QwenImageTransformer2DModel, got {type(transformer).__name__}")
     group = _group(group)
+    _check_separate_groups(transformer, group)
     if is_cfg_parallel(pipe):
         if pipe.__dict__[_STATE].group is group:
             return pipe

@@ -118,6 +118,25 @@ def two_ranks(rank, world):
     again, report["disabled_calls"] = _run(pipe)
     report["disabled_vs_diffusers"] = _rel(again, diffusers_out)
 
+    # the transformer's own context parallelism over the same two ranks: refused, in either order
+    torch.accelerator.device_count = lambda: 1   # diffusers 0.42.1 picks rank % device_count: 0 here
+    cp_pipe = _pipeline()
+    enable(cp_pipe.transformer)
+    enable_cfg_parallel(cp_pipe)
+    cp_pipe.transformer.enable_parallelism(config=diffusers.ContextParallelConfig(ulysses_degree=2))
+    try:
+        _run(cp_pipe)
+        report["parallelism_after"] = "ran"
+    except ValueError as e:
+        report["parallelism_after"] = str(e)
+    disable_cfg_parallel(cp_pipe)
+    try:
+        enable_cfg_parallel(cp_pipe)
+        report["parallelism_before"] = "accepted"
+    except ValueError as e:
+        report["parallelism_before"] = str(e)
+    report["parallelism_left_alone"] = not is_cfg_parallel(cp_pipe)
+
     singles = [dist.new_group([0]), dist.new_group([1])]
     try:
         enable_cfg_parallel(pipe, singles[rank])
@@ -190,6 +209,13 @@ def test_disable_restores_the_pipeline(two):
         assert r["restored"]
         assert r["disabled_calls"] == 2 * STEPS
         assert r["disabled_vs_diffusers"] < TOL
+
+
+def test_a_cfg_group_sharing_ranks_with_the_transformer_parallelism_is_refused(two):
+    for r in two:
+        for order in ("parallelism_after", "parallelism_before"):
+            assert "would then mix the two branches" in r[order], (order, r[order])
+        assert r["parallelism_left_alone"]
 
 
 def test_a_group_of_one_rank_is_refused(two):
