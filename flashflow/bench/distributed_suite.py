@@ -16,6 +16,10 @@ same inputs. Rows:
   outside), the slowest rank. One GPU (diffusers' default, flashflow FP8), diffusers' Ulysses-2
   and flashflow FP8 with Ulysses-2, flashflow's CFG parallel (FP8, and diffusers' own processors);
   the final latents against the one-GPU diffusers pipeline's.
+- ``exchange``: the Ulysses exchanges of one Qwen-Image-Edit block (8448 tokens, 24 heads of
+  128, batch 1) on their own: q, k, v to head slices in 16 bits and in 8 bits (what FP8 attention
+  could send once its quantization ran before the exchange), the output back, and the small
+  all-reduce of K's sums and V's channel maxima that quantizing before the exchange would add.
 - ``prefill``: causal GQA attention over a long sequence (``flash_attn_func`` on one GPU against
   :func:`flashflow.distributed.ulysses_attention` and :func:`~flashflow.distributed.ring_attention`,
   contiguous and zigzag), each rank's slice of the output against the one-GPU output.
@@ -380,6 +384,42 @@ def _cfg_rows(rank, blocks, quick, save):
     return rows
 
 
+EXCHANGE = dict(batch=1, seqlen=8448, heads=24, head_dim=128)
+
+
+def _exchange_rows(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from flashflow.distributed.exchange import heads_to_seq, seq_to_heads
+
+    p = EXCHANGE
+    local = p["seqlen"] // world
+    shape = (p["batch"], local, p["heads"], p["head_dim"])
+    g = torch.Generator(device="cuda").manual_seed(rank)
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    q8, k8, v8 = (t.to(torch.float8_e4m3fn).view(torch.int8) for t in (q, k, v))
+    out = torch.randn((p["batch"], p["seqlen"], p["heads"] // world, p["head_dim"]), device="cuda",
+                      dtype=torch.bfloat16, generator=g)
+    stats = torch.randn((p["batch"], p["heads"], 2 * p["head_dim"]), device="cuda", dtype=torch.float32, generator=g)
+    cases = {
+        "q, k, v in 16 bits (seq_to_heads)": (lambda: seq_to_heads([q, k, v], None, world), 3 * q.numel() * 2),
+        "q, k, v in 8 bits (seq_to_heads)": (lambda: seq_to_heads([q8, k8, v8], None, world), 3 * q.numel()),
+        "output in 16 bits (heads_to_seq)": (lambda: heads_to_seq(out, None, world), out.numel() * 2),
+        "K sums and V maxima (all_reduce)": (lambda: dist.all_reduce(stats), stats.numel() * 4),
+    }
+    results = {}
+    for name, (fn, nbytes) in cases.items():
+        ms_rank = _time_rounds(fn, torch.cuda.synchronize)
+        ms = _slowest(ms_rank)
+        # bytes this rank sends to others: (world - 1) / world of its buffer
+        results[name] = {"ms": ms, "ms_rank": ms_rank, "bytes_sent": nbytes * (world - 1) / world,
+                         "gb_per_s": nbytes * (world - 1) / world / ms / 1e6, **_nccl_ms(fn)}
+        if rank == 0:
+            print(f"  exchange {name}: {results[name]}", file=sys.stderr, flush=True)
+    return [{"kind": "exchange", "shape": {**p, "world": world}, "results": results}]
+
+
 def _prefill_rows(rank, world, quick):
     import torch
 
@@ -445,6 +485,9 @@ def _worker(rank, world, port, blocks, quick, parts, out_dir):
         if "cfg" in parts:
             rows += _cfg_rows(rank, blocks, quick, save)
             save([])
+        if "exchange" in parts:
+            rows += _exchange_rows(rank, world)
+            save([])
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -463,7 +506,7 @@ def run(args) -> int:
     started = datetime.now(timezone.utc)
     wall = time.perf_counter()
     env = runner.environment(started)
-    parts = os.environ.get("FLASHFLOW_DISTRIBUTED_PARTS", "prefill,step,cfg").split(",")
+    parts = os.environ.get("FLASHFLOW_DISTRIBUTED_PARTS", "prefill,step,cfg,exchange").split(",")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -529,6 +572,10 @@ def report(result: dict, markdown: bool = False) -> str:
                 ms = r["ms"]
                 ratio = lambda other: f"{other / ms:.2f}" if other else "-"  # noqa: E731
                 lines.append(f"  {provider}: {ms:.2f} | {ratio(base)} | {ratio(default)} | {r['cosine']:.6f}")
+        elif row["kind"] == "exchange":
+            lines.append(f"exchange {row['shape']}: ms | GB/s sent per rank | NCCL kernel ms")
+            for provider, r in res.items():
+                lines.append(f"  {provider}: {r['ms']:.3f} | {r['gb_per_s']:.0f} | {r.get('nccl_kernels_ms', 0):.3f}")
         else:
             one = res.get("flashflow (one GPU)", {}).get("ms")
             lines.append(f"prefill {row['shape']}: ms | TFLOP/s | × one GPU | rel_l2")
