@@ -461,12 +461,16 @@ class _AttentionFunction(torch.autograd.Function):
     host time per training step, more than a short step's kernels take on the GPU."""
 
     @staticmethod
-    def forward(ctx, q, k, v, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k, rest):
+    def forward(ctx, q, k, v, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k, rest, entry=None):
         # a gradient autograd has none for stays None (an unused LSE: no zeros to allocate and
         # fill, and the δ pass skips its term)
         ctx.set_materialize_grads(False)
         args = (q, k, v, bias, rest[0], key_padding_mask, rest[1], cu_seqlens_q, cu_seqlens_k, *rest[2:])
-        output = _attention_fwd_impl(*args)
+        if entry is None:
+            output = _attention_fwd_impl(*args)
+        else:   # flash_attn_func's recorded plan for this call key (_grad_entry)
+            plan, launch_key, scale, softcap = entry[:4]
+            output = _launch(plan, launch_key, q, k, v, None, None, None, None, None, scale, softcap)
         _fwd_setup_context(ctx, args, output)
         return output
 
@@ -539,14 +543,18 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         (and lse = -inf).
     """
     key = None
-    # a call that records autograd never runs from an entry: no key to build for it
     grad = torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (q, k, v))
-    if key_padding_mask is None and not grad and not torch.compiler.is_compiling():
+    if key_padding_mask is None and not torch.compiler.is_compiling():
+        # the key holds each tensor's requires_grad and the grad mode: a call that records
+        # autograd has keys of its own, whose entries launch under _AttentionFunction
         key = call_key((q, k, v, softmax_scale, causal, window_size, softcap, return_lse, deterministic))
         entry = _ENTRIES.get(key) if key is not None else None
         if entry is not None and not autotune.enabled() and (q.is_cuda or interpreting()):
-            plan, launch_key, scale, softcap = entry
-            out, lse = _launch(plan, launch_key, q, k, v, None, None, None, None, None, scale, softcap)
+            if grad:
+                out, lse = _AttentionFunction.apply(q, k, v, None, None, None, None, entry[4], entry)
+            else:
+                plan, launch_key, scale, softcap = entry
+                out, lse = _launch(plan, launch_key, q, k, v, None, None, None, None, None, scale, softcap)
             return (out, lse) if return_lse else out
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 4, "(batch, seqlen, heads, head_dim)")
@@ -569,7 +577,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     if grad:
         # through the registered op, whose autograd formula is the backward kernels; the LSE
         # is what the backward recomputes the probabilities from
-        out, lse = _attention_fwd_grad(*args, True, bool(causal))
+        entry = _grad_entry(key, q, k, v, args, bool(causal)) if key is not None else None
+        if entry is not None:
+            out, lse = _AttentionFunction.apply(q, k, v, None, None, None, None, entry[4], entry)
+        else:
+            out, lse = _attention_fwd_grad(*args, True, bool(causal))
     elif key is not None:
         out, lse = _entry_call(key, q, k, v, args, bool(return_lse), bool(causal))
     else:
@@ -577,10 +589,11 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
     return (out, lse) if return_lse else out
 
 
-def _entry_call(key, q, k, v, args, return_lse: bool, heavy_first: bool):
-    """A validated call of :func:`flash_attn_func` (its op arguments ``args``) run as the op runs
-    it, recording ``(plan, launch key, scale, softcap)`` under ``key`` where the portable kernel
-    takes the call on unit-stride inputs and no autotuning is on."""
+def _entry_plan(q, k, v, args, return_lse: bool, heavy_first: bool):
+    """``(kw, found)`` for a validated :func:`flash_attn_func` call (its op arguments ``args``):
+    ``kw`` the forward's keyword arguments, ``found`` its ``(plan, launch key)`` where the portable
+    kernel takes the call on unit-stride inputs with work to do, no autotuning is on and the entry
+    table has room, else None."""
     scale, has_left, window_left, has_right, window_right, softcap = args[11:17]
     window_left = window_left if has_left else None
     window_right = window_right if has_right else None
@@ -590,12 +603,34 @@ def _entry_call(key, q, k, v, args, return_lse: bool, heavy_first: bool):
     if (not (q.is_cuda or interpreting()) or autotune.enabled() or len(_ENTRIES) >= MAX_PLANS
             or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
             or forward_kernel_name(q, k, v, **kw) != PORTABLE):
-        return attention_forward(q, k, v, **kw)
+        return kw, None
     plan, launch_key = _forward_plan(q, k, v, None, 0, None, 0, None, None, 0, 0, scale, window_left, window_right,
                                      softcap, return_lse, heavy_first, None, None, None)
-    if not plan.empty:
-        _ENTRIES[key] = (plan, launch_key, scale, softcap)
-    return _launch(plan, launch_key, q, k, v, None, None, None, None, None, scale, softcap)
+    return kw, None if plan.empty else (plan, launch_key)
+
+
+def _grad_entry(key, q, k, v, args, heavy_first: bool):
+    """The entry of a validated call that records autograd: ``(plan, launch key, scale, softcap,
+    the op's remaining arguments as _AttentionFunction takes them)``, recorded under ``key``; None
+    where no plan can stand for the call."""
+    _, found = _entry_plan(q, k, v, args, True, heavy_first)
+    if found is None:
+        return None
+    entry = (*found, args[11], args[16], (args[4], args[6], *args[9:], True, heavy_first))
+    _ENTRIES[key] = entry
+    return entry
+
+
+def _entry_call(key, q, k, v, args, return_lse: bool, heavy_first: bool):
+    """A validated call of :func:`flash_attn_func` (its op arguments ``args``) run as the op runs
+    it, recording ``(plan, launch key, scale, softcap)`` under ``key`` where a plan can stand for
+    it (:func:`_entry_plan`)."""
+    kw, found = _entry_plan(q, k, v, args, return_lse, heavy_first)
+    if found is None:
+        return attention_forward(q, k, v, **kw)
+    plan, launch_key = found
+    _ENTRIES[key] = (plan, launch_key, args[11], args[16])
+    return _launch(plan, launch_key, q, k, v, None, None, None, None, None, args[11], args[16])
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,

@@ -112,6 +112,47 @@ def test_flash_attn_func_entry_keeps_autograd(device):
         assert not flashflow.flash_attn_func(qg, k, v).requires_grad
 
 
+def _fwd_bwd(q, k, v, needs, dout, dlse, **kw):
+    """flash_attn_func with gradients for the inputs ``needs`` names; the output, LSE and grads."""
+    ins = [t.clone().requires_grad_(name in needs) for name, t in zip("qkv", (q, k, v))]
+    out, lse = flashflow.flash_attn_func(*ins, return_lse=True, **kw)
+    torch.autograd.backward([out, lse], [dout, dlse])
+    return out.detach(), lse.detach(), [t.grad for t in ins]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_attn_func_entry_records_autograd_calls(device, causal, monkeypatch):
+    """A call that records autograd has entries of its own: a second call of its key launches
+    the recorded plan (no checks, no dispatch) and gives the first call's output, LSE and
+    gradients bit for bit, right against float64; frozen k and v are another key, whose call
+    computes no dK/dV."""
+    from flashflow.ops import attention as attn_ops
+
+    attn_ops._ENTRIES.clear()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = _qkv(device, gen=gen)
+    dout = torch.randn(q.shape, generator=gen).to(device)
+    dlse = torch.randn(q.shape[0], q.shape[2], q.shape[1], generator=gen).to(device)
+    first = _fwd_bwd(q, k, v, "qkv", dout, dlse, causal=causal)
+    assert len(attn_ops._ENTRIES) == 1
+    monkeypatch.setattr(attn_ops, "_attention_fwd_impl", None)   # a call not from its entry would fail
+    monkeypatch.setattr(attn_ops, "check_qkv", None)
+    second = _fwd_bwd(q, k, v, "qkv", dout, dlse, causal=causal)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    for a, b in zip(first[2], second[2]):
+        assert torch.equal(a, b)
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attention_naive(*refs, causal=causal, return_lse=True)
+    want = torch.autograd.grad([ref, ref_lse], refs, [dout.double(), dlse.double()])
+    assert rel_l2(second[0], ref) < 1e-5
+    for a, b in zip(second[2], want):
+        assert rel_l2(a, b) < 1e-5
+    monkeypatch.undo()
+    frozen = _fwd_bwd(q, k, v, "q", dout, dlse, causal=causal)
+    assert len(attn_ops._ENTRIES) == 2
+    assert frozen[2][1] is None and frozen[2][2] is None and torch.equal(frozen[2][0], first[2][0])
+
+
 def test_flash_attn_func_entries_follow_the_kernel_registry(device, monkeypatch):
     """A forward kernel registered first takes the calls it supports, keys seen before included."""
     from flashflow.ops import attention as attn_ops
