@@ -83,8 +83,9 @@ def pick_config(q: torch.Tensor, causal: bool, bias: bool = False) -> AttentionC
 # --------------------------------------------------------------------------------------------
 
 _FORWARD_KERNELS: list = []
-# flash_attn_func's calls without a key-padding mask or autograd, by call key: a key seen
-# before skips the validation (a function of the key) and the dispatch, and launches its plan
+# flash_attn_func's calls without a key-padding mask, by call key (which tells calls that record
+# autograd apart): a key seen before skips the validation (a function of the key) and the
+# dispatch, and launches its plan, under _AttentionFunction where it records autograd
 _ENTRIES: dict = {}
 
 
