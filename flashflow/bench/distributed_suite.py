@@ -546,32 +546,20 @@ def report(result: dict, markdown: bool = False) -> str:
     lines = []
     for row in result["rows"]:
         res = row["results"]
-        if row["kind"] == "step":
-            base = res.get("flashflow-fp8", {}).get("ms")
-            default = res.get("diffusers", {}).get("ms")
-            theirs = res.get("diffusers+ulysses2", {}).get("ms")
+        if row["kind"] in ("step", "cfg"):
+            step = row["kind"] == "step"
+            anchors = ["flashflow-fp8", "diffusers"] + (["diffusers+ulysses2"] if step else [])
             lines.append(f"step {row['shape']['name']}: ms | × one-GPU flashflow-fp8 | × diffusers | "
-                         f"× diffusers+ulysses2 | cosine | nccl ms")
-            for provider, r in res.items():
-                if "error" in r:
-                    lines.append(f"  {provider}: {r['error']}")
-                    continue
-                ms = r["ms"]
-                ratio = lambda other: f"{other / ms:.2f}" if other else "-"  # noqa: E731
-                lines.append(f"  {provider}: {ms:.2f} | {ratio(base)} | {ratio(default)} | {ratio(theirs)} | "
-                             f"{r['cosine']:.6f} | {r.get('nccl_kernels_ms', 0):.2f}")
-        elif row["kind"] == "cfg":
-            base = res.get("flashflow-fp8", {}).get("ms")
-            default = res.get("diffusers", {}).get("ms")
-            lines.append(f"cfg step {row['shape']['name']}: ms per step | × one-GPU flashflow-fp8 | × diffusers | "
+                         f"× diffusers+ulysses2 | cosine | nccl ms" if step else
+                         f"cfg step {row['shape']['name']}: ms per step | × one-GPU flashflow-fp8 | × diffusers | "
                          f"cosine")
             for provider, r in res.items():
                 if "error" in r:
                     lines.append(f"  {provider}: {r['error']}")
                     continue
-                ms = r["ms"]
-                ratio = lambda other: f"{other / ms:.2f}" if other else "-"  # noqa: E731
-                lines.append(f"  {provider}: {ms:.2f} | {ratio(base)} | {ratio(default)} | {r['cosine']:.6f}")
+                ratios = [f"{res[a]['ms'] / r['ms']:.2f}" if res.get(a, {}).get("ms") else "-" for a in anchors]
+                tail = [f"{r['cosine']:.6f}"] + ([f"{r.get('nccl_kernels_ms', 0):.2f}"] if step else [])
+                lines.append(f"  {provider}: " + " | ".join([f"{r['ms']:.2f}", *ratios, *tail]))
         elif row["kind"] == "exchange":
             lines.append(f"exchange {row['shape']}: ms | GB/s sent per rank | NCCL kernel ms")
             for provider, r in res.items():
