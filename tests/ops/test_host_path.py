@@ -209,6 +209,34 @@ def test_flash_attn_func_entry_carries_non_finite_inputs(device, which, bad):
     assert len(attn_ops._ENTRIES) == 1
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "strided", "expanded", "packed"])
+def test_flash_attn_func_autograd_entry_on_every_layout(device, layout):
+    """Forward and backward with q, k, v and dout laid out as ``layout``, twice with fresh values:
+    the second call of a unit-stride layout runs from its autograd entry; a non-unit last stride
+    is never recorded. Every call's output and gradients against float64."""
+    from flashflow.ops import attention as attn_ops
+    from layout_cases import check_attention
+
+    attn_ops._ENTRIES.clear()
+    for seed in (0, 1):
+        check_attention("func", (layout,) * 4, torch.float32, device, 1e-5, seed=seed)
+    assert len(attn_ops._ENTRIES) == (0 if layout == "strided" else 1)
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("which", ["q", "k", "v", "dout"])
+def test_flash_attn_func_autograd_entry_carries_non_finite_inputs(device, which, bad):
+    """A NaN or inf in q, k, v or the output gradient reaches every gradient entry exact math
+    says, on the call that records the autograd entry and on the one that runs from it."""
+    from flashflow.ops import attention as attn_ops
+    from nonfinite_cases import check_attention_backward
+
+    attn_ops._ENTRIES.clear()
+    for seed in (0, 1):
+        check_attention_backward(which, bad, device, torch.float32, seed=seed)
+    assert len(attn_ops._ENTRIES) == 1
+
+
 def test_decode_key_seen_before_still_refuses_bad_flags(device):
     q = torch.randn(2, 1, 4, 32, device=device)
     kc, vc = (torch.randn(2, 64, 2, 32, device=device) for _ in range(2))
