@@ -96,6 +96,25 @@ def two_ranks(rank, world):
     got, report["cfg_calls"] = _run(pipe)
     report["cfg_vs_one_process"] = _rel(got, want)
     report["nan"] = bool(got.isnan().any())
+    # the same embeddings laid out otherwise: a transposed view, a non-unit last stride, a
+    # stride-0 mask (the same values)
+    call = _call_kwargs()
+    pe, ne = call["prompt_embeds"], call["negative_prompt_embeds"]
+    strided, _ = _run(pipe, prompt_embeds=pe.transpose(1, 2).contiguous().transpose(1, 2),
+                      negative_prompt_embeds=torch.stack([ne, ne], dim=-1)[..., 0],
+                      negative_prompt_embeds_mask=torch.ones(1, 1, dtype=torch.long).expand(1, 6))
+    report["layouts_vs_contiguous"] = _rel(strided, got)
+    # a NaN in the negative prompt: the unconditional branch (the other rank's) carries it
+    nan_ne = ne.clone()
+    nan_ne[0, 2, 7] = float("nan")
+    nan_got, _ = _run(pipe, negative_prompt_embeds=nan_ne)
+    disable_cfg_parallel(pipe)
+    nan_want, _ = _run(pipe, negative_prompt_embeds=nan_ne)
+    enable_cfg_parallel(pipe)
+    report["nan_somewhere"] = bool(nan_want.isnan().any())
+    report["nan_pattern_equal"] = bool(torch.equal(nan_got.isnan(), nan_want.isnan()))
+    fin = ~nan_want.isnan()
+    report["nan_finite_part"] = _rel(nan_got[fin], nan_want[fin]) if fin.any() else 0.0
     got_no_cfg, report["no_cfg_calls"] = _run(pipe, true_cfg_scale=1.0)
     report["no_cfg_vs_one_process"] = _rel(got_no_cfg, no_cfg)
     with torch.no_grad():
@@ -182,6 +201,16 @@ def test_each_rank_runs_one_branch_and_gets_the_one_process_result(two):
         assert r["cfg_calls"] == STEPS, r
         assert not r["nan"]
         assert r["cfg_vs_one_process"] < TOL, r
+
+
+def test_non_contiguous_embeddings_give_the_contiguous_result(two):
+    assert all(r["layouts_vs_contiguous"] < TOL for r in two), two
+
+
+def test_a_nan_in_one_branch_reaches_what_one_process_gives(two):
+    for r in two:
+        assert r["nan_somewhere"] and r["nan_pattern_equal"], r
+        assert r["nan_finite_part"] < TOL, r
 
 
 def test_without_true_cfg_every_rank_runs_the_transformer_itself(two):
