@@ -43,7 +43,8 @@ from flashflow.ops.common import Launcher, dispatch as _dispatch, launch_by_argu
 from flashflow.ops.quant import Fp8Rows, empty_rows
 from flashflow.ops.validate import (check_eps, check_flag, check_no_grad, check_runs_here, check_same_device,
                                     check_tensor, check_unit_last_stride)
-from flashflow.tuning.norm import MAX_ROW_WIDTH, heads_per_program as _heads_per_program, row_warps as _num_warps
+from flashflow.tuning.norm import (MAX_ROW_WIDTH, heads_per_program as _heads_per_program, modulation_warps,
+                                   row_warps as _num_warps)
 
 __all__ = ["layernorm_modulate", "gate_residual", "gate_residual_layernorm_modulate", "rmsnorm_rope",
            "joint_qkv_norm_rope", "MAX_DIM"]
@@ -179,7 +180,7 @@ def _layernorm_modulate_launch(x: torch.Tensor, shift: torch.Tensor, scale: torc
         x, shift, scale, index_ptr, y, row_scale if row_scale is not None else y, b, l, d,
         x.stride(0), x.stride(1), shift.stride(0), scale.stride(0), stride_ib, stride_il, y.stride(0), y.stride(1),
         eps), dict(HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
-                   num_warps=_num_warps(block)))
+                   num_warps=modulation_warps(block)))
 
 
 def _layernorm_modulate_impl(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor,
@@ -229,7 +230,7 @@ def _gate_residual_layernorm_modulate_launch(
         residual.stride(0), residual.stride(1), y.stride(0), y.stride(1), gate.stride(0), shift.stride(0),
         scale.stride(0), stride_ib, stride_il, new_res.stride(0), new_res.stride(1), mod.stride(0), mod.stride(1),
         eps), dict(HAS_INDEX=index is not None, FP8_OUT=row_scale is not None, BLOCK_D=block,
-                   num_warps=_num_warps(block)))
+                   num_warps=modulation_warps(block)))
 
 
 def _gate_residual_layernorm_modulate_impl(

@@ -22,3 +22,13 @@ def heads_per_program(heads: int, most: int) -> int:
     while block > 1 and 8 * (cdiv(heads, block) * block - heads) > cdiv(heads, block) * block:
         block //= 2
     return block
+
+
+def modulation_warps(block: int) -> int:
+    """Warps of the two LayerNorm + modulate passes (:func:`flashflow.kernels.norm.layernorm_modulate_kernel`,
+    :func:`flashflow.kernels.norm.gate_residual_layernorm_modulate_kernel`): :func:`row_warps`
+    capped at 4. At Qwen-Image's 3072-wide rows (4096 lanes) on the H100, 4 warps took 46.3 and
+    68.7 µs over 8192 tokens against 51.2 and 73.9 with 8, 59.5 and 82.0 with 16
+    (bench/results/tune-norm-warps-h100.json): these rows also read the shift, scale (and
+    gate) rows, and more programs in flight hide those loads better than more threads a row."""
+    return min(4, row_warps(block))
