@@ -142,12 +142,16 @@ def test_shuffled_task_orders_are_topological_and_give_the_same_bits():
 def test_an_order_that_is_not_topological_raises_instead_of_hanging():
     w, kc, vc, lens, _ = _case(1)
     plan = DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, num_programs=1, spin_limit=20)
-    backwards = plan.task_list[::-1]
-    assert dependency_violations(backwards, plan.num_splits)
-    plan.tasks = torch.tensor(backwards, dtype=torch.int32).reshape(plan.tasks.shape)
-    with pytest.raises(RuntimeError, match="ran out of spins"):
-        _run(plan, w, kc, vc, lens)
-    assert int(plan.sync.abs().sum()) == 0   # reset for the next call
+    tasks = plan.task_list
+    first_o = [t[0] for t in tasks].index(2)
+    # the whole order backwards, and one O-projection task moved before the QKV tasks: each
+    # stage's own wait must catch it
+    for order in (tasks[::-1], [tasks[first_o]] + tasks[:first_o] + tasks[first_o + 1:]):
+        assert dependency_violations(order, plan.num_splits)
+        plan.tasks = torch.tensor(order, dtype=torch.int32).reshape(plan.tasks.shape)
+        with pytest.raises(RuntimeError, match="ran out of spins"):
+            _run(plan, w, kc, vc, lens)
+        assert int(plan.sync.abs().sum()) == 0   # reset for the next call
     plan.tasks = torch.tensor(plan.task_list, dtype=torch.int32).reshape(plan.tasks.shape)
     base = _run(DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32), w, kc, vc, lens)
     assert all(torch.equal(a, b) for a, b in zip(_run(plan, w, kc, vc, lens), base))
