@@ -282,7 +282,7 @@ def test_bad_weights_and_plans_are_refused():
 
 
 def test_bytes_per_step():
-    # a Llama-3-8B layer holds 218,112,000 matrix weights and two norms of 4096
+    # a Llama-3-8B layer holds 218,103,808 matrix weights and two norms of 4096
     params = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 14336 * 4096
     assert params == 218_103_808
     kv = 2 * 8 * 1000 * 128
