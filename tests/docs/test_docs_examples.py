@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from doc_blocks import ROOT, extract_blocks, run_blocks   # tests/docs/doc_blocks.py
 
-PAGES = ["README.md", "docs/decode.md", "docs/dataflow.md", "docs/diffusion.md", "docs/fp8.md", "docs/train.md"]
+PAGES = ["README.md", "docs/decode.md", "docs/decode_layer.md", "docs/dataflow.md", "docs/diffusion.md", "docs/fp8.md", "docs/train.md"]
 
 
 def python_blocks(page: str) -> list[tuple[str, int, str]]:

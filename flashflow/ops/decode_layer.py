@@ -1,0 +1,524 @@
+"""A decoder layer's decode step in one persistent launch: validation, the task table, launch.
+
+* :class:`LayerConfig` — a Llama / Qwen-style layer's sizes (GQA, RoPE, SwiGLU, RMSNorm);
+  :data:`TINY_LLAMA` (the CPU tests) and :data:`LLAMA3_8B` (the bench).
+* :class:`LayerWeights` — one layer's weights in ``nn.Linear`` layout (q/k/v and gate/up
+  concatenated); :func:`random_layer_weights`.
+* :class:`DecodeLayerPlan` — built once per (config, batch, cache capacity, cache layout): the
+  task table (:func:`build_tasks`), the grid, the fp32 workspaces, the synchronisation counters
+  and the RoPE tables; :meth:`DecodeLayerPlan.run` every step: no host synchronisation (but the
+  value checks, skipped under CUDA-graph capture), nothing reset between steps, capturable.
+* :func:`decode_layer` — one step without a plan in hand; :func:`decode_step` — N layers.
+* :func:`decode_layer_bytes` — the fewest DRAM bytes one step moves.
+
+The kernel, its task graph, synchronisation and deadlock argument:
+:mod:`flashflow.kernels.decode_layer`. Not supported (refused by name): FP8 caches, more than
+16 sequences, more than one new token per sequence, head_dim other than 32, 64, 128 or 256.
+"""
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import torch
+
+from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
+from flashflow.kernels.decode_layer import ATTN, DOWN, GATEUP, OPROJ, QKV, TASK_WORDS, decode_layer_kernel
+from flashflow.kernels.mlp import CNT_OFF, MAX_THREADS, SYNC_ERR
+from flashflow.kernels.softmax import LOG2E
+from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments
+from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here
+from flashflow.tuning.decode import cap_splits, num_splits_heuristic
+from flashflow.tuning.decode_layer import DecodeLayerConfig, decode_layer_config, num_programs as grid_programs
+
+MAX_BATCH = 16
+HEAD_DIMS = (32, 64, 128, 256)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Bounded spins (debug): FLASHFLOW_DECODE_LAYER_SPIN_LIMIT=N makes a wait give up after N polls,
+# set the error word and go on; the op then raises. 0 (the GPU default) spins without bound.
+_SPIN_LIMIT = int(os.environ.get("FLASHFLOW_DECODE_LAYER_SPIN_LIMIT", "0"))
+_INTERPRETER_SPIN_LIMIT = 2000
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """A decoder layer's sizes: ``hidden``, ``heads`` query heads and ``kv_heads`` KV heads of
+    ``head_dim``, the FFN's ``intermediate``, the RMSNorm's ``eps`` and RoPE's ``rope_theta``."""
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float = 1e-5
+    rope_theta: float = 500000.0
+
+    def __post_init__(self):
+        for f in ("hidden", "heads", "kv_heads", "head_dim", "intermediate"):
+            check_int(f, getattr(self, f), 1)
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {self.head_dim}")
+        if self.heads // self.kv_heads > 128:
+            raise ValueError(f"at most 128 query heads per KV head, got {self.heads // self.kv_heads}")
+        for f in ("eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0 \
+                    or (f == "rope_theta" and v <= 0):
+                raise ValueError(f"{f} must be a finite float{' > 0' if f == 'rope_theta' else ' >= 0'}, got {v!r}")
+
+    @property
+    def qkv_rows(self) -> int:
+        return (self.heads + 2 * self.kv_heads) * self.head_dim
+
+
+TINY_LLAMA = LayerConfig(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=160, rope_theta=10000.0)
+LLAMA3_8B = LayerConfig(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
+
+
+@dataclass
+class LayerWeights:
+    """One layer's weights, ``nn.Linear`` layout: ``qkv`` = cat(q_proj, k_proj, v_proj)
+    ``(heads·d + 2·kv_heads·d, hidden)``, ``o`` ``(hidden, heads·d)``, ``gate_up`` =
+    cat(gate_proj, up_proj) ``(2·intermediate, hidden)``, ``down`` ``(hidden, intermediate)``;
+    ``attn_norm`` and ``ffn_norm`` ``(hidden,)``."""
+    attn_norm: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    ffn_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def shapes(self, c: LayerConfig) -> dict:
+        return {"attn_norm": (c.hidden,), "qkv": (c.qkv_rows, c.hidden), "o": (c.hidden, c.heads * c.head_dim),
+                "ffn_norm": (c.hidden,), "gate_up": (2 * c.intermediate, c.hidden),
+                "down": (c.hidden, c.intermediate)}
+
+    def as_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def random_layer_weights(config: LayerConfig, dtype=torch.bfloat16, device="cuda", seed: int = 0) -> LayerWeights:
+    """Random weights of ``config`` (Gaussian, 1/√fan-in, so activations stay of order one;
+    norm weights around 1)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    c = config
+
+    def lin(n, k):
+        return (torch.randn(n, k, generator=g) / math.sqrt(k)).to(dtype=dtype, device=device)
+
+    def norm():
+        return (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(dtype=dtype, device=device)
+    return LayerWeights(norm(), lin(c.qkv_rows, c.hidden), lin(c.hidden, c.heads * c.head_dim), norm(),
+                        lin(2 * c.intermediate, c.hidden), lin(c.hidden, c.intermediate))
+
+
+def decode_layer_bytes(config: LayerConfig, batch: int, cache_len: int, itemsize: int = 2) -> int:
+    """The fewest DRAM bytes one step moves: every weight once, the ``cache_len`` cached keys and
+    values of every sequence read once, the new key and value written, x read and out written."""
+    c = config
+    weights = (c.qkv_rows * c.hidden + c.hidden * c.heads * c.head_dim + 3 * c.intermediate * c.hidden
+               + 2 * c.hidden)
+    kv_read = 2 * batch * c.kv_heads * cache_len * c.head_dim
+    kv_write = 2 * batch * c.kv_heads * c.head_dim
+    return (weights + kv_read + kv_write + 2 * batch * c.hidden) * itemsize
+
+
+# --------------------------------------------------------------------------------------------
+# the task table
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Word offsets of the counters in the int64 SYNC buffer (after :mod:`flashflow.kernels.mlp`'s
+    fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), then one each
+    for attention results, O tiles, gate/up tiles and down tiles."""
+    attn_ready: int
+    merge: int
+    o_ready: int
+    h1_ready: int
+    act_ready: int
+    done: int
+    words: int
+
+
+def counters(config: LayerConfig, batch: int) -> Counters:
+    hk = config.kv_heads
+    base = CNT_OFF + hk + batch * hk
+    return Counters(CNT_OFF, CNT_OFF + hk, base, base + 1, base + 2, base + 3, base + 4)
+
+
+def build_tasks(config: LayerConfig, batch: int, num_splits: int, tiles: DecodeLayerConfig,
+                shuffle: Optional[int] = None) -> list[tuple]:
+    """The task rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)`` in ticket order:
+    QKV tiles (by KV group: its query heads, its key head, its value head), attention tasks,
+    O-projection, gate/up and down tiles. ``shuffle`` (a seed): a random topological order
+    instead, for tests (the outputs do not depend on the order)."""
+    c, cnt = config, counters(config, batch)
+    group = c.heads // c.kv_heads
+    per_head = c.head_dim // 2 // tiles.QKV_PAIRS
+    n_o, n_gu = cdiv(c.hidden, tiles.BLOCK_N), cdiv(c.intermediate, tiles.BLOCK_I)
+    tasks = []
+    for kvh in range(c.kv_heads):
+        heads = [kvh * group + i for i in range(group)] + [c.heads + kvh, c.heads + c.kv_heads + kvh]
+        tasks += [(QKV, h, p, 0, 0, 0, cnt.attn_ready + kvh, 0) for h in heads for p in range(per_head)]
+    for kvh in range(c.kv_heads):
+        tasks += [(ATTN, b, kvh, s, cnt.attn_ready + kvh, (group + 2) * per_head, cnt.o_ready, 0)
+                  for b in range(batch) for s in range(num_splits)]
+    tasks += [(OPROJ, j, 0, 0, cnt.o_ready, batch * c.kv_heads, cnt.h1_ready, 0) for j in range(n_o)]
+    tasks += [(GATEUP, j, 0, 0, cnt.h1_ready, n_o, cnt.act_ready, 0) for j in range(n_gu)]
+    tasks += [(DOWN, j, 0, 0, cnt.act_ready, n_gu, cnt.done, 0) for j in range(n_o)]
+    if shuffle is not None:
+        tasks = _random_topological(tasks, num_splits, random.Random(shuffle))
+    return tasks
+
+
+def _signals(tasks: list[tuple], num_splits: int):
+    """Each task's contribution to the counters: an attention task counts towards its counter
+    only as the last of its (sequence, KV head)'s splits (the merge signals)."""
+    left = {}
+    for t in tasks:
+        if t[0] == ATTN:
+            left[(t[1], t[2])] = left.get((t[1], t[2]), 0) + 1
+    return left
+
+
+def _random_topological(tasks, num_splits, rng) -> list[tuple]:
+    count: dict = {}
+    left = _signals(tasks, num_splits)
+    pending, order = list(tasks), []
+    while pending:
+        ready = [i for i, t in enumerate(pending) if count.get(t[4], 0) >= t[5]]
+        t = pending.pop(rng.choice(ready))
+        order.append(t)
+        _count(t, count, left)
+    return order
+
+
+def _count(t, count, left) -> None:
+    if t[0] == ATTN:
+        left[(t[1], t[2])] -= 1
+        if left[(t[1], t[2])]:
+            return
+    count[t[6]] = count.get(t[6], 0) + 1
+
+
+def dependency_violations(tasks: list[tuple], num_splits: int) -> list[int]:
+    """Tickets whose wait is not met by the tasks of smaller tickets (empty: the order is
+    topological, which is what makes the kernel deadlock-free)."""
+    count: dict = {}
+    left = _signals(tasks, num_splits)
+    bad = []
+    for i, t in enumerate(tasks):
+        if count.get(t[4], 0) < t[5]:
+            bad.append(i)
+        _count(t, count, left)
+    return bad
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Two elements of ``t`` may share an address (an expanded or overlapping view)."""
+    span = 0
+    for stride, size in sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
+def _tensor(name, t, shape, dtype, device) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape}, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype} (the plan's dtype), got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    check_no_grad("decode_layer", **{name: t})
+    return t
+
+
+def _written(name, t) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} is written by the kernel and must have a unit stride in its last dimension, "
+                         f"got strides {t.stride()}")
+    if _overlaps_itself(t):
+        raise ValueError(f"{name} is written by the kernel and must not overlap itself (an expanded view), "
+                         f"got strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _spin_limit(device: torch.device) -> int:
+    return _INTERPRETER_SPIN_LIMIT if interpreting() else _SPIN_LIMIT
+
+
+# --------------------------------------------------------------------------------------------
+# the plan
+# --------------------------------------------------------------------------------------------
+
+_LAUNCH = Launcher(decode_layer_kernel)
+
+
+class DecodeLayerPlan:
+    """Task table, grid, workspaces and counters of one decode-layer launch; :meth:`run` per step.
+
+    Args:
+        config: the layer's :class:`LayerConfig`.
+        batch: sequences (1–16), one new token each.
+        capacity: the most tokens a sequence's cache holds (RoPE tables and value checks).
+        device, dtype: where and in what (float16, bfloat16 or float32) x, weights and caches are.
+        page_size: None for a contiguous cache ``(batch, capacity, kv_heads, d)``; an int for a
+            paged one ``(num_blocks, page_size, kv_heads, d)`` read through ``block_table``.
+        num_splits: key-range splits per (sequence, KV head); 0 takes decode attention's
+            heuristic (:func:`flashflow.tuning.decode.num_splits_heuristic`).
+        num_programs: the persistent grid; None: one per SM (:func:`flashflow.tuning.decode_layer.num_programs`).
+        shuffle: None, or a seed: the tasks in a random topological order (tests).
+        config_tiles: a :class:`DecodeLayerConfig` instead of the shipped one.
+        spin_limit: polls before a wait gives up and the call raises (None: 2000 in the
+            interpreter, else ``FLASHFLOW_DECODE_LAYER_SPIN_LIMIT`` or 0, unbounded).
+
+    A plan's counters are shared by every call made with it: calls on one plan must be
+    stream-ordered (one stream), as a serving loop's are. One plan serves every layer of a
+    model of one config (:func:`decode_step`).
+    """
+
+    def __init__(self, config: LayerConfig, batch: int, capacity: int, *, device="cuda", dtype=torch.bfloat16,
+                 page_size: Optional[int] = None, num_splits: int = 0, num_programs: Optional[int] = None,
+                 shuffle: Optional[int] = None, config_tiles: Optional[DecodeLayerConfig] = None,
+                 spin_limit: Optional[int] = None):
+        if not isinstance(config, LayerConfig):
+            raise TypeError(f"config must be a flashflow LayerConfig, got {type(config).__name__}")
+        device = torch.device(device)
+        if device.type == "meta":
+            raise ValueError("device must be where the kernels run (a CUDA device, or cpu under TRITON_INTERPRET=1), "
+                             "got meta")
+        if dtype not in DTYPES:
+            raise TypeError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        batch = check_int("batch", batch, 1)
+        if batch > MAX_BATCH:
+            raise ValueError(f"batch must be at most {MAX_BATCH} (the GEMV tiles hold every row), got {batch}")
+        capacity = check_int("capacity", capacity, 1)
+        num_splits = check_int("num_splits", num_splits, 0)
+        if page_size is not None:
+            page_size = check_int("page_size", page_size, 1)
+            if capacity % page_size:
+                raise ValueError(f"capacity ({capacity}) must be a multiple of page_size ({page_size})")
+        if num_programs is not None:
+            num_programs = check_int("num_programs", num_programs, 1)
+        if shuffle is not None:
+            shuffle = check_int("shuffle", shuffle, 0)
+        if config_tiles is not None and not isinstance(config_tiles, DecodeLayerConfig):
+            raise TypeError(f"config_tiles must be a DecodeLayerConfig, got {type(config_tiles).__name__}")
+        self.config, self.batch, self.capacity, self.device, self.dtype = config, batch, capacity, device, dtype
+        self.page_size = page_size
+        tiles = self.tiles = config_tiles or decode_layer_config(gpu_family(device), config.head_dim)
+        if (config.head_dim // 2) % tiles.QKV_PAIRS:
+            raise ValueError(f"QKV_PAIRS ({tiles.QKV_PAIRS}) must divide head_dim / 2 ({config.head_dim // 2})")
+        assert tiles.num_warps * 32 <= MAX_THREADS
+        sms = device_num_sms(device)
+        asked = num_splits or num_splits_heuristic(batch * config.kv_heads, capacity, sms, tiles.BLOCK_KV)
+        self.num_splits = cap_splits(asked, capacity, tiles.BLOCK_KV)
+        self.counters = counters(config, batch)
+        self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle)
+        bad = dependency_violations(self.task_list, self.num_splits)
+        assert not bad, f"task table not topological at tickets {bad[:8]}"
+        self.num_tasks = len(self.task_list)
+        self.tasks = torch.tensor(self.task_list, dtype=torch.int32, device=device).reshape(-1, TASK_WORDS)
+        self.programs = min(num_programs, self.num_tasks) if num_programs else grid_programs(self.num_tasks, sms)
+        self.spin_limit = _spin_limit(device) if spin_limit is None else check_int("spin_limit", spin_limit, 0)
+        self.sync = torch.zeros(self.counters.words, dtype=torch.int64, device=device)
+        c = config
+        f32 = dict(dtype=torch.float32, device=device)
+        self.block_b = max(16, next_pow2(batch))
+        self.block_r = max(16, next_pow2(c.heads // c.kv_heads))
+        self.q_ws = torch.empty(batch, c.heads * c.head_dim, **f32)
+        self.attn = torch.empty(batch, c.heads * c.head_dim, **f32)
+        self.h1 = torch.empty(batch, c.hidden, **f32)
+        self.act = torch.empty(batch, c.intermediate, **f32)
+        pieces = batch * c.kv_heads * self.num_splits
+        self.ws_acc = torch.empty(pieces * self.block_r * c.head_dim, **f32)
+        self.ws_ml = torch.empty(pieces * 2 * self.block_r, **f32)
+        inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+        angles = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq[None, :]
+        self.cos = angles.cos().to(**f32).contiguous()
+        self.sin = angles.sin().to(**f32).contiguous()
+
+    def __repr__(self) -> str:
+        return (f"DecodeLayerPlan(batch={self.batch}, capacity={self.capacity}, tasks={self.num_tasks}, "
+                f"programs={self.programs}, num_splits={self.num_splits}, {self.tiles})")
+
+    # ---------------------------------------------------------------------------------- checks
+
+    def _check(self, x, weights, k_cache, v_cache, cache_seqlens, block_table, out):
+        c, dev = self.config, self.device
+        x = _rows(_tensor("x", x, (self.batch, c.hidden), self.dtype, dev))
+        check_runs_here("x", x)
+        if not isinstance(weights, LayerWeights):
+            raise TypeError(f"weights must be a flashflow LayerWeights, got {type(weights).__name__}")
+        w = {name: _rows(_tensor(f"weights.{name}", t, weights.shapes(c)[name], self.dtype, dev))
+             for name, t in weights.as_dict().items()}
+        w["attn_norm"], w["ffn_norm"] = w["attn_norm"].contiguous(), w["ffn_norm"].contiguous()
+        tail = (c.kv_heads, c.head_dim)
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype == torch.float8_e4m3fn:
+                raise TypeError(f"{name}: FP8 caches are not supported by decode_layer (use flash_attn_with_kvcache)")
+            if self.page_size is None:
+                _tensor(name, t, (self.batch, self.capacity, *tail), self.dtype, dev)
+            else:
+                if t.dim() != 4 or tuple(t.shape[1:]) != (self.page_size, *tail):
+                    raise ValueError(f"{name} must be paged (num_blocks, {self.page_size}, {tail[0]}, {tail[1]}), got "
+                                     f"{tuple(t.shape)}")
+                _tensor(name, t, tuple(t.shape), self.dtype, dev)
+            _written(name, t)
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} and "
+                             f"{tuple(v_cache.shape)}")
+        if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dtype != torch.int32 \
+                or tuple(cache_seqlens.shape) != (self.batch,):
+            raise TypeError(f"cache_seqlens must be an int32 tensor of shape ({self.batch},), got "
+                            f"{getattr(cache_seqlens, 'dtype', type(cache_seqlens).__name__)} "
+                            f"{tuple(getattr(cache_seqlens, 'shape', ()))}")
+        if cache_seqlens.device != dev:
+            raise ValueError(f"cache_seqlens must be on {dev}, got {cache_seqlens.device}")
+        cache_seqlens = cache_seqlens.contiguous()
+        if self.page_size is None:
+            if block_table is not None:
+                raise ValueError("block_table was given to a plan for a contiguous cache (page_size=None)")
+        else:
+            per_seq = self.capacity // self.page_size
+            if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32 \
+                    or tuple(block_table.shape) != (self.batch, per_seq):
+                raise TypeError(f"block_table must be an int32 tensor of shape ({self.batch}, {per_seq}) for a paged "
+                                f"plan, got {getattr(block_table, 'dtype', type(block_table).__name__)} "
+                                f"{tuple(getattr(block_table, 'shape', ()))}")
+            if block_table.device != dev:
+                raise ValueError(f"block_table must be on {dev}, got {block_table.device}")
+            block_table = _rows(block_table)
+        if out is None:
+            out = torch.empty(self.batch, c.hidden, dtype=self.dtype, device=dev)
+        else:
+            _tensor("out", out, (self.batch, c.hidden), self.dtype, dev)
+            _written("out", out)
+        if not capturing(dev):
+            self._check_values(cache_seqlens, block_table, k_cache.shape[0])
+        return x, w, cache_seqlens, block_table, out
+
+    def _check_values(self, cache_seqlens, block_table, num_blocks) -> None:
+        """Values inside tensors (a host synchronisation; skipped while a CUDA graph is captured)."""
+        lo, hi = (int(v) for v in torch.aminmax(cache_seqlens))
+        if lo < 0 or hi >= self.capacity:
+            raise ValueError(f"cache_seqlens must be in [0, capacity - 1] = [0, {self.capacity - 1}] (the new token "
+                             f"needs a free slot), got values in [{lo}, {hi}]")
+        if block_table is not None:
+            lo, hi = (int(v) for v in torch.aminmax(block_table))
+            if lo < 0 or hi >= num_blocks:
+                raise ValueError(f"block_table entries must be in [0, {num_blocks - 1}], got [{lo}, {hi}]")
+
+    # ---------------------------------------------------------------------------------- run
+
+    def run(self, x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, block_table=None, out=None):
+        """One step: ``out (batch, hidden)`` in x's dtype; the new token's roped key and its value
+        appended to the caches at position ``cache_seqlens[b]`` (which the caller advances)."""
+        x, w, seqlens, table, out = self._check(x, weights, k_cache, v_cache, cache_seqlens, block_table, out)
+        c, t = self.config, self.tiles
+        paged = table is not None
+        on_interp = interpreting()
+        args = (x, out, self.tasks, self.sync, seqlens, table if paged else seqlens, self.cos, self.sin,
+                w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"],
+                k_cache, v_cache, self.q_ws, self.attn, self.h1, self.act, self.ws_acc, self.ws_ml,
+                self.batch, c.hidden, c.intermediate, self.num_tasks, self.programs, self.counters.merge,
+                self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.spin_limit,
+                x.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+                table.stride(0) if paged else 0,
+                w["qkv"].stride(0), w["o"].stride(0), w["gate_up"].stride(0), w["down"].stride(0),
+                float(c.eps), LOG2E / math.sqrt(c.head_dim))
+        constexprs = dict(HEADS=c.heads, KV_HEADS=c.kv_heads, HEAD_DIM=c.head_dim, QKV_PAIRS=t.QKV_PAIRS,
+                          BLOCK_N=t.BLOCK_N, BLOCK_I=t.BLOCK_I, BLOCK_K=t.BLOCK_K, BLOCK_KV=t.BLOCK_KV,
+                          BLOCK_B=self.block_b, BLOCK_R=self.block_r, NUM_SPLITS=self.num_splits,
+                          PAGE_SIZE=self.page_size or 1, LAYOUT=1 if paged else 0, THREADS=t.num_warps * 32,
+                          DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
+                          DOT_PRECISION=dot_precision(self.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
+        launch_by_arguments(_LAUNCH, (self.programs, 1, 1), args, constexprs)
+        self._check_error()
+        return out
+
+    def _check_error(self) -> None:
+        """With bounded spins, a wait that ran out set the error word: raise (reads it back, a
+        host synchronisation; only when spin_limit > 0 and nothing is being captured)."""
+        if self.spin_limit <= 0 or capturing(self.device):
+            return
+        if int(self.sync[SYNC_ERR]) != 0:
+            self.sync.zero_()
+            raise RuntimeError("decode_layer: a dependency wait ran out of spins (a task order that is not "
+                               "topological, or a hang); the plan's counters were reset")
+
+
+_PLANS: dict = {}
+
+
+def decode_layer(x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, config: LayerConfig, block_table=None,
+                 out=None):
+    """One decode step of one layer without a plan in hand: the plan for these sizes is built
+    on the first call and kept (per device and stream's calls; see :class:`DecodeLayerPlan`).
+
+    ``x (batch, hidden)``; ``k_cache``/``v_cache`` ``(batch, capacity, kv_heads, d)``, or paged
+    ``(num_blocks, page_size, kv_heads, d)`` with ``block_table (batch, capacity / page_size)``;
+    ``cache_seqlens`` int32 ``(batch,)``: tokens already cached, where the new token goes.
+    Returns ``out (batch, hidden)``; the caches hold the new key and value after the call."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise TypeError(f"x must be a torch.Tensor (batch, hidden), got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
+        raise TypeError(f"k_cache must be a 4-d torch.Tensor, got {getattr(k_cache, 'shape', type(k_cache).__name__)}")
+    page = None
+    if block_table is not None:
+        if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+            raise TypeError("block_table must be an int32 tensor (batch, blocks per sequence)")
+        page = k_cache.shape[1]
+        capacity = block_table.shape[1] * page
+    else:
+        capacity = k_cache.shape[1]
+    key = (config, x.shape[0], capacity, page, x.device, x.dtype)
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = DecodeLayerPlan(config, x.shape[0], capacity, device=x.device, dtype=x.dtype,
+                                             page_size=page)
+    return plan.run(x, weights, k_cache, v_cache, cache_seqlens, block_table, out)
+
+
+def decode_step(plan: DecodeLayerPlan, layers, caches, x, cache_seqlens, block_tables=None, advance=True):
+    """N layers of one decode step, one launch per layer on one plan: ``layers`` a list of
+    :class:`LayerWeights`, ``caches`` a list of ``(k_cache, v_cache)`` (and ``block_tables`` a
+    list of tables for a paged plan). Returns the hidden states after the last layer. With
+    ``advance`` (a bool), ``cache_seqlens`` is incremented in place at the end (a device op: the
+    step stays capturable)."""
+    if not isinstance(plan, DecodeLayerPlan):
+        raise TypeError(f"plan must be a DecodeLayerPlan, got {type(plan).__name__}")
+    check_flag("advance", advance)
+    if not isinstance(layers, (list, tuple)) or not isinstance(caches, (list, tuple)) or len(layers) != len(caches):
+        raise ValueError("layers and caches must be lists of one length (a LayerWeights and a (k_cache, v_cache) "
+                         "pair per layer)")
+    if block_tables is not None and (not isinstance(block_tables, (list, tuple)) or len(block_tables) != len(layers)):
+        raise ValueError("block_tables must be None or a list with one table per layer")
+    for i, pair in enumerate(caches):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise ValueError(f"caches[{i}] must be a (k_cache, v_cache) pair")
+    for i, (w, (kc, vc)) in enumerate(zip(layers, caches)):
+        x = plan.run(x, w, kc, vc, cache_seqlens, None if block_tables is None else block_tables[i])
+    if advance:
+        cache_seqlens.add_(1)
+    return x

@@ -1,0 +1,42 @@
+"""The decode-layer megakernel's config: task tile sizes, warps and stages per GPU family, and
+its launch rule (the grid, :func:`num_programs`). The numbers are in ``decode_layer.json``
+beside this module; :func:`decode_layer_config` is the one lookup."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from flashflow.tuning import Config, ConfigTable
+
+TABLE = "decode_layer"
+
+
+@dataclass(frozen=True)
+class DecodeLayerConfig(Config):
+    QKV_PAIRS: int    # rotary pairs (channels i, i + d/2) of one q/k/v head per QKV task
+    BLOCK_N: int      # output columns per O-projection and down-projection task
+    BLOCK_I: int      # intermediate columns per gate/up task
+    BLOCK_K: int      # K chunk of every GEMV task
+    BLOCK_KV: int     # cached keys per attention tile
+    num_warps: int
+    num_stages: int
+
+
+CONFIGS = ConfigTable(TABLE, DecodeLayerConfig, keys=("head_dim",), what="decode layer")
+
+
+def shipped_entries(family=None) -> list[dict]:
+    """The entries of ``decode_layer.json`` in table order, each with its ``family``."""
+    return CONFIGS.shipped_entries(family)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_layer_config(family: str, head_dim: int) -> DecodeLayerConfig:
+    """The shipped tiles of a decode-layer launch on ``family`` (:func:`flashflow.device.gpu_family`)."""
+    return CONFIGS.config(family, head_dim=head_dim)
+
+
+def num_programs(num_tasks: int, num_sms: int) -> int:
+    """The persistent grid: one program per SM (a task's tiles are sized so that one program
+    streams a weight tile at a time), never more than the tasks."""
+    return max(1, min(num_tasks, num_sms))

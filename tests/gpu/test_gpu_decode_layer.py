@@ -1,0 +1,107 @@
+"""The decode-layer megakernel on the GPU, bf16 and fp16 against float64: a mid-sized GQA layer
+over several steps with ragged, growing caches (contiguous and paged), outputs poisoned with NaN;
+the same bits from fewer programs and from shuffled task orders; a CUDA graph of the step replayed
+with the epochs advancing on the device; the Llama-3-8B layer at batch 1 and 16."""
+import pytest
+import torch
+
+from flashflow.ops.decode_layer import LLAMA3_8B, DecodeLayerPlan, LayerConfig, random_layer_weights
+from flashflow.reference.decode_layer import decode_layer_reference
+
+pytestmark = pytest.mark.gpu
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+MID = LayerConfig(hidden=1024, heads=16, kv_heads=4, head_dim=64, intermediate=2816)
+CAP, PAGE = 1024, 64
+
+
+def _state(config, batch, dtype, lens, paged=False, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = random_layer_weights(config, dtype, "cuda", seed=seed + 1)
+    shape = (batch, CAP, config.kv_heads, config.head_dim)
+    kc = torch.randn(shape, generator=g).to(dtype=dtype, device="cuda")
+    vc = torch.randn(shape, generator=g).to(dtype=dtype, device="cuda")
+    table = None
+    if paged:
+        per = CAP // PAGE
+        table = torch.randperm(batch * per, generator=g).reshape(batch, per).int().cuda()
+        kp = torch.full((batch * per, PAGE, *shape[2:]), float("nan"), dtype=dtype, device="cuda")
+        vp = kp.clone()
+        kp[table.flatten().long()] = kc.reshape(batch * per, PAGE, *shape[2:])
+        vp[table.flatten().long()] = vc.reshape(batch * per, PAGE, *shape[2:])
+        kc, vc = kp, vp
+    return w, kc, vc, torch.tensor(lens, dtype=torch.int32, device="cuda"), table
+
+
+def _logical(cache, table):
+    return cache if table is None else cache[table.long()].flatten(1, 2)
+
+
+def _ref(config, x, w, kc, vc, lens, table):
+    wd = {k: v.double() for k, v in w.as_dict().items()}
+    out, _, _ = decode_layer_reference(x.double(), wd, _logical(kc, table).double(), _logical(vc, table).double(),
+                                       lens.tolist(), heads=config.heads, kv_heads=config.kv_heads, eps=config.eps,
+                                       rope_theta=config.rope_theta)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_steps_against_float64(dtype, paged):
+    lens = [0, 17, 500, 1000]
+    w, kc, vc, seqlens, table = _state(MID, 4, dtype, lens, paged)
+    plan = DecodeLayerPlan(MID, 4, CAP, device="cuda", dtype=dtype, page_size=PAGE if paged else None)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    for _ in range(4):
+        x = torch.randn(4, MID.hidden, generator=g).to(dtype=dtype, device="cuda")
+        ref = _ref(MID, x, w, kc, vc, seqlens, table)   # before the kernel appends
+        out = torch.full((4, MID.hidden), float("nan"), dtype=dtype, device="cuda")
+        plan.run(x, w, kc, vc, seqlens, table, out=out)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert out.isfinite().all() and rel < 2e-2, rel
+        seqlens += 1
+
+
+def test_program_counts_and_shuffled_orders_give_the_same_bits():
+    w, kc, vc, seqlens, _ = _state(MID, 3, torch.bfloat16, [5, 300, 900])
+    x = torch.randn(3, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for kw in ({}, {"num_programs": 1}, {"num_programs": 7}, {"shuffle": 1}, {"shuffle": 2, "num_programs": 5}):
+        plan = DecodeLayerPlan(MID, 3, CAP, device="cuda", dtype=torch.bfloat16, num_splits=4, **kw)
+        k2, v2 = kc.clone(), vc.clone()
+        outs.append((plan.run(x, w, k2, v2, seqlens), k2, v2))
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
+
+
+def test_cuda_graph_replays_advance_the_epochs():
+    w, kc, vc, seqlens, _ = _state(MID, 2, torch.bfloat16, [10, 400])
+    plan = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    eager_k, eager_v, eager_lens = kc.clone(), vc.clone(), seqlens.clone()
+    expected = []
+    ref_plan = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        expected.append(ref_plan.run(x, w, eager_k, eager_v, eager_lens).clone())
+        eager_lens += 1
+    plan.run(x, w, kc.clone(), vc.clone(), seqlens)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty(2, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    with torch.cuda.graph(graph):
+        plan.run(x, w, kc, vc, seqlens, out=out)
+        seqlens.add_(1)
+    for step in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected[step]), step
+    assert torch.equal(kc, eager_k) and torch.equal(vc, eager_v)
+    per = plan.num_tasks + plan.programs
+    assert int(plan.sync[0]) == 4 * per   # the warm-up launch and three replays: nothing reset
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+def test_llama3_8b_layer(batch):
+    w, kc, vc, seqlens, _ = _state(LLAMA3_8B, batch, torch.bfloat16, [CAP - 1 - b for b in range(batch)])
+    x = torch.randn(batch, LLAMA3_8B.hidden, device="cuda", dtype=torch.bfloat16)
+    ref = _ref(LLAMA3_8B, x, w, kc, vc, seqlens, None)
+    out = DecodeLayerPlan(LLAMA3_8B, batch, CAP, device="cuda", dtype=torch.bfloat16).run(x, w, kc, vc, seqlens)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2

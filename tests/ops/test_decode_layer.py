@@ -1,0 +1,290 @@
+"""The decode-layer megakernel in Triton's interpreter, tiny Llama config: several steps with the
+caches growing against the float64 reference layer (contiguous and paged caches, one and several
+key splits, batch 1 and 3), fewer programs than tasks, shuffled task orders giving the same bits,
+an order that is not topological reported instead of hanging, layouts, NaN, bad input."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashflow.ops.decode_layer import (TINY_LLAMA, DecodeLayerPlan, LayerConfig, LayerWeights, build_tasks,
+                                        decode_layer, decode_layer_bytes, decode_step, dependency_violations,
+                                        random_layer_weights, LLAMA3_8B)
+from flashflow.reference.decode_layer import decode_layer_reference
+
+C = TINY_LLAMA
+CAP = 48
+PAGE = 16
+
+
+def _case(batch, dtype=torch.float32, paged=False, seed=0, lens=None):
+    """Weights, caches (contiguous or as shuffled pages), cache_seqlens and the block table."""
+    g = torch.Generator().manual_seed(seed)
+    w = random_layer_weights(C, dtype, "cpu", seed=seed + 1)
+    kc = torch.randn(batch, CAP, C.kv_heads, C.head_dim, generator=g).to(dtype)
+    vc = torch.randn(batch, CAP, C.kv_heads, C.head_dim, generator=g).to(dtype)
+    lens = torch.tensor(lens or [5, 17, 0][:batch], dtype=torch.int32)
+    table = None
+    if paged:
+        per = CAP // PAGE
+        table = torch.randperm(batch * per, generator=g).reshape(batch, per).int()
+        kp = torch.full((batch * per, PAGE, C.kv_heads, C.head_dim), float("nan")).to(dtype)
+        vp = kp.clone()
+        kp[table.flatten().long()] = kc.reshape(batch * per, PAGE, C.kv_heads, C.head_dim)
+        vp[table.flatten().long()] = vc.reshape(batch * per, PAGE, C.kv_heads, C.head_dim)
+        kc, vc = kp, vp
+    return w, kc, vc, lens, table
+
+
+def _logical(cache, table):
+    """A (batch, capacity, kv_heads, d) view of a cache, paged or not."""
+    if table is None:
+        return cache
+    return cache[table.long()].flatten(1, 2)
+
+
+def _ref_state(w, kc, vc, table):
+    wd = {k: v.double() for k, v in w.as_dict().items()}
+    return wd, _logical(kc, table).double().clone(), _logical(vc, table).double().clone()
+
+
+def _ref_step(x, wd, kref, vref, lens):
+    out, kn, vn = decode_layer_reference(x.double(), wd, kref, vref, lens, heads=C.heads, kv_heads=C.kv_heads,
+                                         eps=C.eps, rope_theta=C.rope_theta)
+    for b, n in enumerate(lens.tolist()):
+        kref[b, n], vref[b, n] = kn[b], vn[b]
+    return out
+
+
+@pytest.mark.parametrize("batch,paged,num_splits", [(1, False, 0), (3, False, 3), (3, True, 2)],
+                         ids=["b1-contiguous", "b3-contiguous-3splits", "b3-paged-2splits"])
+def test_steps_with_a_growing_cache_match_the_float64_reference(batch, paged, num_splits):
+    w, kc, vc, lens, table = _case(batch, paged=paged)
+    plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
+                           num_splits=num_splits)
+    assert plan.num_splits == (num_splits or plan.num_splits) and plan.programs < plan.num_tasks
+    wd, kref, vref = _ref_state(w, kc, vc, table)
+    g = torch.Generator().manual_seed(7)
+    steps = 3
+    for step in range(steps):
+        x = torch.randn(batch, C.hidden, generator=g)
+        out = torch.full((batch, C.hidden), float("nan"))
+        got = plan.run(x, w, kc, vc, lens, table, out=out)
+        assert got is out
+        ref = _ref_step(x, wd, kref, vref, lens)
+        err = (got.double() - ref).abs().max().item()
+        assert err < 2e-5 * ref.abs().max().item(), (step, err)
+        # the appended rows (every cached row compared: nothing else was written)
+        n = int(lens.max()) + 1
+        for got_c, ref_c in ((_logical(kc, table), kref), (_logical(vc, table), vref)):
+            for b in range(batch):
+                m = int(lens[b]) + 1
+                assert (got_c[b, :m].double() - ref_c[b, :m]).abs().max() < 1e-5, (step, b)
+        assert n <= CAP
+        lens += 1
+    # nothing was reset between the steps: the ticket and every counter only grew
+    sync, cnt = plan.sync, plan.counters
+    assert int(sync[0]) == steps * (plan.num_tasks + plan.programs)
+    assert int(sync[2]) == 0
+    assert int(sync[cnt.o_ready]) == steps * batch * C.kv_heads
+    assert int(sync[cnt.done]) == steps * (C.hidden // plan.tiles.BLOCK_N)
+    if plan.num_splits > 1:
+        assert sync[cnt.merge:cnt.merge + batch * C.kv_heads].tolist() == [steps * plan.num_splits] * (batch * C.kv_heads)
+
+
+def test_bfloat16_inputs_match_the_reference_to_bf16_rounding():
+    w, kc, vc, lens, _ = _case(3, dtype=torch.bfloat16)
+    wd, kref, vref = _ref_state(w, kc, vc, None)
+    x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(3)).bfloat16()
+    out = decode_layer(x, w, kc, vc, lens, C)
+    ref = _ref_step(x, wd, kref, vref, lens)
+    assert out.dtype == torch.bfloat16
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel
+    for b in range(3):
+        assert (kc[b, int(lens[b])].double() - kref[b, int(lens[b])]).abs().max() < 0.05
+
+
+def _run(plan, w, kc, vc, lens, table=None, x=None):
+    kc, vc = kc.clone(), vc.clone()
+    if x is None:
+        x = torch.randn(plan.batch, C.hidden, generator=torch.Generator().manual_seed(11))
+    out = plan.run(x, w, kc, vc, lens, table)
+    return out, kc, vc
+
+
+def test_fewer_programs_than_tasks_and_any_program_count_give_the_same_bits():
+    w, kc, vc, lens, _ = _case(3)
+    base = _run(DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2), w, kc, vc, lens)
+    for programs in (1, 2, 3):
+        plan = DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2, num_programs=programs)
+        assert plan.programs == programs < plan.num_tasks
+        got = _run(plan, w, kc, vc, lens)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), programs
+
+
+def test_shuffled_task_orders_are_topological_and_give_the_same_bits():
+    w, kc, vc, lens, table = _case(3, paged=True)
+    kw = dict(device="cpu", dtype=torch.float32, num_splits=3, page_size=PAGE)
+    plain = DecodeLayerPlan(C, 3, CAP, **kw)
+    base = _run(plain, w, kc, vc, lens, table)
+    for seed in (1, 2):
+        plan = DecodeLayerPlan(C, 3, CAP, shuffle=seed, num_programs=2, **kw)
+        assert sorted(plan.task_list) == sorted(plain.task_list) and plan.task_list != plain.task_list
+        assert dependency_violations(plan.task_list, plan.num_splits) == []
+        # not the stages one after another: some attention task comes before the last QKV task
+        stages = [t[0] for t in plan.task_list]
+        assert stages.index(1) < len(stages) - 1 - stages[::-1].index(0)
+        got = _run(plan, w, kc, vc, lens, table)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), seed
+
+
+def test_an_order_that_is_not_topological_raises_instead_of_hanging():
+    w, kc, vc, lens, _ = _case(1)
+    plan = DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, num_programs=1, spin_limit=20)
+    tasks = plan.task_list
+    first_o = [t[0] for t in tasks].index(2)
+    # the whole order backwards, and one O-projection task moved before the QKV tasks: each
+    # stage's own wait must catch it
+    for order in (tasks[::-1], [tasks[first_o]] + tasks[:first_o] + tasks[first_o + 1:]):
+        assert dependency_violations(order, plan.num_splits)
+        plan.tasks = torch.tensor(order, dtype=torch.int32).reshape(plan.tasks.shape)
+        with pytest.raises(RuntimeError, match="ran out of spins"):
+            _run(plan, w, kc, vc, lens)
+        assert int(plan.sync.abs().sum()) == 0   # reset for the next call
+    plan.tasks = torch.tensor(plan.task_list, dtype=torch.int32).reshape(plan.tasks.shape)
+    base = _run(DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32), w, kc, vc, lens)
+    assert all(torch.equal(a, b) for a, b in zip(_run(plan, w, kc, vc, lens), base))
+
+
+def test_task_table_counts():
+    tiles = DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32).tiles
+    tasks = build_tasks(C, 2, 3, tiles)
+    stages = [t[0] for t in tasks]
+    per_head = C.head_dim // 2 // tiles.QKV_PAIRS
+    assert stages.count(0) == (C.heads + 2 * C.kv_heads) * per_head
+    assert stages.count(1) == 2 * C.kv_heads * 3
+    assert stages.count(2) == stages.count(4) == C.hidden // tiles.BLOCK_N
+    assert stages.count(3) == -(-C.intermediate // tiles.BLOCK_I)
+    assert stages == sorted(stages) and dependency_violations(tasks, 3) == []
+
+
+def test_layouts_non_contiguous_inputs_are_taken():
+    w, kc, vc, lens, _ = _case(3)
+    x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(5))
+    plan = DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32)
+    base = _run(plan, w, kc, vc, lens, x=x)
+    # x with a non-unit last stride, weights as transposed views, out a slice of a wider buffer
+    xt = x.t().contiguous().t()
+    wt = LayerWeights(**{k: (v.t().contiguous().t() if v.dim() == 2 else v[None].expand(2, -1)[1])
+                         for k, v in w.as_dict().items()})
+    assert xt.stride(-1) != 1 and wt.qkv.stride(-1) != 1
+    kc2, vc2 = kc.clone(), vc.clone()
+    wide = torch.full((3, 2 * C.hidden), float("nan"))
+    out = plan.run(xt, wt, kc2, vc2, lens, out=wide[:, 1:C.hidden + 1])
+    assert torch.equal(out, base[0]) and torch.equal(kc2, base[1]) and torch.equal(vc2, base[2])
+    assert wide[:, 0].isnan().all() and wide[:, C.hidden + 1:].isnan().all()
+    # one row broadcast to the batch (stride 0)
+    x1 = x[:1].expand(3, -1)
+    out1 = _run(plan, w, kc, vc, lens, x=x1)[0]
+    ref = _run(plan, w, kc, vc, lens, x=x1.contiguous())[0]
+    assert torch.equal(out1, ref)
+    # written tensors that overlap themselves are refused
+    with pytest.raises(ValueError, match="out is written by the kernel and must not overlap"):
+        plan.run(x, w, kc.clone(), vc.clone(), lens, out=torch.empty(1, C.hidden).expand(3, -1))
+    with pytest.raises(ValueError, match="k_cache is written by the kernel and must have a unit stride"):
+        plan.run(x, w, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc.clone(), lens)
+
+
+def test_nan_in_one_row_stays_in_its_sequence():
+    w, kc, vc, lens, _ = _case(3)
+    x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(5))
+    x[1, 7] = float("nan")
+    out, k2, v2 = _run(DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2), w, kc, vc, lens,
+                       x=x)
+    assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
+    assert k2[1, int(lens[1])].isnan().all() and v2[1, int(lens[1])].isnan().all()
+    assert k2[[0, 2]].isfinite().all() and v2[[0, 2]].isfinite().all()
+
+
+def test_decode_step_runs_every_layer_and_advances_the_cache():
+    layers = [random_layer_weights(C, torch.float32, "cpu", seed=s) for s in (3, 4)]
+    _, kc, vc, lens, _ = _case(2)
+    caches = [(kc.clone(), vc.clone()), (kc.clone() * 0.5, vc.clone() * 2)]
+    refs = [_ref_state(w, k, v, None) for w, (k, v) in zip(layers, caches)]
+    plan = DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    for _ in range(2):
+        x = torch.randn(2, C.hidden, generator=g)
+        ref_lens = lens.clone()
+        got = decode_step(plan, layers, caches, x, lens)
+        assert torch.equal(lens, ref_lens + 1)
+        h = x.double()
+        for wd, kref, vref in refs:
+            h = _ref_step(h, wd, kref, vref, ref_lens)
+        assert (got.double() - h).abs().max() < 2e-5 * h.abs().max()
+
+
+def _bad(name):
+    w, kc, vc, lens, _ = _case(2)
+    x = torch.randn(2, C.hidden)
+    args = dict(x=x, weights=w, k_cache=kc, v_cache=vc, cache_seqlens=lens, block_table=None)
+    return args
+
+
+BAD = [
+    ("x", torch.randn(3, C.hidden), ValueError, r"x must have shape \(2, 128\)"),
+    ("x", torch.randn(2, C.hidden).half(), TypeError, "x must be torch.float32"),
+    ("x", "tensor", TypeError, "x must be a torch.Tensor"),
+    ("x", torch.randn(2, C.hidden, requires_grad=True), ValueError, "grad"),
+    ("weights", {"qkv": 1}, TypeError, "weights must be a flashflow LayerWeights"),
+    ("k_cache", torch.randn(2, CAP, C.kv_heads, C.head_dim).to(torch.float8_e4m3fn), TypeError, "FP8"),
+    ("k_cache", torch.randn(2, CAP + 1, C.kv_heads, C.head_dim), ValueError, "k_cache must have shape"),
+    ("cache_seqlens", torch.tensor([1, 2]), TypeError, "cache_seqlens must be an int32 tensor"),
+    ("cache_seqlens", torch.tensor([1, CAP], dtype=torch.int32), ValueError, r"cache_seqlens must be in .*\[0, 47\]"),
+    ("cache_seqlens", torch.tensor([-1, 0], dtype=torch.int32), ValueError, "cache_seqlens must be in"),
+    ("block_table", torch.zeros(2, 3, dtype=torch.int32), ValueError, "block_table was given to a plan for a contiguous"),
+]
+
+
+@pytest.mark.parametrize("name,value,exc,match", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_input_is_refused_before_any_launch(name, value, exc, match):
+    args = _bad(name)
+    args[name] = value
+    plan = DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32)
+    with pytest.raises(exc, match=match):
+        plan.run(**args)
+    assert int(plan.sync.abs().sum()) == 0   # nothing launched
+
+
+def test_bad_weights_and_plans_are_refused():
+    w, kc, vc, lens, _ = _case(2)
+    plan = DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32)
+    bad = LayerWeights(**{**w.as_dict(), "down": w.down[:, :-1]})
+    with pytest.raises(ValueError, match=r"weights.down must have shape \(128, 160\)"):
+        plan.run(torch.randn(2, C.hidden), bad, kc, vc, lens)
+    with pytest.raises(ValueError, match="batch must be at most 16"):
+        DecodeLayerPlan(C, 17, CAP, device="cpu", dtype=torch.float32)
+    with pytest.raises(TypeError, match="batch must be an int"):
+        DecodeLayerPlan(C, 2.0, CAP, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        LayerConfig(hidden=96, heads=4, kv_heads=2, head_dim=24, intermediate=64)
+    with pytest.raises(ValueError, match="multiple of kv_heads"):
+        LayerConfig(hidden=96, heads=3, kv_heads=2, head_dim=32, intermediate=64)
+    with pytest.raises(ValueError, match="capacity .* multiple of page_size"):
+        DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32, page_size=10)
+    with pytest.raises(TypeError, match="block_table must be an int32 tensor of shape"):
+        DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32, page_size=PAGE).run(
+            torch.randn(2, C.hidden), w, kc.view(-1, PAGE, C.kv_heads, C.head_dim),
+            vc.view(-1, PAGE, C.kv_heads, C.head_dim), lens)
+    with pytest.raises(TypeError, match="dtype must be one of"):
+        DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.int8)
+
+
+def test_bytes_per_step():
+    # a Llama-3-8B layer holds 218,103,808 matrix weights and two norms of 4096
+    params = 4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 14336 * 4096
+    assert params == 218_103_808
+    kv = 2 * 8 * 1000 * 128
+    assert decode_layer_bytes(LLAMA3_8B, 1, 1000) == 2 * (params + 2 * 4096 + kv + 2 * 8 * 128 + 2 * 4096)
+    assert decode_layer_bytes(LLAMA3_8B, 16, 0, itemsize=1) == params + 2 * 4096 + 16 * 2 * 8 * 128 + 2 * 16 * 4096
