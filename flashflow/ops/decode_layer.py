@@ -302,6 +302,8 @@ class DecodeLayerPlan:
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config must be a flashflow LayerConfig, got {type(config).__name__}")
         device = torch.device(device)
+        if device.type == "cuda" and device.index is None:   # "cuda": the current device, as torch reads it
+            device = torch.device("cuda", torch.cuda.current_device())
         if device.type == "meta":
             raise ValueError("device must be where the kernels run (a CUDA device, or cpu under TRITON_INTERPRET=1), "
                              "got meta")
