@@ -120,18 +120,41 @@ def make_providers(config, x, weights, k_cache, v_cache, names=PROVIDERS) -> dic
         provs[KERNELS] = kernels
     if {EAGER, GRAPH, COMPILE} & set(names):
         cos, sin = (t.to(device) for t in rope_tables(seqlen, c.head_dim, c.rope_theta, torch.float32))
-        kt, vt = k_cache.transpose(1, 2).contiguous(), v_cache.transpose(1, 2).contiguous()
         pos = torch.tensor([seqlen - 1], device=device)
-
-        def eager():
-            return torch_layer(x, w, kt, vt, pos, cos, sin, c.heads, c.kv_heads, c.eps)
+        layer = TorchLayer(c, w, k_cache, v_cache, cos, sin)
         for name in (EAGER, GRAPH):
             if name in names:
-                provs[name] = eager
+                provs[name] = lambda: layer(x, pos)
         if COMPILE in names:
-            compiled = torch.compile(torch_layer, mode="reduce-overhead")
-            provs[COMPILE] = lambda: compiled(x, w, kt, vt, pos, cos, sin, c.heads, c.kv_heads, c.eps).clone()
+            # a second copy of the cache, so that the providers do not share one; the weights,
+            # caches and tables are the module's buffers: reduce-overhead's CUDA graphs treat
+            # them as static (tensors passed as arguments would be copied in before every replay,
+            # and the cache's in-place append would make it skip the graphs)
+            clayer = TorchLayer(c, w, k_cache, v_cache, cos, sin)
+            compiled = torch.compile(clayer, mode="reduce-overhead")
+            provs[COMPILE] = lambda: compiled(x, pos).clone()
     return provs
+
+
+class TorchLayer(torch.nn.Module):
+    """:func:`torch_layer` as a module (gpt-fast's form): weights, the static caches ``(batch,
+    kv_heads, capacity, d)`` and the RoPE tables are buffers, ``forward(x, pos)``."""
+
+    def __init__(self, config, w: dict, k_cache, v_cache, cos, sin):
+        super().__init__()
+        self.config = config
+        for name, t in w.items():
+            self.register_buffer(name, t)
+        self.register_buffer("kc", k_cache.transpose(1, 2).contiguous())
+        self.register_buffer("vc", v_cache.transpose(1, 2).contiguous())
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
+        self.names = tuple(w)
+
+    def forward(self, x, pos):
+        c = self.config
+        w = {name: getattr(self, name) for name in self.names}
+        return torch_layer(x, w, self.kc, self.vc, pos, self.cos, self.sin, c.heads, c.kv_heads, c.eps)
 
 
 def reference(config, x, weights, k_cache, v_cache) -> torch.Tensor:
