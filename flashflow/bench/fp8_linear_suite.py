@@ -254,17 +254,9 @@ def bench_case(layer: str, m: int, k: int, n: int, providers=PROVIDERS, timer=No
 def check_args(args) -> str | None:
     """The problem with the suite's options, or None (then ``args.providers`` is a list). Runs
     before the GPU is looked for, so a typo is reported on any machine."""
-    for flag in ("warmup", "rep"):
-        value = getattr(args, flag)
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            return f"--{flag} must be a positive number of milliseconds, got {value!r}"
-    try:
-        from flashflow.bench.runner import parse_providers
+    from flashflow.bench.runner import check_timing_and_providers
 
-        args.providers = parse_providers(args.providers, PROVIDERS, "fp8-linear")
-    except ValueError as e:
-        return str(e)
-    return None
+    return check_timing_and_providers(args, PROVIDERS, "fp8-linear")
 
 
 def run_bench(shapes=SHAPES, providers=PROVIDERS, warmup: int = WARMUP_MS, rep: int = REP_MS, quick: bool = False,

@@ -184,17 +184,9 @@ def check_args(args) -> str | None:
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= MODEL_BLOCKS:
         return (f"--blocks must be a whole number from 1 to {MODEL_BLOCKS} (Qwen-Image has "
                 f"{MODEL_BLOCKS} transformer blocks), got {blocks!r}")
-    for flag in ("warmup", "rep"):
-        value = getattr(args, flag)
-        if not isinstance(value, int) or value < 1:
-            return f"--{flag} must be a positive number of milliseconds, got {value!r}"
-    try:
-        from flashflow.bench.runner import parse_providers
+    from flashflow.bench.runner import check_timing_and_providers
 
-        args.providers = parse_providers(args.providers, PROVIDERS, "qwen-image")
-    except ValueError as e:
-        return str(e)
-    return None
+    return check_timing_and_providers(args, PROVIDERS, "qwen-image")
 
 
 # --------------------------------------------------------------------------------------------

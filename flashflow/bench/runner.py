@@ -132,6 +132,21 @@ def parse_providers(spec, known, suite: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def check_timing_and_providers(args, known, suite: str) -> str | None:
+    """The problem with a suite's ``--warmup``, ``--rep`` (positive whole milliseconds) and
+    ``--providers`` (:func:`parse_providers` of ``known``), or None, ``args.providers`` then a
+    list. Suites call it before looking for a GPU, so a typo is reported on any machine."""
+    for flag in ("warmup", "rep"):
+        value = getattr(args, flag)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            return f"--{flag} must be a positive number of milliseconds, got {value!r}"
+    try:
+        args.providers = parse_providers(args.providers, known, suite)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # environment and JSON
 # --------------------------------------------------------------------------------------------
