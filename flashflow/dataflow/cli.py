@@ -7,6 +7,7 @@
     flashflow dataflow search --M 512 --N 512 --K 512 --block-m 128 --block-n 128 --cache 256KiB --sms 1
     flashflow dataflow waves  --M 4096 --n-max 16384 --png w.png    # tail / stair-step curve
     flashflow dataflow chain  --M 4096 --hidden 4096 --intermediate 14336
+    flashflow dataflow decode-layer --batch 1 --cache-len 4095   # the decode megakernel's stages
 
 Defaults are an H100 (132 SMs, 50 MiB of L2, modelled as one LRU in lockstep waves) running
 bf16 with 128×128×64 tiles; ``--l2-partitions 2`` splits the L2 into near partitions
@@ -22,6 +23,7 @@ import sys
 
 from flashflow.dataflow import bounds as _bounds
 from flashflow.dataflow import chain as _chain
+from flashflow.dataflow import decode_layer as _decode_layer
 from flashflow.dataflow import orders as _orders
 from flashflow.dataflow import plots as _plots
 from flashflow.dataflow import search as _search
@@ -382,6 +384,40 @@ def cmd_chain(args) -> int:
     return 0
 
 
+def cmd_decode_layer(args) -> int:
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from flashflow.tuning.decode import cap_splits, num_splits_heuristic
+    from flashflow.tuning.decode_layer import decode_layer_config
+
+    if args.heads % args.kv_heads:
+        raise ValueError(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
+    layer = SimpleNamespace(hidden=args.hidden, heads=args.heads, kv_heads=args.kv_heads,
+                            head_dim=args.head_dim, intermediate=args.intermediate)
+    tiles = decode_layer_config("sm90", args.head_dim)
+    tiles = replace(tiles, **{k: v for k, v in (("QKV_PAIRS", args.qkv_pairs), ("BLOCK_N", args.block_n),
+                                                ("BLOCK_I", args.block_i), ("BLOCK_K", args.block_k))
+                              if v is not None})
+    if (args.head_dim // 2) % tiles.QKV_PAIRS:
+        raise ValueError(f"--qkv-pairs ({tiles.QKV_PAIRS}) must divide head_dim / 2 ({args.head_dim // 2})")
+    capacity = args.cache_len + 1
+    splits = args.splits or cap_splits(num_splits_heuristic(args.batch * args.kv_heads, capacity, args.sms,
+                                                            tiles.BLOCK_KV), capacity, tiles.BLOCK_KV)
+    r = _decode_layer.model_layer(layer, args.batch, args.cache_len, tiles, splits, args.sms, args.cache,
+                                  args.elem_bytes)
+    print(f"decode layer hidden={args.hidden} heads={args.heads}/{args.kv_heads} d={args.head_dim} "
+          f"intermediate={args.intermediate}, batch {args.batch}, {args.cache_len} cached keys, {splits} splits; "
+          f"{args.sms} programs, L2 {fmt_bytes(args.cache)}; tiles {tiles}")
+    rows = [[st.name, st.tasks, f"{st.steps_per_task:.0f}", st.span, f"{st.busy_fraction:.0%}",
+             fmt_bytes(st.weight_bytes)] for st in r.stages]
+    print(_table(["stage", "tasks", "K-steps a task", "span (K-steps)", "SMs busy", "weights"], rows))
+    print(f"DRAM {fmt_bytes(r.dram_bytes)} (the fewest a step moves: {fmt_bytes(r.compulsory_bytes)}); "
+          f"time {r.makespan} K-steps against {r.ideal_makespan} with every SM busy: "
+          f"{r.makespan / r.ideal_makespan:.2f}x, SMs {r.utilization:.0%} busy")
+    return 0
+
+
 def _run(args) -> int:
     """Bad values the options' types cannot see alone (combinations, order names, shapes the
     model refuses) end as argparse errors: usage, one line, exit status 2."""
@@ -464,3 +500,22 @@ def add_parser(subparsers) -> None:
                    help="comma-separated issue policies (multirow:R for R row-blocks)")
     _add_tiles(c)
     _add_machine(c)
+
+    d = _sub(sub, "decode-layer", cmd_decode_layer, "the decode megakernel's stages: SMs busy, DRAM bytes",
+             "The decode-layer megakernel's task table (flashflow.kernels.decode_layer) on the "
+             "machine: each stage's tasks, the span it takes and the SMs it keeps busy, and the "
+             "DRAM bytes of a step against the fewest possible. One K-step a time unit.")
+    d.add_argument("--batch", type=_positive, default=1, help="sequences (1-16)")
+    d.add_argument("--cache-len", type=_non_negative, default=4095, help="keys cached before this token")
+    d.add_argument("--hidden", type=_positive, default=4096, help="model width (Llama-3-8B's by default)")
+    d.add_argument("--heads", type=_positive, default=32, help="query heads")
+    d.add_argument("--kv-heads", type=_positive, default=8, help="key/value heads")
+    d.add_argument("--head-dim", type=_positive, default=128, help="head size")
+    d.add_argument("--intermediate", type=_positive, default=14336, help="FFN width")
+    d.add_argument("--splits", type=_non_negative, default=0, help="attention splits (0: the plan's rule)")
+    d.add_argument("--qkv-pairs", type=_positive, default=None, help="rotary pairs a QKV task (default: sm90's)")
+    d.add_argument("--block-n", type=_positive, default=None, help="O / down columns a task (default: sm90's)")
+    d.add_argument("--block-i", type=_positive, default=None, help="gate/up columns a task (default: sm90's)")
+    d.add_argument("--block-k", type=_positive, default=None, help="K chunk (default: sm90's)")
+    d.add_argument("--elem-bytes", type=_positive, default=2, help="bytes an element (2: bf16)")
+    _add_machine(d)

@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
-from flashflow.kernels.decode_layer import ATTN, DOWN, GATEUP, OPROJ, QKV, TASK_WORDS, decode_layer_kernel
-from flashflow.kernels.mlp import CNT_OFF, MAX_THREADS, SYNC_ERR
+from flashflow.kernels.decode_layer import (TASK_WORDS, build_tasks, counters, decode_layer_kernel,
+                                            dependency_violations)
+# the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
+from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
+from flashflow.kernels.mlp import MAX_THREADS, SYNC_ERR
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments
 from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here
@@ -114,110 +116,6 @@ def random_layer_weights(config: LayerConfig, dtype=torch.bfloat16, device="cuda
         return (1 + 0.1 * torch.randn(c.hidden, generator=g)).to(dtype=dtype, device=device)
     return LayerWeights(norm(), lin(c.qkv_rows, c.hidden), lin(c.hidden, c.heads * c.head_dim), norm(),
                         lin(2 * c.intermediate, c.hidden), lin(c.hidden, c.intermediate))
-
-
-def decode_layer_bytes(config: LayerConfig, batch: int, cache_len: int, itemsize: int = 2) -> int:
-    """The fewest DRAM bytes one step moves: every weight once, the ``cache_len`` cached keys and
-    values of every sequence read once, the new key and value written, x read and out written."""
-    c = config
-    weights = (c.qkv_rows * c.hidden + c.hidden * c.heads * c.head_dim + 3 * c.intermediate * c.hidden
-               + 2 * c.hidden)
-    kv_read = 2 * batch * c.kv_heads * cache_len * c.head_dim
-    kv_write = 2 * batch * c.kv_heads * c.head_dim
-    return (weights + kv_read + kv_write + 2 * batch * c.hidden) * itemsize
-
-
-# --------------------------------------------------------------------------------------------
-# the task table
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Counters:
-    """Word offsets of the counters in the int64 SYNC buffer (after :mod:`flashflow.kernels.mlp`'s
-    fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), then one each
-    for attention results, O tiles, gate/up tiles and down tiles."""
-    attn_ready: int
-    merge: int
-    o_ready: int
-    h1_ready: int
-    act_ready: int
-    done: int
-    words: int
-
-
-def counters(config: LayerConfig, batch: int) -> Counters:
-    hk = config.kv_heads
-    base = CNT_OFF + hk + batch * hk
-    return Counters(CNT_OFF, CNT_OFF + hk, base, base + 1, base + 2, base + 3, base + 4)
-
-
-def build_tasks(config: LayerConfig, batch: int, num_splits: int, tiles: DecodeLayerConfig,
-                shuffle: Optional[int] = None) -> list[tuple]:
-    """The task rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)`` in ticket order:
-    QKV tiles (by KV group: its query heads, its key head, its value head), attention tasks,
-    O-projection, gate/up and down tiles. ``shuffle`` (a seed): a random topological order
-    instead, for tests (the outputs do not depend on the order)."""
-    c, cnt = config, counters(config, batch)
-    group = c.heads // c.kv_heads
-    per_head = c.head_dim // 2 // tiles.QKV_PAIRS
-    n_o, n_gu = cdiv(c.hidden, tiles.BLOCK_N), cdiv(c.intermediate, tiles.BLOCK_I)
-    tasks = []
-    for kvh in range(c.kv_heads):
-        heads = [kvh * group + i for i in range(group)] + [c.heads + kvh, c.heads + c.kv_heads + kvh]
-        tasks += [(QKV, h, p, 0, 0, 0, cnt.attn_ready + kvh, 0) for h in heads for p in range(per_head)]
-    for kvh in range(c.kv_heads):
-        tasks += [(ATTN, b, kvh, s, cnt.attn_ready + kvh, (group + 2) * per_head, cnt.o_ready, 0)
-                  for b in range(batch) for s in range(num_splits)]
-    tasks += [(OPROJ, j, 0, 0, cnt.o_ready, batch * c.kv_heads, cnt.h1_ready, 0) for j in range(n_o)]
-    tasks += [(GATEUP, j, 0, 0, cnt.h1_ready, n_o, cnt.act_ready, 0) for j in range(n_gu)]
-    tasks += [(DOWN, j, 0, 0, cnt.act_ready, n_gu, cnt.done, 0) for j in range(n_o)]
-    if shuffle is not None:
-        tasks = _random_topological(tasks, num_splits, random.Random(shuffle))
-    return tasks
-
-
-def _signals(tasks: list[tuple], num_splits: int):
-    """Each task's contribution to the counters: an attention task counts towards its counter
-    only as the last of its (sequence, KV head)'s splits (the merge signals)."""
-    left = {}
-    for t in tasks:
-        if t[0] == ATTN:
-            left[(t[1], t[2])] = left.get((t[1], t[2]), 0) + 1
-    return left
-
-
-def _random_topological(tasks, num_splits, rng) -> list[tuple]:
-    count: dict = {}
-    left = _signals(tasks, num_splits)
-    pending, order = list(tasks), []
-    while pending:
-        ready = [i for i, t in enumerate(pending) if count.get(t[4], 0) >= t[5]]
-        t = pending.pop(rng.choice(ready))
-        order.append(t)
-        _count(t, count, left)
-    return order
-
-
-def _count(t, count, left) -> None:
-    if t[0] == ATTN:
-        left[(t[1], t[2])] -= 1
-        if left[(t[1], t[2])]:
-            return
-    count[t[6]] = count.get(t[6], 0) + 1
-
-
-def dependency_violations(tasks: list[tuple], num_splits: int) -> list[int]:
-    """Tickets whose wait is not met by the tasks of smaller tickets (empty: the order is
-    topological, which is what makes the kernel deadlock-free)."""
-    count: dict = {}
-    left = _signals(tasks, num_splits)
-    bad = []
-    for i, t in enumerate(tasks):
-        if count.get(t[4], 0) < t[5]:
-            bad.append(i)
-        _count(t, count, left)
-    return bad
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,170 @@
+"""The decode-layer megakernel (:mod:`flashflow.kernels.decode_layer`) on the dataflow machine:
+its task table, in ticket order, as the machine's jobs (:mod:`flashflow.dataflow.machine`).
+
+Each task is a job whose K-steps read what the kernel's loop reads per iteration:
+
+- a QKV task (head, rotary-pair block): per ``BLOCK_K`` chunk of the hidden size, its two weight
+  tiles (``2·QKV_PAIRS`` rows) and the chunk of x; it writes its q rows to the fp32 workspace
+  (write-allocate: the attention tasks read them back) or stores its k/v rows into the cache;
+- an attention task (sequence, KV head, split): per ``BLOCK_KV`` keys of its slice, that block
+  of K and of V; it waits on its group's QKV tasks and reads their q rows first, and writes its
+  fp32 partial;
+- an O, gate/up or down task: per ``BLOCK_K`` chunk, its weight tile (gate and up together)
+  and the chunk of its fp32 input (the attention output, h or the activation), after waiting on
+  every task of the stage before; it writes its columns (the down stage stores ``out``).
+
+The activations and workspaces are ``batch`` rows: tens to hundreds of KB, held by the L2.
+Weights and the cache are read once whatever the order, so the predicted DRAM bytes sit at
+:func:`flashflow.kernels.decode_layer.decode_layer_bytes` plus the workspaces' write-back. What the
+model shows beyond bytes is the schedule: one K-step a time unit, ``num_slots`` programs (one
+an SM), the slots each stage keeps busy while it runs. A stage of fewer tasks than slots, or
+whose last wave is short, leaves SMs idle, and a memory-bound step is then slower than its
+bytes: the megakernel's measured shortfall (docs/decode_layer.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flashflow.dataflow.machine import Job, replay, schedule
+from flashflow.device import cdiv
+from flashflow.kernels.decode_layer import ATTN, DOWN, GATEUP, OPROJ, QKV, STAGES, build_tasks, decode_layer_bytes
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """One stage of a step: its tasks, their K-steps, the time span from its first K-step to its
+    last (in K-steps) and the busy slots over that span."""
+
+    name: str
+    tasks: int
+    steps_per_task: float
+    span: int
+    busy_fraction: float
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
+class LayerReport:
+    dram_bytes: int
+    read_bytes: int
+    write_bytes: int
+    compulsory_bytes: int
+    makespan: int            # K-steps
+    ideal_makespan: int      # every slot busy every step: total K-steps / slots, rounded up
+    utilization: float
+    stages: tuple[StageReport, ...]
+
+
+def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, itemsize: int = 2) -> list[Job]:
+    """The plan's task table (:func:`flashflow.kernels.decode_layer.build_tasks`) as jobs, in
+    ticket order. ``config``: the layer's sizes (hidden, heads, kv_heads, head_dim,
+    intermediate, as :class:`flashflow.ops.decode_layer.LayerConfig`); ``cache_len`` keys in
+    the cache before this step's token. A workspace block is keyed by its writer (the attention
+    output per (sequence, KV head), h per O task, the activation per gate/up task); a reader's
+    K chunk reads every writer block it overlaps."""
+    c, e, bk = config, itemsize, tiles.BLOCK_K
+    d, group = c.head_dim, c.heads // c.kv_heads
+    keys = cache_len + 1
+    chunk = cdiv(cdiv(keys, num_splits), tiles.BLOCK_KV) * tiles.BLOCK_KV
+    pairs = d // 2 // tiles.QKV_PAIRS
+    tasks = build_tasks(c, batch, num_splits, tiles)
+    by_stage: dict[int, list[int]] = {}
+    qkv_of_group: dict[int, list[int]] = {}
+    for i, t in enumerate(tasks):
+        by_stage.setdefault(t[0], []).append(i)
+        if t[0] == QKV:
+            head = t[1]
+            kvh = head // group if head < c.heads else (head - c.heads) % c.kv_heads
+            qkv_of_group.setdefault(kvh, []).append(i)
+
+    def written(src, k):
+        """The workspace blocks that K chunk ``k`` of source ``src`` overlaps."""
+        lo, hi = k * bk, (k + 1) * bk
+        if src == "x":   # the layer's input: the reader's chunk, from DRAM on its first touch
+            return ((("x", k), batch * (min(hi, c.hidden) - lo) * e),)
+        if src == "att":
+            width = group * d
+            return tuple((("att", b, h), group * d * F32) for b in range(batch)
+                         for h in range(lo // width, cdiv(min(hi, c.heads * d), width)))
+        width = tiles.BLOCK_N if src == "h" else tiles.BLOCK_I
+        total = c.hidden if src == "h" else c.intermediate
+        return tuple(((src, j), batch * min(width, total - j * width) * F32)
+                     for j in range(lo // width, cdiv(min(hi, total), width)))
+
+    def chunks(k_total, rows, key, src):
+        return tuple(((key + (k,), rows * min(bk, k_total - k * bk) * e),) + written(src, k)
+                     for k in range(cdiv(k_total, bk)))
+
+    jobs = []
+    for t in tasks:
+        stage, a, b, s = t[0], t[1], t[2], t[3]
+        if stage == QKV:
+            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "x")
+            rows = batch * 2 * tiles.QKV_PAIRS
+            if a < c.heads:   # q rows to the workspace, read back by the group's attention
+                jobs.append(Job(("qkv", a, b), steps, writes=((("q", a, b), rows * F32),)))
+            else:             # the new token's k or v rows into the cache
+                jobs.append(Job(("qkv", a, b), steps, store_bytes=rows * e))
+        elif stage == ATTN:
+            lo, hi = s * chunk, min((s + 1) * chunk, keys)
+            q_blocks = tuple((("q", h, p), batch * 2 * tiles.QKV_PAIRS * F32)
+                             for h in range(b * group, (b + 1) * group) for p in range(pairs))
+            steps = [q_blocks] if hi <= lo else []
+            for j, k0 in enumerate(range(lo, hi, tiles.BLOCK_KV)):
+                n = min(tiles.BLOCK_KV, hi - k0)
+                blocks = ((("K", a, b, k0), n * d * e), (("V", a, b, k0), n * d * e))
+                steps.append((q_blocks + blocks) if j == 0 else blocks)
+            out = ((("part", a, b, s), group * (d + 2) * F32),)
+            if s == num_splits - 1:   # the merge's result, which the O tasks read
+                out += ((("att", a, b), group * d * F32),)
+            jobs.append(Job(("attn", a, b, s), tuple(steps), writes=out, waits=(tuple(qkv_of_group[b]),)))
+        else:
+            if stage == OPROJ:
+                k_total, rows, width, src = c.heads * d, tiles.BLOCK_N, tiles.BLOCK_N, "att"
+            elif stage == GATEUP:
+                k_total, rows, width, src = c.hidden, 2 * tiles.BLOCK_I, tiles.BLOCK_I, "h"
+            else:
+                k_total, rows, width, src = c.intermediate, tiles.BLOCK_N, tiles.BLOCK_N, "act"
+            before = {OPROJ: ATTN, GATEUP: OPROJ, DOWN: GATEUP}[stage]
+            steps = chunks(k_total, rows, (STAGES[stage], a), src)
+            total = c.intermediate if stage == GATEUP else c.hidden
+            cols = batch * min(width, total - a * width)
+            writes = () if stage == DOWN else ((("h" if stage == OPROJ else "act", a), cols * F32),)
+            jobs.append(Job((STAGES[stage], a), steps, writes=writes, store_bytes=cols * e if stage == DOWN else 0,
+                            waits=(tuple(by_stage[before]),)))
+    return jobs
+
+
+def model_layer(config, batch: int, cache_len: int, tiles, num_splits: int, num_slots: int = 132,
+                l2_bytes: int = 50 * 2**20, itemsize: int = 2) -> LayerReport:
+    """Schedule one step's jobs on ``num_slots`` programs, replay it through an LRU L2 of
+    ``l2_bytes``: the DRAM bytes, the makespan against every slot busy, and each stage's
+    span and busy slots."""
+    jobs = layer_jobs(config, batch, cache_len, tiles, num_splits, itemsize)
+    sched = schedule(jobs, num_slots)
+    traffic = replay(sched, jobs, l2_bytes)
+    total_steps = sum(len(j.steps) for j in jobs)
+    # per stage: the K-steps its jobs ran at each time
+    first, last, busy = {}, {}, {}
+    start = {}
+    for i, job in enumerate(jobs):
+        end = sched.finish_time[i]
+        start[i] = end - len(job.steps) + 1   # a lower bound when the job stalled: its span is then wider
+    stage_of = [job.name[0] for job in jobs]
+    for i, job in enumerate(jobs):
+        name = stage_of[i]
+        first[name] = min(first.get(name, start[i]), start[i])
+        last[name] = max(last.get(name, sched.finish_time[i]), sched.finish_time[i])
+        busy[name] = busy.get(name, 0) + len(job.steps)
+    reports = []
+    for name in ("qkv", "attn", "oproj", "gateup", "down"):
+        idx = [i for i, s in enumerate(stage_of) if s == name]
+        span = last[name] - first[name] + 1
+        weights = sum(size for i in idx for step in jobs[i].steps for key, size in step
+                      if key[0] in ("Wqkv", "oproj", "gateup", "down"))
+        reports.append(StageReport(name, len(idx), busy[name] / len(idx), span, busy[name] / (span * num_slots),
+                                   weights))
+    return LayerReport(traffic.dram_bytes, traffic.read_bytes, traffic.write_bytes, decode_layer_bytes(config, batch, cache_len, itemsize), sched.makespan,
+                       cdiv(total_steps, num_slots), traffic.utilization, tuple(reports))

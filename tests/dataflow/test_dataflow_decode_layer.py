@@ -1,0 +1,84 @@
+"""The decode-layer megakernel on the dataflow machine (flashflow.dataflow.decode_layer): its jobs
+follow the kernel's task table, the DRAM bytes sit at the fewest a step moves when the L2 holds
+the workspaces, and each stage's span and busy SMs follow from its tasks."""
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+
+from flashflow.cli import main
+from flashflow.dataflow.decode_layer import layer_jobs, model_layer
+from flashflow.device import cdiv
+from flashflow.kernels.decode_layer import STAGES, build_tasks, decode_layer_bytes
+from flashflow.tuning.decode_layer import decode_layer_config
+
+LLAMA = SimpleNamespace(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
+TINY = SimpleNamespace(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=192)
+TILES = decode_layer_config("sm90", 128)
+TINY_TILES = replace(decode_layer_config("interpreter", 32), BLOCK_K=32, BLOCK_KV=16)
+
+
+def test_jobs_follow_the_task_table():
+    jobs = layer_jobs(TINY, 3, 40, TINY_TILES, 2)
+    tasks = build_tasks(TINY, 3, 2, TINY_TILES)
+    assert [j.name[0] for j in jobs] == [STAGES[t[0]] for t in tasks]
+    qkv = [j for j in jobs if j.name[0] == "qkv"]
+    assert all(len(j.steps) == cdiv(TINY.hidden, TINY_TILES.BLOCK_K) for j in qkv)
+    down = [j for j in jobs if j.name[0] == "down"]
+    assert all(len(j.steps) == cdiv(TINY.intermediate, TINY_TILES.BLOCK_K) for j in down)
+    # every wait names jobs of smaller tickets (the table is topological)
+    assert all(d < i for i, j in enumerate(jobs) for w in j.waits for d in w)
+    # the attention tasks of a sequence and KV head read its 41 keys once over their splits
+    keys = {k: n for j in jobs if j.name[0] == "attn" for step in j.steps for k, n in step if k[0] == "K"}
+    assert len(keys) == 3 * 2 * cdiv(41, 16) and sum(keys.values()) == 3 * 2 * 41 * TINY.head_dim * 2
+
+
+@pytest.mark.parametrize("batch,cache_len", [(1, 40), (3, 100)])
+def test_dram_bytes_are_the_fewest_when_the_l2_holds_the_workspaces(batch, cache_len):
+    r = model_layer(TINY, batch, cache_len, TINY_TILES, 2, num_slots=8, l2_bytes=64 * 2**20)
+    fewest = decode_layer_bytes(TINY, batch, cache_len)
+    # the fp32 workspaces (q, attention partials and output, h, act) are written back once
+    c = TINY
+    workspaces = 4 * batch * (c.heads * c.head_dim + c.kv_heads * 2 * (c.heads // c.kv_heads) * (c.head_dim + 2)
+                              + c.kv_heads * (c.heads // c.kv_heads) * c.head_dim + c.hidden + c.intermediate)
+    assert r.compulsory_bytes == fewest
+    # against the fewest: the norm weights are not modelled (2·hidden elements), the new token's
+    # k and v go to DRAM and the attention reads them back (2·batch·kv_heads·d elements), and
+    # every workspace block is written back once
+    e = 2
+    assert r.dram_bytes == fewest - 2 * c.hidden * e + 2 * batch * c.kv_heads * c.head_dim * e + workspaces
+    # reads: the weights, x and the cache with the new token once; the workspaces are L2 hits
+    weights = ((c.heads + 2 * c.kv_heads) * c.head_dim * c.hidden + c.hidden * c.heads * c.head_dim
+               + 3 * c.intermediate * c.hidden) * e
+    assert r.read_bytes == weights + batch * c.hidden * e + 2 * batch * c.kv_heads * (cache_len + 1) * c.head_dim * e
+
+
+def test_a_small_l2_rereads_the_activations():
+    big = model_layer(TINY, 3, 100, TINY_TILES, 2, num_slots=8, l2_bytes=64 * 2**20)
+    small = model_layer(TINY, 3, 100, TINY_TILES, 2, num_slots=8, l2_bytes=1024)
+    assert small.dram_bytes > big.dram_bytes
+
+
+def test_llama_stages_at_batch_1():
+    r = model_layer(LLAMA, 1, 4095, TILES, 16)
+    stages = {s.name: s for s in r.stages}
+    assert stages["down"].tasks == cdiv(4096, TILES.BLOCK_N)
+    assert stages["down"].steps_per_task == cdiv(14336, TILES.BLOCK_K)
+    # the down stage keeps its tasks' share of the 132 SMs busy over its span, no more
+    assert stages["down"].busy_fraction == pytest.approx(stages["down"].tasks / 132)
+    # each stage waits on the whole stage before: the spans add up to the step
+    assert sum(s.span for s in r.stages) == r.makespan
+    assert r.ideal_makespan == cdiv(sum(s.tasks * s.steps_per_task for s in r.stages), 132)
+    assert r.makespan > r.ideal_makespan
+    assert sum(s.weight_bytes for s in r.stages) == decode_layer_bytes(LLAMA, 1, 0) - 2 * (2 * 8 * 128 + 2 * 4096 + 2 * 4096)
+
+
+def test_cli(capsys):
+    assert main(["dataflow", "decode-layer", "--batch", "2", "--cache-len", "100", "--hidden", "256",
+                 "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--intermediate", "512", "--sms", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "down" in out and "SMs busy" in out and "K-steps" in out
+    with pytest.raises(SystemExit) as e:
+        main(["dataflow", "decode-layer", "--heads", "6", "--kv-heads", "4"])
+    assert e.value.code == 2
+    assert "--heads (6) must be a multiple of --kv-heads (4)" in capsys.readouterr().err
