@@ -23,7 +23,7 @@ from flashflow.kernels.decode import decode_attention_kernel, merge_states_kerne
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import (Launcher, call_key, stream_key, contiguous_strides as _contiguous_strides, dot_options,
                                   head_dim_pad as _head_dim_pad, unit_last_stride)
-from flashflow.ops.validate import (check_flag, check_head_dim, check_heads, check_int, check_no_grad, check_qkv,
+from flashflow.ops.validate import (check_flag, overlaps_itself, check_head_dim, check_heads, check_int, check_no_grad, check_qkv,
                                     check_runs_here, check_scale, check_softcap, check_tensor,
                                     softmax_scale_or_default, window_bounds)
 from flashflow.tuning.decode import cap_splits, DecodeConfig, decode_config, num_splits_heuristic
@@ -69,17 +69,6 @@ def _check_scales(k_cache, k_scale, v_scale, kv_heads, device):
         raise TypeError("k_scale and v_scale must both be floats (per tensor) or both (kv_heads,) tensors "
                         "(per head)")
     return k_val, k_per_head, v_val, v_per_head
-
-
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` may share an address (an ``expand``-ed or overlapping view):
-    a kernel's writes to it would race. Conservative: strides whose spans interleave count too."""
-    span = 0   # the furthest offset the smaller strides reach
-    for stride, size in sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1):
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
 
 
 def _cache_geometry(q, k_cache, v_cache, block_table, kv_layout):
@@ -283,7 +272,7 @@ class DecodePlan:
             raise ValueError("cache_seqlens is required when appending k/v (where to write them)")
         if n_new:
             for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-                if _overlaps_itself(t):   # several sequences' new tokens would land on one address
+                if overlaps_itself(t):   # several sequences' new tokens would land on one address
                     raise ValueError(f"{name} has elements sharing an address (an expand-ed or overlapping view, "
                                      f"strides {t.stride()}): the append cannot write into it; pass a cache with "
                                      "its own memory per position")
@@ -438,7 +427,7 @@ def _check_out(out, q) -> None:
         raise TypeError(f"out must be {form}, got {type(out).__name__}")
     if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
         raise ValueError(f"out must be {form}, got a {out.dtype} tensor of shape {tuple(out.shape)} on {out.device}")
-    if (out.stride(-1) != 1 and out.shape[-1] > 1) or _overlaps_itself(out):
+    if (out.stride(-1) != 1 and out.shape[-1] > 1) or overlaps_itself(out):
         raise ValueError(f"out must have a unit stride in its last dimension and no two elements at one address, "
                          f"got strides {out.stride()}")
     check_no_grad("flash_attn_with_kvcache", out=out)

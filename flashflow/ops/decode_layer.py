@@ -31,8 +31,8 @@ from flashflow.kernels.decode_layer import (TASK_WORDS, build_tasks, counters, d
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
 from flashflow.kernels.mlp import MAX_THREADS, SYNC_ERR
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments
-from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here
+from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments, unit_last_stride
+from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here, overlaps_itself
 from flashflow.tuning.decode import cap_splits, num_splits_heuristic
 from flashflow.tuning.decode_layer import DecodeLayerConfig, decode_layer_config, num_programs as grid_programs
 
@@ -123,16 +123,6 @@ def random_layer_weights(config: LayerConfig, dtype=torch.bfloat16, device="cuda
 # --------------------------------------------------------------------------------------------
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Two elements of ``t`` may share an address (an expanded or overlapping view)."""
-    span = 0
-    for stride, size in sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1):
-        if stride <= span:
-            return True
-        span += stride * (size - 1)
-    return False
-
-
 def _tensor(name, t, shape, dtype, device) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {shape}, got {type(t).__name__}")
@@ -150,13 +140,9 @@ def _written(name, t) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} is written by the kernel and must have a unit stride in its last dimension, "
                          f"got strides {t.stride()}")
-    if _overlaps_itself(t):
+    if overlaps_itself(t):
         raise ValueError(f"{name} is written by the kernel and must not overlap itself (an expanded view), "
                          f"got strides {t.stride()} for shape {tuple(t.shape)}")
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _spin_limit(device: torch.device) -> int:
@@ -264,11 +250,11 @@ class DecodeLayerPlan:
 
     def _check(self, x, weights, k_cache, v_cache, cache_seqlens, block_table, out):
         c, dev = self.config, self.device
-        x = _rows(_tensor("x", x, (self.batch, c.hidden), self.dtype, dev))
+        x = unit_last_stride(_tensor("x", x, (self.batch, c.hidden), self.dtype, dev))
         check_runs_here("x", x)
         if not isinstance(weights, LayerWeights):
             raise TypeError(f"weights must be a flashflow LayerWeights, got {type(weights).__name__}")
-        w = {name: _rows(_tensor(f"weights.{name}", t, weights.shapes(c)[name], self.dtype, dev))
+        w = {name: unit_last_stride(_tensor(f"weights.{name}", t, weights.shapes(c)[name], self.dtype, dev))
              for name, t in weights.as_dict().items()}
         w["attn_norm"], w["ffn_norm"] = w["attn_norm"].contiguous(), w["ffn_norm"].contiguous()
         tail = (c.kv_heads, c.head_dim)
@@ -308,7 +294,7 @@ class DecodeLayerPlan:
                                 f"{tuple(getattr(block_table, 'shape', ()))}")
             if block_table.device != dev:
                 raise ValueError(f"block_table must be on {dev}, got {block_table.device}")
-            block_table = _rows(block_table)
+            block_table = unit_last_stride(block_table)
         if out is None:
             out = torch.empty(self.batch, c.hidden, dtype=self.dtype, device=dev)
         else:

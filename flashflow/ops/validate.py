@@ -89,6 +89,17 @@ def check_unit_last_stride(name: str, t: torch.Tensor) -> None:
 MAX_HEAD_DIM = 256
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share an address (an ``expand``-ed or overlapping view):
+    a kernel's writes to it would race. Conservative: strides whose spans interleave count too."""
+    span = 0   # the furthest offset the smaller strides reach
+    for stride, size in sorted((t.stride(i), t.size(i)) for i in range(t.dim()) if t.size(i) > 1):
+        if stride <= span:
+            return True
+        span += stride * (size - 1)
+    return False
+
+
 def check_tensor(name: str, t, rank: int, form: str) -> None:
     """A float16/bfloat16/float32 tensor of ``rank`` dimensions laid out as ``form``."""
     if not isinstance(t, torch.Tensor):
