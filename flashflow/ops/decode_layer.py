@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from typing import Optional
 
@@ -31,7 +32,7 @@ from flashflow.kernels.decode_layer import (TASK_WORDS, build_tasks, counters, d
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
 from flashflow.kernels.mlp import MAX_THREADS, SYNC_ERR
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments, unit_last_stride
+from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments, stream_key, unit_last_stride
 from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here, overlaps_itself
 from flashflow.tuning.decode import cap_splits, num_splits_heuristic
 from flashflow.tuning.decode_layer import DecodeLayerConfig, decode_layer_config, num_programs as grid_programs
@@ -354,7 +355,10 @@ class DecodeLayerPlan:
                                "topological, or a hang); the plan's counters were reset")
 
 
-_PLANS: dict = {}
+# the plans of calls made without one, per (sizes, device, stream): a plan's counters order its
+# calls, so two streams must not share one; the least recently used beyond _PLANS_MAX is dropped
+_PLANS: "OrderedDict[tuple, DecodeLayerPlan]" = OrderedDict()
+_PLANS_MAX = 16
 
 
 def decode_layer(x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, config: LayerConfig, block_table=None,
@@ -378,11 +382,15 @@ def decode_layer(x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, conf
         capacity = block_table.shape[1] * page
     else:
         capacity = k_cache.shape[1]
-    key = (config, x.shape[0], capacity, page, x.device, x.dtype)
+    key = (config, x.shape[0], capacity, page, x.device, x.dtype, stream_key(x.device))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = DecodeLayerPlan(config, x.shape[0], capacity, device=x.device, dtype=x.dtype,
                                              page_size=page)
+        if len(_PLANS) > _PLANS_MAX:
+            _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
     return plan.run(x, weights, k_cache, v_cache, cache_seqlens, block_table, out)
 
 

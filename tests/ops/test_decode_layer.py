@@ -288,3 +288,21 @@ def test_bytes_per_step():
     kv = 2 * 8 * 1000 * 128
     assert decode_layer_bytes(LLAMA3_8B, 1, 1000) == 2 * (params + 2 * 4096 + kv + 2 * 8 * 128 + 2 * 4096)
     assert decode_layer_bytes(LLAMA3_8B, 16, 0, itemsize=1) == params + 2 * 4096 + 16 * 2 * 8 * 128 + 2 * 16 * 4096
+
+
+def test_plans_kept_without_one_are_per_stream_and_bounded(monkeypatch):
+    import importlib
+
+    dl = importlib.import_module("flashflow.ops.decode_layer")
+    monkeypatch.setattr(dl, "_PLANS", type(dl._PLANS)())
+    monkeypatch.setattr(dl, "_PLANS_MAX", 1)
+    w, kc, vc, lens, _ = _case(2)
+    x = torch.randn(2, C.hidden)
+    out = {}
+    for stream in (1, 2, 2):
+        monkeypatch.setattr(dl, "stream_key", lambda device, s=stream: s)
+        decode_layer(x, w, kc.clone(), vc.clone(), lens, C)
+        out[stream] = next(iter(dl._PLANS.values()))
+        assert len(dl._PLANS) == 1       # the least recently used plan was dropped
+    assert out[1] is not out[2]          # a second stream never shares the first one's counters
+    assert next(iter(dl._PLANS))[-1] == 2
