@@ -60,7 +60,7 @@ from flashflow.ops.attention import flash_attn_func
 from flashflow.ops.attention_fp8 import FP8_HEAD_DIMS, flash_attn_fp8_func
 from flashflow.ops.fp8_linear import GEMM_MULTIPLE, Fp8Linear, Fp8Weight, quantize_weight
 from flashflow.ops.norm import (gate_residual, gate_residual_layernorm_modulate, joint_qkv_norm_rope,
-                                layernorm_modulate, rmsnorm_rope)
+                                joint_qkv_norm_rope_, layernorm_modulate, rmsnorm_rope)
 from flashflow.ops.quant import Fp8Rows, gelu_quantize_rows
 
 __all__ = ["enable", "disable", "is_enabled", "FlashflowQwenAttnProcessor", "SUPPORTED_MODELS",
@@ -257,8 +257,28 @@ class FlashflowQwenAttnProcessor:
         seq_txt = _rows(encoder_hidden_states).shape[1]
         head_dim = attn.inner_dim // attn.heads
 
+        img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        norms = (attn.norm_added_q, attn.norm_added_k, attn.norm_q, attn.norm_k)
+        weights = [norm.weight for norm in norms]
+        # joint_qkv_norm_rope runs the four norms on one kernel path: weights all present in one
+        # dtype, or all absent
+        one_path = (all(w is None for w in weights)
+                    or (all(w is not None for w in weights) and len({w.dtype for w in weights}) == 1))
+
         qkv, add_qkv = attn._modules.get(_QKV), attn._modules.get(_ADD_QKV)
-        if qkv is not None:
+        joint = None
+        if qkv is not None and batch == 1 and txt_freqs is not None and one_path:
+            # The two streams' fused q/k/v GEMMs write side by side into one (1, S_txt + S_img,
+            # 3·inner) buffer, text rows first: the joint v is then where attention reads it (no
+            # copy), and q and k are normalised and rotated in place. (With batch > 1 a stream's
+            # rows are not one block of such a buffer.)
+            joint = torch.empty((1, seq_txt + seq_img, qkv.out_features), dtype=qkv.dtype,
+                                device=_rows(hidden_states).device)
+            add_qkv(encoder_hidden_states, out=joint[:, :seq_txt])
+            qkv(hidden_states, out=joint[:, seq_txt:])
+            query, key, value = joint_qkv_norm_rope_(joint.unflatten(-1, (3, -1, head_dim)), seq_txt, *weights,
+                                                     txt_freqs, img_freqs, eps=tuple(norm.eps for norm in norms))
+        elif qkv is not None:
             # one FP8 GEMM per stream for q, k and v: views of its (B, S, 3·inner) output
             img_q, img_k, img_v = qkv(hidden_states).unflatten(-1, (3, -1, head_dim)).unbind(-3)
             txt_q, txt_k, txt_v = add_qkv(encoder_hidden_states).unflatten(-1, (3, -1, head_dim)).unbind(-3)
@@ -270,20 +290,13 @@ class FlashflowQwenAttnProcessor:
             txt_k = attn.add_k_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
             txt_v = attn.add_v_proj(encoder_hidden_states).unflatten(-1, (-1, head_dim))
 
-        img_freqs, txt_freqs = image_rotary_emb if image_rotary_emb is not None else (None, None)
-        norms = (attn.norm_added_q, attn.norm_added_k, attn.norm_q, attn.norm_k)
-        weights = [norm.weight for norm in norms]
-        # joint_qkv_norm_rope runs the four norms on one kernel path: weights all present in one
-        # dtype, or all absent
-        one_path = (all(w is None for w in weights)
-                    or (all(w is not None for w in weights) and len({w.dtype for w in weights}) == 1))
-        if txt_freqs is not None and one_path:
+        if joint is None and txt_freqs is not None and one_path:
             # One launch for the four norm + RoPE passes and the three [text, image]
             # concatenations: at Qwen-Image's sizes the step is close to host-bound, and each
             # launch costs host time.
             query, key, value = joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, *weights, txt_freqs,
                                                     img_freqs, eps=tuple(norm.eps for norm in norms))
-        else:
+        elif joint is None:
             # The [text, image] concatenation is folded into the norm (+ RoPE) pass: each stream
             # is written at its offset of the joint buffer.
             joint_shape = (batch, seq_txt + seq_img, img_q.shape[2], head_dim)

@@ -81,6 +81,20 @@ def round_e4m3(x):
 
 
 @triton.jit
+def to_e4m3(x):
+    """``x`` (fp32) rounded to nearest even onto the e4m3 grid and saturated at ±448 (NaN stays
+    NaN), for a value that is only stored into an e4m3 tensor: on a GPU the e4m3 value itself
+    (``cvt.rn.satfinite``, one instruction per pair of values, no clamp: the conversion
+    saturates); under the interpreter :func:`round_e4m3`'s fp32 value on the grid, which the
+    store then converts exactly. Where the rounded value is computed with, use
+    :func:`round_e4m3`."""
+    if _HARDWARE_E4M3:
+        return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    else:
+        return round_e4m3(x)
+
+
+@triton.jit
 def e4m3_grid(x):
     """:func:`round_e4m3` without the saturation, for ``|x| <= 448`` (up to one rounding: 448
     plus a few ulp still rounds to 448); NaN stays NaN."""
@@ -120,10 +134,11 @@ def mark_non_finite(scale, amax):
 @triton.jit
 def quantize(x, amax, FP8: tl.constexpr):
     """``(values, scale)``: ``x`` over ``scale = amax / qmax`` rounded to the format's grid
-    (integers in [-127, 127], or e4m3 values), as fp32; ``amax`` broadcasts against ``x``."""
+    (integers in [-127, 127] as fp32, or e4m3 values as :func:`to_e4m3` gives them: only to be
+    stored); ``amax`` broadcasts against ``x``."""
     amax = tl.maximum(amax, AMAX_FLOOR)
     if FP8:
-        return round_e4m3(x * (E4M3_MAX / amax)), amax / E4M3_MAX
+        return to_e4m3(x * (E4M3_MAX / amax)), amax / E4M3_MAX
     else:
         return round_half_even(x * (INT8_MAX / amax)), amax / INT8_MAX
 
@@ -132,8 +147,8 @@ def quantize(x, amax, FP8: tl.constexpr):
 def quantize_row_fp8(x):
     """``(values, scale)`` of one fp32 row ``x`` (1-D; masked lanes must hold 0) with one e4m3
     scale: ``scale = max|x| / 448`` (``AMAX_FLOOR / 448`` for an all-zero row) and ``values =
-    round_e4m3(x · (448 / max|x|))`` as fp32, exactly on the e4m3 grid; ``scale`` is NaN where
-    the row holds a NaN or ±inf (its values are then unspecified)."""
+    to_e4m3(x · (448 / max|x|))``, to be stored; ``scale`` is NaN where the row holds a NaN or
+    ±inf (its values are then unspecified)."""
     amax = amax_keep_nan(x, 0)
     values, scale = quantize(x, amax, True)
     return values, mark_non_finite(scale, amax)
@@ -334,11 +349,17 @@ def attention_quantize_kernel(
             # select takes the place of the saturation: |v| <= amax, the channel's finite max
             v = tl.where(is_finite(v), v, float("nan"))
             v_amax = tl.maximum(vmax, AMAX_FLOOR)[None, :]
-            v_values = e4m3_grid(v * (E4M3_MAX / v_amax))
             v_scale = v_amax / E4M3_MAX
-            bits = v_values.to(tl.float8e4nv).to(tl.int8, bitcast=True)
-            if EMULATE_FP8:   # the interpreter's fp32 → e4m3 conversion turns NaN into a number
+            if EMULATE_FP8:
+                # the interpreter's fp32 → e4m3 conversion neither rounds to nearest nor keeps
+                # NaN: the value on the grid in fp32 first, NaN written as its bits
+                v_values = e4m3_grid(v * (E4M3_MAX / v_amax))
+                bits = v_values.to(tl.float8e4nv).to(tl.int8, bitcast=True)
                 bits = tl.where(v_values == v_values, bits, E4M3_NAN_BITS).to(tl.int8)
+            else:
+                # |v| <= amax: the hardware's rounding (nearest even) never saturates here
+                bits = (v * (E4M3_MAX / v_amax)).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(
+                    tl.int8, bitcast=True)
             tl.store(VT8 + (bh * HEAD_DIM + offs_d)[None, :] * sk_pad + offs_s[:, None], bits)
             if blk == 0:
                 tl.store(VS + bh * HEAD_DIM + offs_d, tl.reshape(v_scale, [HEAD_DIM]))

@@ -201,6 +201,8 @@ class _Fp8ForwardPlan(_Fp8Plan):
             HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, CAUSAL=causal, KEY_PADDING=self.mask_keys > 0,
             RETURN_LSE=return_lse, QK_FP8=qk_format == "fp8", EMULATE_FP8=interpreting(), PV_FP32_SUM=cfg.pv_fp32_sum,
             WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if cfg.maxnreg and not interpreting():
+            self.constexprs["maxnreg"] = cfg.maxnreg
 
 
 _STATS = Launcher(attention_kv_stats_kernel)

@@ -29,7 +29,7 @@ from flashflow.device import cdiv, gpu_family, next_pow2
 from flashflow.kernels.fp8_linear import fp8_weight_rows_kernel
 from flashflow.ops.common import Launcher, dot_options, launch_by_arguments, op_or_direct, unit_last_stride
 from flashflow.ops.quant import Fp8Rows, quantize_rows
-from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
+from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad, share_memory
 from flashflow.tuning.fp8_linear import fp8_linear_config
 
 __all__ = ["Fp8Weight", "Fp8Linear", "quantize_weight", "fp8_linear", "E4M3_MAX", "GEMM_MULTIPLE"]
@@ -90,7 +90,7 @@ def _check_weight(weight) -> None:
 
 
 def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
-               bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x · Wᵀ + bias`` on the FP8 tensor cores.
 
     Args:
@@ -98,8 +98,11 @@ def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
             pass) or an :class:`~flashflow.ops.quant.Fp8Rows` from the pass that made it.
         weight: an :class:`Fp8Weight` (:func:`quantize_weight`).
         bias: ``(out_features,)`` in ``weight.dtype``, or None.
+        out: None, or a contiguous ``(..., out_features)`` tensor of ``weight.dtype`` on x's
+            device to write the result into (e.g. rows of a larger buffer, so that two layers'
+            outputs land side by side with no copy); it must not overlap x.
     Returns:
-        ``(..., out_features)`` in ``weight.dtype``; fp32 accumulation. A bf16 layer's bias is
+        ``(..., out_features)`` in ``weight.dtype`` (``out`` itself when given); fp32 accumulation. A bf16 layer's bias is
         added in the GEMM's fp32 epilogue (in bf16 after the GEMM for a shape cuBLASLt has no
         such algorithm for: :func:`_gemm_impl`); a layer of another dtype gets the bf16 GEMM
         output cast to its dtype and the bias added after (one more pass). A float x of at most ``rows_max``
@@ -141,36 +144,68 @@ def fp8_linear(x: Union[torch.Tensor, Fp8Rows], weight: Fp8Weight,
             raise ValueError(f"bias must be ({out_features},) {weight.dtype} on {weight.data.device}, got "
                              f"{tuple(bias.shape)} {bias.dtype} on {bias.device}")
         check_no_grad("fp8_linear", bias=bias)
-    out = _linear(data, scale, weight.data, weight.scale, bias, weight.dtype)
-    return out.view(*lead, out_features)
+    if out is None:
+        return _linear(data, scale, weight.data, weight.scale, bias, weight.dtype).view(*lead, out_features)
+    _check_out(out, (*lead, out_features), weight.dtype, data)
+    _linear_out(data, scale, weight.data, weight.scale, bias, out.view(-1, out_features))
+    return out
+
+
+def _check_out(out, shape: tuple, dtype: torch.dtype, x: torch.Tensor) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != x.device:
+        raise ValueError(f"out must be a {shape} {dtype} tensor on {x.device} (x's rows by out_features, in the "
+                         f"layer's dtype), got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous (a row range of a larger buffer is), got strides {out.stride()}")
+    check_no_grad("fp8_linear", out=out)
+    # (addresses are not known while torch.compile traces: checked on eager calls)
+    if not torch.compiler.is_compiling() and share_memory(out, x):
+        raise ValueError("out must not overlap x")
 
 
 def _linear_impl(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
-                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype,
+                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(rows, N)`` in ``out_dtype``: x ``(..., K)`` e4m3 rows with their ``x_scale``, or a float
     x (``x_scale`` None) that is quantized here, or for at most ``rows_max`` rows multiplied as it
-    is (:func:`_few_rows`)."""
+    is (:func:`_few_rows`); written into ``out`` (contiguous ``(rows, N)``) when given."""
     out_features, in_features = w.shape
     rows = x.numel() // in_features
     cfg = fp8_linear_config(gpu_family(w.device))
     if rows == 0:
-        return torch.empty((0, out_features), dtype=out_dtype, device=w.device)
+        return torch.empty((0, out_features), dtype=out_dtype, device=w.device) if out is None else out
     if x_scale is None:
         if rows <= cfg.rows_max:
-            return _few_rows(x, w, w_scale, bias, out_dtype, cfg)
+            return _few_rows(x, w, w_scale, bias, out_dtype, cfg, out)
         x, x_scale = quantize_rows(x)
     a = x.reshape(rows, in_features)
     if not a.is_contiguous():
         a = a.contiguous()
-    out = _gemm_impl(a, x_scale.reshape(rows, 1), w, w_scale, bias if out_dtype == _GEMM_OUT else None)
+    gemm_out = out if out_dtype == _GEMM_OUT else None
+    result = _gemm_impl(a, x_scale.reshape(rows, 1), w, w_scale, bias if out_dtype == _GEMM_OUT else None, gemm_out)
     if out_dtype != _GEMM_OUT:
-        out = out.to(out_dtype)
+        if out is None:
+            result = result.to(out_dtype)
+        else:
+            result = out.copy_(result)
         if bias is not None:
-            out += bias
-    return out
+            result += bias
+    return result
 
 
-_linear_op = torch.library.custom_op("flashflow::fp8_linear", mutates_args=())(_linear_impl)
+def _linear_new_impl(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    return _linear_impl(x, x_scale, w, w_scale, bias, out_dtype)
+
+
+def _linear_out_impl(x: torch.Tensor, x_scale: Optional[torch.Tensor], w: torch.Tensor, w_scale: torch.Tensor,
+                     bias: Optional[torch.Tensor], out: torch.Tensor) -> None:
+    _linear_impl(x, x_scale, w, w_scale, bias, out.dtype, out)
+
+
+_linear_op = torch.library.custom_op("flashflow::fp8_linear", mutates_args=())(_linear_new_impl)
 
 
 @_linear_op.register_fake
@@ -178,21 +213,31 @@ def _(x, x_scale, w, w_scale, bias, out_dtype):
     return x.new_empty((x.numel() // w.shape[1], w.shape[0]), dtype=out_dtype)
 
 
+_linear_out_op = torch.library.custom_op("flashflow::fp8_linear_out", mutates_args=("out",))(_linear_out_impl)
+
+
+@_linear_out_op.register_fake
+def _(x, x_scale, w, w_scale, bias, out):
+    return None
+
+
 # eager calls skip the custom op's dispatch; torch.compile sees one opaque op (the config lookup
 # it would otherwise trace reads a JSON file)
-_linear = op_or_direct(_linear_op, _linear_impl)
+_linear = op_or_direct(_linear_op, _linear_new_impl)
+_linear_out = op_or_direct(_linear_out_op, _linear_out_impl)
 
 
 _WEIGHT_ROWS = Launcher(fp8_weight_rows_kernel)   # keyed on its arguments: no per-call binding
 
 
 def _few_rows(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor],
-              out_dtype: torch.dtype, cfg) -> torch.Tensor:
+              out_dtype: torch.dtype, cfg, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(rows, N)``: x's few rows times the e4m3 weight, x not quantized
-    (:func:`flashflow.kernels.fp8_linear.fp8_weight_rows_kernel`)."""
+    (:func:`flashflow.kernels.fp8_linear.fp8_weight_rows_kernel`), into ``out`` when given."""
     out_features, in_features = w.shape
     x2 = unit_last_stride(x).reshape(-1, in_features)
-    out = torch.empty((x2.shape[0], out_features), dtype=out_dtype, device=x2.device)
+    if out is None:
+        out = torch.empty((x2.shape[0], out_features), dtype=out_dtype, device=x2.device)
     launch_by_arguments(_WEIGHT_ROWS, (cdiv(out_features, cfg.BLOCK_N), 1, 1), (
         x2, w, w_scale, bias if bias is not None else w_scale, out,
         x2.shape[0], out_features, in_features, x2.stride(0), out.stride(0)),
@@ -226,7 +271,7 @@ def _variants(fast_accum: bool, has_bias: bool) -> list:
 
 
 def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w: torch.Tensor,
-               bias: Optional[torch.Tensor]) -> torch.Tensor:
+               bias: Optional[torch.Tensor], out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``(a · scale_a) · (w · scale_w)ᵀ + bias`` in bf16: a ``(M, K)`` and w ``(N, K)`` e4m3,
     scale_a ``(M, 1)``, scale_w ``(1, N)`` float32.
 
@@ -241,23 +286,27 @@ def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w:
     known = _VARIANTS.get(key)
     first = known or (fast_accum, bias is not None)
     try:
-        return _gemm_variant(a, scale_a, w, scale_w, bias, *first)
+        return _gemm_variant(a, scale_a, w, scale_w, bias, *first, out=out)
     except RuntimeError as e:
         if _REFUSED not in str(e):
             raise
-        return _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum, key, first, e)
+        return _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum, key, first, e, out)
 
 
-def _gemm_variant(a, scale_a, w, scale_w, bias, fast: bool, epilogue: bool) -> torch.Tensor:
-    out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
-                     out_dtype=_GEMM_OUT, use_fast_accum=fast)
+def _gemm_variant(a, scale_a, w, scale_w, bias, fast: bool, epilogue: bool, out=None) -> torch.Tensor:
+    if out is None:
+        out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
+                         out_dtype=_GEMM_OUT, use_fast_accum=fast)
+    else:
+        _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
+                   out_dtype=_GEMM_OUT, use_fast_accum=fast, out=out)
     if bias is not None and not epilogue:
         out += bias
     return out
 
 
 def _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum: bool, key: tuple, refused_variant: tuple,
-                  refused: RuntimeError) -> torch.Tensor:
+                  refused: RuntimeError, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`_gemm_impl` after cuBLASLt refused ``refused_variant``: the other variants in
     order; the one that runs is remembered for ``key`` (forgotten if it is the configured one).
     A refused heuristic query launches nothing: trying the next variant is safe inside a CUDA
@@ -267,7 +316,7 @@ def _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum: bool, key: tuple, re
         if variant == refused_variant:
             continue
         try:
-            out = _gemm_variant(a, scale_a, w, scale_w, bias, *variant)
+            result = _gemm_variant(a, scale_a, w, scale_w, bias, *variant, out=out)
         except RuntimeError as e:
             if _REFUSED not in str(e):
                 raise
@@ -277,7 +326,7 @@ def _gemm_refused(a, scale_a, w, scale_w, bias, fast_accum: bool, key: tuple, re
             _VARIANTS.pop(key, None)
         elif key in _VARIANTS or len(_VARIANTS) < _VARIANTS_MAX:
             _VARIANTS[key] = variant
-        return out
+        return result
     (m, k), n = a.shape, w.shape[0]
     tried = "; ".join(("fast accumulation" if fast else "fp32 promotion")
                       + ("" if bias is None else ", the bias in the epilogue" if epilogue else ", the bias after")
@@ -313,8 +362,8 @@ class Fp8Linear(nn.Module):
     def fp8_weight(self) -> Fp8Weight:
         return Fp8Weight(self.weight, self.weight_scale, self.dtype)
 
-    def forward(self, x: Union[torch.Tensor, Fp8Rows]) -> torch.Tensor:
-        return fp8_linear(x, Fp8Weight(self.weight, self.weight_scale, self.dtype), self.bias)
+    def forward(self, x: Union[torch.Tensor, Fp8Rows], out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return fp8_linear(x, Fp8Weight(self.weight, self.weight_scale, self.dtype), self.bias, out)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -42,7 +42,7 @@ from flashflow.kernels.norm import (gate_residual_kernel, gate_residual_layernor
 from flashflow.ops.common import Launcher, dispatch as _dispatch, launch_by_arguments
 from flashflow.ops.quant import Fp8Rows, empty_rows
 from flashflow.ops.validate import (check_eps, check_flag, check_no_grad, check_runs_here, check_same_device,
-                                    check_tensor, check_unit_last_stride)
+                                    check_tensor, check_unit_last_stride, overlaps_itself)
 from flashflow.tuning.norm import (MAX_ROW_WIDTH, heads_per_program as _heads_per_program, modulation_warps,
                                    row_warps as _num_warps)
 
@@ -291,8 +291,20 @@ def _joint_qkv_norm_rope_impl(
     b, s_txt, h, d = txt_q.shape
     s = s_txt + img_q.shape[1]
     query, key, value = (torch.empty((b, s, h, d), dtype=txt_q.dtype, device=txt_q.device) for _ in range(3))
+    _joint_qkv_norm_rope_launch(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_q_weight,
+                                img_k_weight, txt_freqs, img_freqs, (eps_txt_q, eps_txt_k, eps_img_q, eps_img_k),
+                                query, key, value)
+    return query, key, value
+
+
+def _joint_qkv_norm_rope_launch(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_q_weight,
+                                img_k_weight, txt_freqs, img_freqs, eps: tuple, query, key, value) -> None:
+    """The joint pass into ``query``, ``key`` and ``value`` (one layout); ``value`` None: v is
+    left where it is (the grid's tensor axis covers q and k only)."""
+    b, s_txt, h, d = txt_q.shape
+    s = s_txt + img_q.shape[1]
     if b * s * h == 0:
-        return query, key, value
+        return
     tf, imf = torch.view_as_real(txt_freqs), torch.view_as_real(img_freqs)   # (S, D/2, 2) float32
     half = next_pow2(d // 2)
     block_h = _heads_per_program(h, ROPE_TILE // (2 * half))
@@ -300,15 +312,27 @@ def _joint_qkv_norm_rope_impl(
     # without weights, any pointer of one type stands in for the four (never read)
     w_tq, w_tk, w_iq, w_ik = ((txt_q_weight, txt_k_weight, img_q_weight, img_k_weight) if has_weight
                               else (txt_q,) * 4)
-    launch_by_arguments(_JOINT_QKV_NORM_ROPE, (b * s, 3, cdiv(h, block_h)), (
-        txt_q, txt_k, txt_v, img_q, img_k, img_v, w_tq, w_tk, w_iq, w_ik, tf, imf, query, key, value,
-        s_txt, s, h, d,
+    launch_by_arguments(_JOINT_QKV_NORM_ROPE, (b * s, 2 if value is None else 3, cdiv(h, block_h)), (
+        txt_q, txt_k, txt_v, img_q, img_k, img_v, w_tq, w_tk, w_iq, w_ik, tf, imf, query, key,
+        query if value is None else value, s_txt, s, h, d,
         *txt_q.stride()[:3], *txt_k.stride()[:3], *txt_v.stride()[:3],
         *img_q.stride()[:3], *img_k.stride()[:3], *img_v.stride()[:3],
-        tf.stride(0), tf.stride(1), imf.stride(0), imf.stride(1), *query.stride()[:3],
-        eps_txt_q, eps_txt_k, eps_img_q, eps_img_k),
+        tf.stride(0), tf.stride(1), imf.stride(0), imf.stride(1), *query.stride()[:3], *eps),
         dict(HAS_WEIGHT=has_weight, BLOCK_H=block_h, BLOCK_HALF=half, num_warps=_num_warps(block_h * 2 * half)))
-    return query, key, value
+
+
+def _joint_qkv_norm_rope_inplace_impl(
+    qkv: torch.Tensor, s_txt: int,
+    txt_q_weight: Optional[torch.Tensor], txt_k_weight: Optional[torch.Tensor],
+    img_q_weight: Optional[torch.Tensor], img_k_weight: Optional[torch.Tensor],
+    txt_freqs: torch.Tensor, img_freqs: torch.Tensor,
+    eps_txt_q: float, eps_txt_k: float, eps_img_q: float, eps_img_k: float,
+) -> None:
+    q, k, v = qkv.unbind(2)
+    # each program reads its (token, heads) tile whole before writing it back: in place is safe
+    _joint_qkv_norm_rope_launch(q[:, :s_txt], k[:, :s_txt], v[:, :s_txt], q[:, s_txt:], k[:, s_txt:], v[:, s_txt:],
+                                txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs,
+                                (eps_txt_q, eps_txt_k, eps_img_q, eps_img_k), q, k, None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,6 +354,8 @@ _rmsnorm_rope_out_op = torch.library.custom_op(
     "flashflow::rmsnorm_rope_out", mutates_args=("out",))(_rmsnorm_rope_out_impl)
 _joint_qkv_norm_rope_op = torch.library.custom_op(
     "flashflow::joint_qkv_norm_rope", mutates_args=())(_joint_qkv_norm_rope_impl)
+_joint_qkv_norm_rope_inplace_op = torch.library.custom_op(
+    "flashflow::joint_qkv_norm_rope_", mutates_args=("qkv",))(_joint_qkv_norm_rope_inplace_impl)
 
 
 @_layernorm_modulate_op.register_fake
@@ -373,6 +399,12 @@ def _(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, txt_k_weight, img_
     b, s_txt, h, d = txt_q.shape
     shape = (b, s_txt + img_q.shape[1], h, d)
     return txt_q.new_empty(shape), txt_q.new_empty(shape), txt_q.new_empty(shape)
+
+
+@_joint_qkv_norm_rope_inplace_op.register_fake
+def _(qkv, s_txt, txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, eps_txt_q, eps_txt_k,
+      eps_img_q, eps_img_k):
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,8 +581,19 @@ def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, 
             raise TypeError(f"{name} must have txt_q's dtype {txt_q.dtype}, got {t.dtype}")
     weights = {"txt_q_weight": txt_q_weight, "txt_k_weight": txt_k_weight, "img_q_weight": img_q_weight,
                "img_k_weight": img_k_weight}
+    eps = _check_joint_norms(weights, txt_freqs, img_freqs, eps, s_txt, s_img, d, txt_q, "txt_q")
+    check_no_grad("joint_qkv_norm_rope", txt_q=txt_q, txt_k=txt_k, txt_v=txt_v, img_q=img_q, img_k=img_k,
+                  img_v=img_v, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
+    return _dispatch(_joint_qkv_norm_rope_op, _joint_qkv_norm_rope_impl, txt_q, txt_k, txt_v, img_q, img_k, img_v,
+                     txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, *eps)
+
+
+def _check_joint_norms(weights: dict, txt_freqs, img_freqs, eps, s_txt: int, s_img: int, d: int, x: torch.Tensor,
+                       x_name: str) -> tuple:
+    """The four RMSNorm weights (all tensors of one dtype, or all None), both streams'
+    frequencies and eps (one float or four), as the joint passes take them; returns the 4 eps."""
     for name, w in weights.items():
-        _check_norm_weight(name, w, d, txt_q, "txt_q")
+        _check_norm_weight(name, w, d, x, x_name)
     given = [name for name, w in weights.items() if w is not None]
     # one kernel path for all four norms: the weights' presence and dtype are compile-time
     if given and len(given) != len(weights):
@@ -560,15 +603,54 @@ def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, 
     if given and len({w.dtype for w in weights.values()}) > 1:
         dtypes = ", ".join(f"{name} {w.dtype}" for name, w in weights.items())
         raise TypeError(f"the four RMSNorm weights must share one dtype, got {dtypes}")
-    _check_freqs("txt_freqs", txt_freqs, s_txt, d, txt_q, "txt_q")
-    _check_freqs("img_freqs", img_freqs, s_img, d, img_q, "img_q")
+    _check_freqs("txt_freqs", txt_freqs, s_txt, d, x, x_name + " (text tokens)" if x_name == "qkv" else x_name)
+    _check_freqs("img_freqs", img_freqs, s_img, d, x, x_name + " (image tokens)" if x_name == "qkv" else
+                 x_name.replace("txt", "img"))
     if isinstance(eps, (tuple, list)):
         if len(eps) != 4:
             raise ValueError(f"eps must be a float or a 4-tuple (txt_q, txt_k, img_q, img_k), got {len(eps)} values")
-        eps = tuple(check_eps(e) for e in eps)
-    else:
-        eps = (check_eps(eps),) * 4
-    check_no_grad("joint_qkv_norm_rope", txt_q=txt_q, txt_k=txt_k, txt_v=txt_v, img_q=img_q, img_k=img_k,
-                  img_v=img_v, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
-    return _dispatch(_joint_qkv_norm_rope_op, _joint_qkv_norm_rope_impl, txt_q, txt_k, txt_v, img_q, img_k, img_v,
-                     txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, *eps)
+        return tuple(check_eps(e) for e in eps)
+    return (check_eps(eps),) * 4
+
+
+def joint_qkv_norm_rope_(qkv, s_txt, txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs,
+                         eps=1e-6):
+    """:func:`joint_qkv_norm_rope` in place, on the joint [text, image] projections of one
+    buffer: for the text tokens ``qkv[:, :s_txt]`` and the image tokens ``qkv[:, s_txt:]``, q
+    (``qkv[:, :, 0]``) and k (``qkv[:, :, 1]``) are overwritten by their stream's RMSNorm and
+    RoPE; v (``qkv[:, :, 2]``) is already where attention reads it and is not touched. What the
+    two streams' q/k/v projections written side by side into one buffer need (the FP8 layers'
+    ``out=``): no joint copy of v, no new q and k.
+
+    Args:
+        qkv: ``(batch, S_txt + S_img, 3, heads, head_dim)``, fp16/bf16/fp32, unit stride along
+            head_dim (other strides free, e.g. a ``(batch, S, 3·heads·head_dim)`` projection
+            output unflattened), no two elements at one address; head_dim even.
+        s_txt: the number of text tokens, first along the sequence (0 ≤ s_txt ≤ S).
+        txt_q_weight, txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, eps: as
+            :func:`joint_qkv_norm_rope`.
+    Returns:
+        ``(query, key, value)``: the three ``(batch, S, heads, head_dim)`` views of ``qkv``, q and
+        k equal, bit for bit, to :func:`joint_qkv_norm_rope`'s outputs for the same inputs.
+    """
+    check_tensor("qkv", qkv, 5, "(batch, S_txt + S_img, 3, heads, head_dim)")
+    check_runs_here("qkv", qkv)
+    check_unit_last_stride("qkv", qkv)
+    b, s, three, h, d = qkv.shape
+    if three != 3:
+        raise ValueError(f"qkv must have shape (batch, S_txt + S_img, 3, heads, head_dim): 3 at dim 2 (q, k, v), got "
+                         f"{tuple(qkv.shape)}")
+    if d % 2 or not 2 <= d <= MAX_DIM:
+        raise ValueError(f"head_dim (qkv's last dim) must be even and between 2 and {MAX_DIM}, got {d}")
+    if isinstance(s_txt, bool) or not isinstance(s_txt, int) or not 0 <= s_txt <= s:
+        raise ValueError(f"s_txt must be an int in [0, {s}] (qkv's sequence length), got {s_txt!r}")
+    if overlaps_itself(qkv):
+        raise ValueError(f"qkv is written in place: no two of its elements may share an address, got strides "
+                         f"{qkv.stride()} for shape {tuple(qkv.shape)}")
+    weights = {"txt_q_weight": txt_q_weight, "txt_k_weight": txt_k_weight, "img_q_weight": img_q_weight,
+               "img_k_weight": img_k_weight}
+    eps = _check_joint_norms(weights, txt_freqs, img_freqs, eps, s_txt, s - s_txt, d, qkv, "qkv")
+    check_no_grad("joint_qkv_norm_rope_", qkv=qkv, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
+    _dispatch(_joint_qkv_norm_rope_inplace_op, _joint_qkv_norm_rope_inplace_impl, qkv, s_txt, txt_q_weight,
+              txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, *eps)
+    return qkv.unbind(2)

@@ -100,6 +100,21 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
+def byte_range(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last)`` bytes of the storage ``t``'s elements span (empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    return start, start + t.element_size() * (1 + sum(s * (n - 1) for s, n in zip(t.stride(), t.shape)))
+
+
+def share_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte ranges ``a`` and ``b`` span intersect (conservative: interleaved views
+    of one buffer count, though no element is shared)."""
+    (a0, a1), (b0, b1) = byte_range(a), byte_range(b)
+    return a0 < b1 and b0 < a1 and a.device == b.device
+
+
 def check_tensor(name: str, t, rank: int, form: str) -> None:
     """A float16/bfloat16/float32 tensor of ``rank`` dimensions laid out as ``form``."""
     if not isinstance(t, torch.Tensor):

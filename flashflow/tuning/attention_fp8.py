@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 from flashflow.tuning import Config, ConfigTable
 
@@ -21,6 +22,7 @@ class AttentionFp8Config(Config):
     num_stages: int
     warp_specialize: bool = False
     pv_fp32_sum: bool = True   # P·V of each key block summed in fp32 outside the MMA
+    maxnreg: Optional[int] = None   # registers a thread is capped at (more CTAs an SM), None: ptxas's choice
 
 
 CONFIGS = ConfigTable(TABLE, AttentionFp8Config, keys=("head_dim", "causal"), what="FP8 attention")

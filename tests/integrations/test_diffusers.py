@@ -331,6 +331,33 @@ def test_fp8_linear_switches_with_enable_and_combines_with_fp8_attention():
     assert torch.equal(run(model, kwargs), want)
 
 
+@pytest.mark.parametrize("attention", ["exact", "fp8"])
+def test_fp8_linear_one_prompt_writes_both_streams_into_one_joint_buffer(attention, monkeypatch):
+    """With one prompt (batch 1) the two streams' q/k/v GEMMs write into one joint buffer and q,
+    k are normalised there in place (joint_qkv_norm_rope_, no copy of v); the output equals,
+    bit for bit, that sample's output in a batch of two, which takes the path with the joint
+    copy (joint_qkv_norm_rope)."""
+    model = enable(peaked(tiny_model(torch.float16, **HEAD_DIM_64)), attention=attention, linear="fp8")
+    kwargs = inputs(2, False, torch.float16)
+    calls = {"in place": 0, "copy": 0}
+    in_place, copy = ffd.joint_qkv_norm_rope_, ffd.joint_qkv_norm_rope
+
+    def count(name, fn):
+        def call(*a, **kw):
+            calls[name] += 1
+            return fn(*a, **kw)
+        return call
+
+    monkeypatch.setattr(ffd, "joint_qkv_norm_rope_", count("in place", in_place))
+    monkeypatch.setattr(ffd, "joint_qkv_norm_rope", count("copy", copy))
+    both = run(model, kwargs)
+    assert calls == {"in place": 0, "copy": 2}
+    one = {k: (v[:1] if isinstance(v, torch.Tensor) else v[:1] if k == "img_shapes" else v) for k, v in kwargs.items()}
+    got = run(model, one)
+    assert calls == {"in place": 2, "copy": 2}
+    assert torch.isfinite(got).all() and torch.equal(got, both[:1])
+
+
 def test_fp8_linear_under_torch_compile():
     model = peaked(tiny_model(torch.float16))
     kwargs = inputs(2, False, torch.float16)
@@ -341,14 +368,16 @@ def test_fp8_linear_under_torch_compile():
     assert torch.equal(got, eager)
 
 
+@pytest.mark.parametrize("batch", [1, 2], ids=["joint-buffer", "batch-2"])
 @pytest.mark.parametrize("attention", ["exact", "fp8"])
-def test_an_fp8_linear_block_traces_as_one_graph(attention):
-    """torch.compile sees a whole enabled block, FP8 layers included, without a graph break."""
+def test_an_fp8_linear_block_traces_as_one_graph(attention, batch):
+    """torch.compile sees a whole enabled block, FP8 layers included, without a graph break
+    (with one prompt the q/k/v GEMMs write into the joint buffer through ``out=``)."""
     model = enable(peaked(tiny_model(torch.float16, **HEAD_DIM_64)), attention=attention, linear="fp8")
     block = model.transformer_blocks[0]
     captured = {}
     hook = block.register_forward_pre_hook(lambda m, a, kw: captured.update(args=a, kwargs=kw), with_kwargs=True)
-    run(model, inputs(1, False, torch.float16))
+    run(model, inputs(1, False, torch.float16, batch=batch))
     hook.remove()
     with torch.no_grad():
         explained = torch._dynamo.explain(block)(*captured["args"], **captured["kwargs"])

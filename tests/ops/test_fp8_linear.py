@@ -157,12 +157,55 @@ def test_fp8_linear_module(device):
     assert no_bias.bias is None and no_bias(x).shape == (3, 5, 32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("m", [3, 33], ids=["few-rows", "quantized-rows"])
+@pytest.mark.parametrize("given", ["tensor", "fp8-rows"])
+def test_out_takes_the_result_in_its_rows_of_a_larger_buffer(device, dtype, m, given):
+    """``out=``: the rows of a buffer the result lands in, bit for bit what the call returns
+    without it; the buffer's other rows untouched."""
+    seed = fresh_seed()
+    k, n = 48, 32
+    x = realistic((1, m, k), seed, device, dtype)
+    w, b = weights(n, k, seed, device, dtype)
+    weight = quantize_weight(w)
+    arg = x if given == "tensor" else quantize_rows(x)
+    want = fp8_linear(arg, weight, b)
+    buf = torch.full((1, m + 7, n), float("nan"), dtype=dtype, device=device)
+    got = fp8_linear(arg, weight, b, out=buf[:, 2:2 + m])
+    assert got.data_ptr() == buf[:, 2:].data_ptr() and got.shape == (1, m, n)
+    assert torch.equal(buf[:, 2:2 + m], want)
+    assert torch.isnan(buf[:, :2]).all() and torch.isnan(buf[:, 2 + m:]).all()
+    layer = Fp8Linear(weight, b)
+    buf.fill_(float("nan"))
+    layer(arg, out=buf[:, 2:2 + m])
+    assert torch.equal(buf[:, 2:2 + m], want) and torch.isnan(buf[:, :2]).all()
+
+
+def test_out_under_torch_compile(device):
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    w, b = weights(32, 48, seed, device, dtype)
+    weight = quantize_weight(w)
+    x = realistic((1, 20, 48), seed, device, dtype)
+
+    def f(x, buf):
+        fp8_linear(quantize_rows(x), weight, b, out=buf[:, 4:])
+        return buf * 2
+
+    eager_buf = torch.zeros((1, 24, 32), dtype=dtype, device=device)
+    compiled_buf = torch.zeros_like(eager_buf)
+    eager = f(x, eager_buf)
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)(x, compiled_buf)
+    assert torch.equal(compiled, eager) and torch.equal(compiled_buf, eager_buf)
+
+
 def _bad_cases(device):
     dtype = torch.bfloat16
     w = torch.randn(32, 48, dtype=dtype, device=device)
     weight = quantize_weight(w)
     x = torch.randn(4, 48, dtype=dtype, device=device)
     rows = quantize_rows(x)
+    flat = torch.randn(288, dtype=dtype, device=device)
     return [
         ("weight must be an Fp8Weight", TypeError, lambda: fp8_linear(x, w)),
         ("x must be a torch.Tensor or an Fp8Rows", TypeError, lambda: fp8_linear(x.tolist(), weight)),
@@ -182,6 +225,17 @@ def _bad_cases(device):
         ("tensor subclass", TypeError, lambda: quantize_weight(w.as_subclass(_Subclass))),
         ("must be an nn.Linear", TypeError, lambda: Fp8Linear.from_linear(nn.Conv1d(48, 32, 1))),
         ("must be an Fp8Weight", TypeError, lambda: Fp8Linear((w, w, dtype))),
+        (r"out must be a \(4, 32\) torch.bfloat16 tensor", ValueError,
+         lambda: fp8_linear(x, weight, out=torch.empty(4, 33, dtype=dtype, device=device))),
+        (r"out must be a \(4, 32\) torch.bfloat16 tensor", ValueError,
+         lambda: fp8_linear(x, weight, out=torch.empty(4, 32, device=device))),
+        ("out must be contiguous", ValueError,
+         lambda: fp8_linear(x, weight, out=torch.empty(32, 4, dtype=dtype, device=device).t())),
+        ("out must be a torch.Tensor or None", TypeError, lambda: fp8_linear(x, weight, out=[0.0])),
+        ("out must not overlap x", ValueError, lambda: fp8_linear(flat[:192].view(4, 48), weight,
+                                                                   out=flat[160:288].view(4, 32))),
+        ("out requires grad", ValueError,
+         lambda: fp8_linear(x, weight, out=torch.empty(4, 32, dtype=dtype, device=device, requires_grad=True))),
     ]
 
 

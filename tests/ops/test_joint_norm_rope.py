@@ -6,7 +6,7 @@ and torch.compile, and bad inputs refused before any launch."""
 import pytest
 import torch
 
-from flashflow.ops.norm import MAX_DIM, joint_qkv_norm_rope, rmsnorm_rope
+from flashflow.ops.norm import MAX_DIM, joint_qkv_norm_rope, joint_qkv_norm_rope_, rmsnorm_rope
 from flashflow.reference import norm as ref
 from norm_inputs import DEVICE, TOL, d64, err, freqs_of, poisoned, rand  # noqa: F401 (poisoned: a fixture)
 
@@ -203,3 +203,125 @@ def test_requires_grad_is_refused(name):
     leaf = args[name].detach().clone().requires_grad_()
     with pytest.raises(ValueError, match=rf"joint_qkv_norm_rope: {name} requires grad"):
         joint_qkv_norm_rope(**{**args, name: leaf})
+
+
+# --------------------------------------------------------------------------------------------
+# in place: joint_qkv_norm_rope_ on one (B, S_txt + S_img, 3, H, D) buffer
+# --------------------------------------------------------------------------------------------
+
+
+def joint_buffer(b, s_txt, s_img, h, d, dtype=torch.float32, margin=4):
+    """Both streams' q/k/v projections side by side in one buffer, text rows first, as two
+    Linear outputs written into it give them; rows padded by ``margin`` columns each side (the
+    padding must come back untouched)."""
+    full = rand(b, s_txt + s_img, 3 * h * d + 2 * margin, dtype=dtype, seed=11, scale=2.0, offset=0.1)
+    return full, full[..., margin:margin + 3 * h * d].unflatten(-1, (3, h, d))
+
+
+def joint_norms(d, dtype=torch.float32, weighted=True):
+    return [rand(d, dtype=dtype, seed=20 + n).abs() + 0.5 for n in range(4)] if weighted else [None] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False], ids=["weight", "no-weight"])
+@pytest.mark.parametrize("s_txt,s_img", [(5, 9), (0, 7), (6, 0)])
+def test_in_place_equals_the_joint_pass_bit_for_bit(dtype, weighted, s_txt, s_img):
+    b, h, d = 2, 3, 24
+    full, qkv = joint_buffer(b, s_txt, s_img, h, d, dtype)
+    before = full.clone()
+    q, k, v = qkv.unbind(2)
+    weights = joint_norms(d, dtype, weighted)
+    freqs = (freqs_of(s_txt, d, seed=7), freqs_of(s_img, d, seed=8))
+    want = joint_qkv_norm_rope(q[:, :s_txt], k[:, :s_txt], v[:, :s_txt], q[:, s_txt:], k[:, s_txt:], v[:, s_txt:],
+                               *weights, *freqs, eps=EPS4)
+    got = joint_qkv_norm_rope_(qkv, s_txt, *weights, *freqs, eps=EPS4)
+    for g, w, view in zip(got, want, (q, k, v)):
+        assert g.data_ptr() == view.data_ptr() and g.stride() == view.stride()   # views of the buffer
+        assert torch.equal(g, w)
+    # v and the padding columns are untouched, q and k were written
+    margin = (full.shape[-1] - 3 * h * d) // 2
+    assert torch.equal(full[..., :margin], before[..., :margin])
+    assert torch.equal(full[..., -margin:], before[..., -margin:])
+    assert torch.equal(full[..., margin + 2 * h * d:margin + 3 * h * d], before[..., margin + 2 * h * d:margin + 3 * h * d])
+    if s_txt + s_img:
+        assert not torch.equal(full[..., margin:margin + h * d], before[..., margin:margin + h * d])
+
+
+def test_in_place_matches_float64():
+    b, s_txt, s_img, h, d = 1, 4, 6, 2, 32
+    _, qkv = joint_buffer(b, s_txt, s_img, h, d, torch.bfloat16)
+    q, k, v = (t.clone() for t in qkv.unbind(2))
+    weights = joint_norms(d, torch.bfloat16)
+    freqs = (freqs_of(s_txt, d, seed=7), freqs_of(s_img, d, seed=8))
+    want = ref.joint_qkv_norm_rope(*d64(q[:, :s_txt], k[:, :s_txt], v[:, :s_txt], q[:, s_txt:], k[:, s_txt:],
+                                        v[:, s_txt:], *weights), *freqs, eps=EPS4)
+    for got, expected in zip(joint_qkv_norm_rope_(qkv, s_txt, *weights, *freqs, eps=EPS4), want):
+        assert err(got, expected) < TOL[torch.bfloat16]
+
+
+def test_in_place_custom_op_opcheck_and_compile():
+    b, s_txt, s_img, h, d = 1, 3, 5, 2, 32
+    weights = joint_norms(d)
+    freqs = (freqs_of(s_txt, d, seed=7), freqs_of(s_img, d, seed=8))
+    _, qkv = joint_buffer(b, s_txt, s_img, h, d)
+    torch.library.opcheck(torch.ops.flashflow.joint_qkv_norm_rope_.default,
+                          (qkv.contiguous(), s_txt, *weights, *freqs, *EPS4), test_utils=("test_schema", "test_faketensor"))
+
+    def attention_inputs(buf):
+        query, key, value = joint_qkv_norm_rope_(buf, s_txt, *weights, *freqs, eps=EPS4)
+        return query * 2, key + 1, value
+
+    _, a = joint_buffer(b, s_txt, s_img, h, d)
+    _, c = joint_buffer(b, s_txt, s_img, h, d)
+    compiled = torch.compile(attention_inputs, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(a), attention_inputs(c)):
+        assert torch.equal(got, want)
+    assert torch.equal(a, c)   # the mutation reached the caller's buffer under compile too
+
+
+def _call_in_place(**kw):
+    _, qkv = joint_buffer(B, S_TXT, S_IMG, H, D)
+    args = dict(qkv=qkv, s_txt=S_TXT, **dict(zip(NAMES[6:10], joint_norms(D))), txt_freqs=freqs_of(S_TXT, D),
+                img_freqs=freqs_of(S_IMG, D))
+    args.update(kw)
+    return lambda: joint_qkv_norm_rope_(**args)
+
+
+BAD_IN_PLACE = {
+    "qkv rank": (_call_in_place(qkv=rand(B, S_TXT + S_IMG, 3 * H, D)), ValueError, r"qkv must have rank 5"),
+    "qkv not 3": (_call_in_place(qkv=rand(B, S_TXT + S_IMG, 2, H, D)), ValueError, r"3 at dim 2 \(q, k, v\)"),
+    "qkv dtype": (_call_in_place(qkv=rand(B, S_TXT + S_IMG, 3, H, D).double()), TypeError,
+                  r"qkv must be float16, bfloat16"),
+    "qkv last stride": (_call_in_place(qkv=rand(B, S_TXT + S_IMG, 3, D, H).transpose(3, 4)), ValueError,
+                        r"qkv must have unit stride"),
+    "qkv expanded": (_call_in_place(qkv=rand(1, S_TXT + S_IMG, 3, H, D).expand(B, -1, -1, -1, -1)), ValueError,
+                     r"qkv is written in place: no two of its elements may share an address"),
+    "odd head_dim": (_call_in_place(qkv=rand(B, S_TXT + S_IMG, 3, H, 15)), ValueError,
+                     r"head_dim \(qkv's last dim\) must be even"),
+    "s_txt too large": (_call_in_place(s_txt=S_TXT + S_IMG + 1), ValueError, r"s_txt must be an int in \[0, 8\]"),
+    "s_txt bool": (_call_in_place(s_txt=True), ValueError, r"s_txt must be an int"),
+    "s_txt float": (_call_in_place(s_txt=3.0), ValueError, r"s_txt must be an int"),
+    "txt_freqs rows": (_call_in_place(txt_freqs=freqs_of(S_IMG, D)), ValueError,
+                       r"txt_freqs must have shape \(seqlen, head_dim // 2\) = \(3, 8\) \(qkv \(text tokens\)'s"),
+    "weights mixed None": (_call_in_place(img_q_weight=None), ValueError, r"all tensors or all None"),
+    "eps tuple length": (_call_in_place(eps=(1e-6,)), ValueError, r"eps must be a float or a 4-tuple"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_IN_PLACE, ids=list(BAD_IN_PLACE))
+def test_in_place_bad_inputs_raise(case, monkeypatch):
+    from flashflow.ops import norm
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched with bad inputs")
+
+    monkeypatch.setattr(norm, "_joint_qkv_norm_rope_inplace_impl", no_launch)
+    call, error, match = BAD_IN_PLACE[case]
+    with pytest.raises(error, match=match):
+        call()
+
+
+def test_in_place_requires_grad_is_refused():
+    _, qkv = joint_buffer(B, S_TXT, S_IMG, H, D)
+    with pytest.raises(ValueError, match=r"joint_qkv_norm_rope_: qkv requires grad"):
+        _call_in_place(qkv=qkv.detach().clone().requires_grad_())()
