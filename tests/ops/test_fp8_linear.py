@@ -181,6 +181,25 @@ def test_out_takes_the_result_in_its_rows_of_a_larger_buffer(device, dtype, m, g
     assert torch.equal(buf[:, 2:2 + m], want) and torch.isnan(buf[:, :2]).all()
 
 
+def test_out_with_a_non_finite_row(device):
+    """A NaN row and an inf row of x: the same rows of out are NaN, the others equal the call
+    without out bit for bit."""
+    dtype = torch.bfloat16
+    seed = fresh_seed()
+    x = realistic((1, 20, 48), seed, device, dtype)
+    x[0, 3, 7] = float("nan")
+    x[0, 11, 0] = float("inf")
+    w, b = weights(32, 48, seed, device, dtype)
+    weight = quantize_weight(w)
+    want = fp8_linear(x, weight, b)
+    buf = torch.zeros((1, 22, 32), dtype=dtype, device=device)
+    got = fp8_linear(x, weight, b, out=buf[:, 1:21])
+    assert torch.isnan(got[0, 3]).all() and torch.isnan(got[0, 11]).all()
+    keep = [i for i in range(20) if i not in (3, 11)]
+    assert torch.equal(got[0, keep], want[0, keep]) and torch.isfinite(got[0, keep]).all()
+    assert not buf[:, 0].any() and not buf[:, 21].any()
+
+
 def test_out_under_torch_compile(device):
     dtype = torch.bfloat16
     seed = fresh_seed()

@@ -325,3 +325,34 @@ def test_in_place_requires_grad_is_refused():
     _, qkv = joint_buffer(B, S_TXT, S_IMG, H, D)
     with pytest.raises(ValueError, match=r"joint_qkv_norm_rope_: qkv requires grad"):
         _call_in_place(qkv=qkv.detach().clone().requires_grad_())()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_in_place_a_non_finite_value_reaches_its_head_only(bad):
+    """A NaN or inf in one (token, head) of q and of k: that head of that token comes out
+    non-finite where the joint pass makes it so (the same bits, NaN included), every other value
+    equals the clean run's; v, with its own non-finite value, passes through untouched."""
+    b, s_txt, s_img, h, d = 1, 3, 6, 2, 16
+    weights = joint_norms(d)
+    freqs = (freqs_of(s_txt, d, seed=7), freqs_of(s_img, d, seed=8))
+    _, clean = joint_buffer(b, s_txt, s_img, h, d)
+    _, dirty = joint_buffer(b, s_txt, s_img, h, d)
+    value = float(bad)
+    dirty[0, 1, 0, 1, 5] = value          # text token 1, q, head 1
+    dirty[0, s_txt + 4, 1, 0, 0] = value  # image token 4, k, head 0
+    dirty[0, s_txt + 2, 2, 1, 3] = value  # image token 2, v
+    v_before = dirty[:, :, 2].clone()
+    q, k, v = dirty.unbind(2)
+    copy = joint_qkv_norm_rope(q[:, :s_txt], k[:, :s_txt], v[:, :s_txt], q[:, s_txt:], k[:, s_txt:], v[:, s_txt:],
+                               *weights, *freqs, eps=EPS4)
+    want = joint_qkv_norm_rope_(clean, s_txt, *weights, *freqs, eps=EPS4)
+    got = joint_qkv_norm_rope_(dirty, s_txt, *weights, *freqs, eps=EPS4)
+    hit_q = torch.zeros_like(got[0], dtype=torch.bool)
+    hit_k = hit_q.clone()
+    hit_q[0, 1, 1] = True
+    hit_k[0, s_txt + 4, 0] = True
+    for g, c, w, mask in ((got[0], copy[0], want[0], hit_q), (got[1], copy[1], want[1], hit_k)):
+        torch.testing.assert_close(g, c, rtol=0, atol=0, equal_nan=True)
+        assert not torch.isfinite(g[mask]).all()
+        assert torch.equal(g[~mask], w[~mask])
+    torch.testing.assert_close(got[2], v_before, rtol=0, atol=0, equal_nan=True)
