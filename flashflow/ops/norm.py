@@ -581,7 +581,7 @@ def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, 
             raise TypeError(f"{name} must have txt_q's dtype {txt_q.dtype}, got {t.dtype}")
     weights = {"txt_q_weight": txt_q_weight, "txt_k_weight": txt_k_weight, "img_q_weight": img_q_weight,
                "img_k_weight": img_k_weight}
-    eps = _check_joint_norms(weights, txt_freqs, img_freqs, eps, s_txt, s_img, d, txt_q, "txt_q")
+    eps = _check_joint_norms(weights, txt_freqs, img_freqs, eps, s_txt, s_img, d, txt_q, ("txt_q", "txt_q", "img_q"))
     check_no_grad("joint_qkv_norm_rope", txt_q=txt_q, txt_k=txt_k, txt_v=txt_v, img_q=img_q, img_k=img_k,
                   img_v=img_v, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
     return _dispatch(_joint_qkv_norm_rope_op, _joint_qkv_norm_rope_impl, txt_q, txt_k, txt_v, img_q, img_k, img_v,
@@ -589,9 +589,11 @@ def joint_qkv_norm_rope(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_q_weight, 
 
 
 def _check_joint_norms(weights: dict, txt_freqs, img_freqs, eps, s_txt: int, s_img: int, d: int, x: torch.Tensor,
-                       x_name: str) -> tuple:
+                       names: tuple[str, str, str]) -> tuple:
     """The four RMSNorm weights (all tensors of one dtype, or all None), both streams'
-    frequencies and eps (one float or four), as the joint passes take them; returns the 4 eps."""
+    frequencies and eps (one float or four), as the joint passes take them; returns the 4 eps.
+    ``names``: how errors name x, the text tokens and the image tokens."""
+    x_name, txt_name, img_name = names
     for name, w in weights.items():
         _check_norm_weight(name, w, d, x, x_name)
     given = [name for name, w in weights.items() if w is not None]
@@ -603,9 +605,8 @@ def _check_joint_norms(weights: dict, txt_freqs, img_freqs, eps, s_txt: int, s_i
     if given and len({w.dtype for w in weights.values()}) > 1:
         dtypes = ", ".join(f"{name} {w.dtype}" for name, w in weights.items())
         raise TypeError(f"the four RMSNorm weights must share one dtype, got {dtypes}")
-    _check_freqs("txt_freqs", txt_freqs, s_txt, d, x, x_name + " (text tokens)" if x_name == "qkv" else x_name)
-    _check_freqs("img_freqs", img_freqs, s_img, d, x, x_name + " (image tokens)" if x_name == "qkv" else
-                 x_name.replace("txt", "img"))
+    _check_freqs("txt_freqs", txt_freqs, s_txt, d, x, txt_name)
+    _check_freqs("img_freqs", img_freqs, s_img, d, x, img_name)
     if isinstance(eps, (tuple, list)):
         if len(eps) != 4:
             raise ValueError(f"eps must be a float or a 4-tuple (txt_q, txt_k, img_q, img_k), got {len(eps)} values")
@@ -649,7 +650,8 @@ def joint_qkv_norm_rope_(qkv, s_txt, txt_q_weight, txt_k_weight, img_q_weight, i
                          f"{qkv.stride()} for shape {tuple(qkv.shape)}")
     weights = {"txt_q_weight": txt_q_weight, "txt_k_weight": txt_k_weight, "img_q_weight": img_q_weight,
                "img_k_weight": img_k_weight}
-    eps = _check_joint_norms(weights, txt_freqs, img_freqs, eps, s_txt, s - s_txt, d, qkv, "qkv")
+    eps = _check_joint_norms(weights, txt_freqs, img_freqs, eps, s_txt, s - s_txt, d, qkv,
+                             ("qkv", "qkv (text tokens)", "qkv (image tokens)"))
     check_no_grad("joint_qkv_norm_rope_", qkv=qkv, txt_freqs=txt_freqs, img_freqs=img_freqs, **weights)
     _dispatch(_joint_qkv_norm_rope_inplace_op, _joint_qkv_norm_rope_inplace_impl, qkv, s_txt, txt_q_weight,
               txt_k_weight, img_q_weight, img_k_weight, txt_freqs, img_freqs, *eps)
