@@ -397,7 +397,8 @@ def cmd_decode_layer(args) -> int:
                             head_dim=args.head_dim, intermediate=args.intermediate)
     tiles = decode_layer_config("sm90", args.head_dim)
     tiles = replace(tiles, **{k: v for k, v in (("QKV_PAIRS", args.qkv_pairs), ("BLOCK_N", args.block_n),
-                                                ("BLOCK_I", args.block_i), ("BLOCK_K", args.block_k))
+                                                ("BLOCK_I", args.block_i), ("BLOCK_K", args.block_k),
+                                                ("SPLIT_K", args.split_k))
                               if v is not None})
     if (args.head_dim // 2) % tiles.QKV_PAIRS:
         raise ValueError(f"--qkv-pairs ({tiles.QKV_PAIRS}) must divide head_dim / 2 ({args.head_dim // 2})")
@@ -517,5 +518,7 @@ def add_parser(subparsers) -> None:
     d.add_argument("--block-n", type=_positive, default=None, help="O / down columns a task (default: sm90's)")
     d.add_argument("--block-i", type=_positive, default=None, help="gate/up columns a task (default: sm90's)")
     d.add_argument("--block-k", type=_positive, default=None, help="K chunk (default: sm90's)")
+    d.add_argument("--split-k", type=_positive, default=None,
+                   help="K slices an O / down column block, merged by the last (default: sm90's)")
     d.add_argument("--elem-bytes", type=_positive, default=2, help="bytes an element (2: bf16)")
     _add_machine(d)

@@ -11,7 +11,9 @@ Each task is a job whose K-steps read what the kernel's loop reads per iteration
   fp32 partial;
 - an O, gate/up or down task: per ``BLOCK_K`` chunk, its weight tile (gate and up together)
   and the chunk of its fp32 input (the attention output, h or the activation), after waiting on
-  every task of the stage before; it writes its columns (the down stage stores ``out``).
+  every task of the stage before; it writes its columns (the down stage stores ``out``). With
+  ``SPLIT_K`` > 1 an O or down task is one K slice of its columns: it writes an fp32 partial,
+  and the last slice (in ticket order) also reads the others' and writes the columns.
 
 The activations and workspaces are ``batch`` rows: tens to hundreds of KB, held by the L2.
 Weights and the cache are read once whatever the order, so the predicted DRAM bytes sit at
@@ -27,7 +29,8 @@ from dataclasses import dataclass
 
 from flashflow.dataflow.machine import Job, replay, schedule
 from flashflow.device import cdiv
-from flashflow.kernels.decode_layer import ATTN, DOWN, GATEUP, OPROJ, QKV, STAGES, build_tasks, decode_layer_bytes
+from flashflow.kernels.decode_layer import (ATTN, DOWN, GATEUP, OPROJ, QKV, STAGES, build_tasks, decode_layer_bytes,
+                                           split_k)
 
 F32 = 4
 
@@ -93,12 +96,19 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
         return tuple(((src, j), batch * min(width, total - j * width) * F32)
                      for j in range(lo // width, cdiv(min(hi, total), width)))
 
-    def chunks(k_total, rows, key, src):
+    def chunks(k_total, rows, key, src, k_range=None):
+        lo, hi = k_range or (0, cdiv(k_total, bk))
         return tuple(((key + (k,), rows * min(bk, k_total - k * bk) * e),) + written(src, k)
-                     for k in range(cdiv(k_total, bk)))
+                     for k in range(lo, hi))
+
+    sk = split_k(tiles)
+    slices: dict[tuple, list[int]] = {}   # (stage, column block) -> its K slices' tickets
+    for i, t in enumerate(tasks):
+        if t[0] in (OPROJ, DOWN):
+            slices.setdefault((t[0], t[1]), []).append(i)
 
     jobs = []
-    for t in tasks:
+    for i, t in enumerate(tasks):
         stage, a, b, s = t[0], t[1], t[2], t[3]
         if stage == QKV:
             steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "x")
@@ -128,12 +138,30 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
             else:
                 k_total, rows, width, src = c.intermediate, tiles.BLOCK_N, tiles.BLOCK_N, "act"
             before = {OPROJ: ATTN, GATEUP: OPROJ, DOWN: GATEUP}[stage]
-            steps = chunks(k_total, rows, (STAGES[stage], a), src)
             total = c.intermediate if stage == GATEUP else c.hidden
             cols = batch * min(width, total - a * width)
-            writes = () if stage == DOWN else ((("h" if stage == OPROJ else "act", a), cols * F32),)
-            jobs.append(Job((STAGES[stage], a), steps, writes=writes, store_bytes=cols * e if stage == DOWN else 0,
-                            waits=(tuple(by_stage[before]),)))
+            result = () if stage == DOWN else ((("h" if stage == OPROJ else "act", a), cols * F32),)
+            if stage == GATEUP or sk == 1:
+                steps = chunks(k_total, rows, (STAGES[stage], a), src)
+                jobs.append(Job((STAGES[stage], a), steps, writes=result,
+                                store_bytes=cols * e if stage == DOWN else 0, waits=(tuple(by_stage[before]),)))
+                continue
+            # one K slice (whole BLOCK_K chunks, as the kernel cuts them) of the column block
+            per = cdiv(cdiv(k_total, sk), bk)
+            lo, hi = min(b * per, cdiv(k_total, bk)), min((b + 1) * per, cdiv(k_total, bk))
+            steps = chunks(k_total, rows, (STAGES[stage], a), src, (lo, hi))
+            part = (((STAGES[stage] + "-part", a, b), cols * F32),)
+            siblings = slices[(stage, a)]
+            merging = siblings[-1] == i
+            if not steps:
+                steps = ((),)
+            waits = (tuple(by_stage[before]),)
+            if merging:   # once the other slices are done: reads their partials (its own, just
+                # written, stays in L2), writes the columns
+                steps = steps + (tuple(((STAGES[stage] + "-part", a, j), cols * F32) for j in range(sk) if j != b),)
+                waits = waits + ((),) * (len(steps) - 2) + (tuple(j for j in siblings if j != i),)
+            jobs.append(Job((STAGES[stage], a, b), steps, writes=part + (result if merging else ()),
+                            store_bytes=cols * e if stage == DOWN and merging else 0, waits=waits))
     return jobs
 
 

@@ -123,24 +123,24 @@ def _dot(acc, a, w, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _gemv(A, stride_a, G, K, offs_b, b_ok, WA, WB, stride_w, rows_a, rows_b, n_ok, wa0, wb0,
+def _gemv(A, stride_a, G, K_LO, K_HI, offs_b, b_ok, WA, WB, stride_w, rows_a, rows_b, n_ok, wa0, wb0,
           HAS_NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """fp32 ``(A∘g)[:, :K] · W[rows]ᵀ`` for one (TWO: two) weight row sets, the first K chunk
-    of the weights given (``wa0``, ``wb0``: loaded before the caller's wait); also the rows' sum
-    of squares (HAS_NORM)."""
+    """fp32 ``(A∘g)[:, K_LO:K_HI] · W[rows, K_LO:K_HI]ᵀ`` for one (TWO: two) weight row sets,
+    the first K chunk of the weights given (``wa0``, ``wb0``: loaded before the caller's wait);
+    also the rows' sum of squares (HAS_NORM, over the whole row: K_LO = 0)."""
     acc_a = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
     ss = tl.zeros([BLOCK_B], dtype=tl.float32)
-    a, ss = _a_chunk(A, stride_a, G, offs_b, b_ok, 0, K, ss, HAS_NORM, BLOCK_K)
+    a, ss = _a_chunk(A, stride_a, G, offs_b, b_ok, K_LO, K_HI, ss, HAS_NORM, BLOCK_K)
     acc_a = _dot(acc_a, a, wa0, DOT_FP32, DOT_PRECISION)
     if TWO:
         acc_b = _dot(acc_b, a, wb0, DOT_FP32, DOT_PRECISION)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        wa = _w_chunk(WA, stride_w, rows_a, n_ok, k0, K, BLOCK_K)
+    for k0 in range(K_LO + BLOCK_K, K_HI, BLOCK_K):
+        wa = _w_chunk(WA, stride_w, rows_a, n_ok, k0, K_HI, BLOCK_K)
         if TWO:
-            wb = _w_chunk(WB, stride_w, rows_b, n_ok, k0, K, BLOCK_K)
-        a, ss = _a_chunk(A, stride_a, G, offs_b, b_ok, k0, K, ss, HAS_NORM, BLOCK_K)
+            wb = _w_chunk(WB, stride_w, rows_b, n_ok, k0, K_HI, BLOCK_K)
+        a, ss = _a_chunk(A, stride_a, G, offs_b, b_ok, k0, K_HI, ss, HAS_NORM, BLOCK_K)
         acc_a = _dot(acc_a, a, wa, DOT_FP32, DOT_PRECISION)
         if TWO:
             acc_b = _dot(acc_b, a, wb, DOT_FP32, DOT_PRECISION)
@@ -178,7 +178,7 @@ def _qkv_task(X, stride_x, G_ATTN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SE
     n_ok = offs_p < HALF
     w1 = _w_chunk(W_QKV, stride_wqkv, rows1, n_ok, 0, hidden, BLOCK_K)
     w2 = _w_chunk(W_QKV, stride_wqkv, rows2, n_ok, 0, hidden, BLOCK_K)
-    acc1, acc2, ss = _gemv(X, stride_x, G_ATTN, hidden, offs_b, b_ok, W_QKV, W_QKV, stride_wqkv, rows1, rows2,
+    acc1, acc2, ss = _gemv(X, stride_x, G_ATTN, 0, hidden, offs_b, b_ok, W_QKV, W_QKV, stride_wqkv, rows1, rows2,
                            n_ok, w1, w2, True, True, BLOCK_B, QKV_PAIRS, BLOCK_K, DOT_FP32, DOT_PRECISION)
     rstd = 1.0 / tl.sqrt(ss / hidden + eps)
     acc1 = acc1 * rstd[:, None]
@@ -272,35 +272,63 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
 
 
 @triton.jit
-def _columns_task(SYNC, A, stride_a, G, WA, WB, stride_w, RES, stride_res, DEST, stride_dest, col, K, N, batch, eps,
-                  wait_idx, wait_target, signal_idx, spin_limit,
-                  HAS_NORM: tl.constexpr, GATED: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, THREADS: tl.constexpr, DOT_FP32: tl.constexpr,
+def _columns_task(SYNC, A, stride_a, G, WA, WB, stride_w, RES, stride_res, DEST, stride_dest, col, split, K, N,
+                  batch, eps, wait_idx, wait_target, signal_idx, spin_limit, WS_PART, merge_idx, epoch,
+                  HAS_NORM: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_B: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THREADS: tl.constexpr, DOT_FP32: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """Columns ``[col·BLOCK_N, +BLOCK_N)`` of a GEMV stage: GATED (gate/up): ``silu(g) ∘ u`` of
     rmsnorm(A) against rows ``col`` of WA (gate) and WB (up); otherwise ``RES + A · WAᵀ`` (the
-    O and down projections with their residual). The first weight chunk loads before the wait."""
+    O and down projections with their residual). The first weight chunk loads before the wait.
+
+    ``SPLIT_K`` > 1 (O and down only): this task is K slice ``split`` of the columns (slices of
+    whole ``BLOCK_K`` chunks); it stores its fp32 partial at ``WS_PART[col·SPLIT_K + split]``,
+    releases and arrives on counter ``merge_idx`` with one ``acq_rel`` atomic, and the slice
+    that arrives last adds the partials in slice order (the same bits whoever adds them) to the
+    residual, stores and signals: the stage counter counts column blocks, whatever SPLIT_K."""
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    wa0 = _w_chunk(WA, stride_w, offs_n, n_ok, 0, K, BLOCK_K)
+    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per
+    k_hi = tl.minimum(K, k_lo + k_per)
+    wa0 = _w_chunk(WA, stride_w, offs_n, n_ok, k_lo, k_hi, BLOCK_K)
     wb0 = wa0
     if GATED:
-        wb0 = _w_chunk(WB, stride_w, offs_n, n_ok, 0, K, BLOCK_K)
+        wb0 = _w_chunk(WB, stride_w, offs_n, n_ok, k_lo, k_hi, BLOCK_K)
     _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS)
-    acc_a, acc_b, ss = _gemv(A, stride_a, G, K, offs_b, b_ok, WA, WB, stride_w, offs_n, offs_n, n_ok, wa0, wb0,
-                             HAS_NORM, GATED, BLOCK_B, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
+    acc_a, acc_b, ss = _gemv(A, stride_a, G, k_lo, k_hi, offs_b, b_ok, WA, WB, stride_w, offs_n, offs_n, n_ok, wa0,
+                             wb0, HAS_NORM, GATED, BLOCK_B, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
     mask = b_ok[:, None] & n_ok[None, :]
+    dest = DEST + offs_b[:, None] * stride_dest + offs_n[None, :]
     if GATED:
         rstd = 1.0 / tl.sqrt(ss / K + eps)
         out = _act(acc_a * rstd[:, None], 0) * (acc_b * rstd[:, None])
-    else:
+        tl.store(dest, out.to(DEST.dtype.element_ty), mask=mask)
+        _signal(SYNC, signal_idx, THREADS)
+    elif SPLIT_K == 1:
         res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
                       cache_modifier=".cg")
-        out = res.to(tl.float32) + acc_a
-    tl.store(DEST + offs_b[:, None] * stride_dest + offs_n[None, :], out.to(DEST.dtype.element_ty), mask=mask)
-    _signal(SYNC, signal_idx, THREADS)
+        tl.store(dest, (res.to(tl.float32) + acc_a).to(DEST.dtype.element_ty), mask=mask)
+        _signal(SYNC, signal_idx, THREADS)
+    else:
+        tile = offs_b[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        part = WS_PART + (col * SPLIT_K).to(tl.int64) * (BLOCK_B * BLOCK_N)
+        tl.store(part + split * (BLOCK_B * BLOCK_N) + tile, acc_a)
+        _thread_release(SYNC, THREADS)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
+        last = (epoch + 1) * SPLIT_K
+        if arrived == last - 1:
+            _wait(SYNC, merge_idx, last, spin_limit, THREADS)   # passes at once: the per-thread acquire
+            total = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
+            for i in range(SPLIT_K):
+                total += tl.load(part + i * (BLOCK_B * BLOCK_N) + tile, cache_modifier=".cg")
+            res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
+                          cache_modifier=".cg")
+            tl.store(dest, (res.to(tl.float32) + total).to(DEST.dtype.element_ty), mask=mask)
+            _signal(SYNC, signal_idx, THREADS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -312,14 +340,14 @@ def _columns_task(SYNC, A, stride_a, G, WA, WB, stride_w, RES, stride_res, DEST,
 def decode_layer_kernel(
     X, OUT, TASKS, SYNC, CACHE_SEQLENS, BT, COS, SIN,
     W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN,
-    KC, VC, QWS, ATT, H1, ACT, WS_ACC, WS_ML,
-    batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, spin_limit,
+    KC, VC, QWS, ATT, H1, ACT, WS_ACC, WS_ML, WS_PART,
+    batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, spin_limit,
     stride_x, stride_out, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
     stride_wqkv, stride_wo, stride_wgu, stride_wd,
     eps, qk_scale_log2,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QKV_PAIRS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
-    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -332,7 +360,10 @@ def decode_layer_kernel(
     K; gate/up tasks of BLOCK_I columns, gate and up rows both. Caches: LAYOUT 0 contiguous
     ``(batch, capacity, kv_heads, d)``, 1 paged ``(blocks, PAGE_SIZE, kv_heads, d)`` through BT.
     ``h1_idx``/``h1_count``: the O projection's counter, which the down stage also acquires
-    (it reads h besides act). Workspaces are fp32; OUT in x's dtype.
+    (it reads h besides act); ``h1_count`` is also the number of O / down column blocks.
+    ``SPLIT_K``: K slices per O / down column block (:func:`_columns_task`), their partials in
+    ``WS_PART``, their arrivals on the counters from ``col_merge_off`` (O's column blocks, then
+    down's). Workspaces are fp32; OUT in x's dtype.
     """
     t0 = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
     per_launch = num_tasks + num_programs
@@ -362,18 +393,21 @@ def decode_layer_kernel(
                        THREADS, DOT_FP32, DOT_PRECISION)
         elif stage == _OPROJ:
             _columns_task(SYNC, ATT, HEADS * HEAD_DIM, G_ATTN, W_O, W_O, stride_wo, X, stride_x, H1, hidden,
-                          a, HEADS * HEAD_DIM, hidden, batch, eps, wait_idx, wait_target, signal_idx, spin_limit,
-                          False, False, BLOCK_B, BLOCK_N, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
+                          a, b, HEADS * HEAD_DIM, hidden, batch, eps, wait_idx, wait_target, signal_idx, spin_limit,
+                          WS_PART, col_merge_off + a, epoch,
+                          False, False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
         elif stage == _GATEUP:
             _columns_task(SYNC, H1, hidden, G_FFN, W_GU, W_GU + inter.to(tl.int64) * stride_wgu, stride_wgu,
-                          H1, hidden, ACT, inter, a, hidden, inter, batch, eps, wait_idx, wait_target, signal_idx,
-                          spin_limit, True, True, BLOCK_B, BLOCK_I, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
+                          H1, hidden, ACT, inter, a, 0, hidden, inter, batch, eps, wait_idx, wait_target, signal_idx,
+                          spin_limit, WS_PART, 0, epoch,
+                          True, True, 1, BLOCK_B, BLOCK_I, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
         else:
             # h (the residual) is read besides act: acquire its counter too (already complete)
             _wait(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS)
             _columns_task(SYNC, ACT, inter, G_FFN, W_DOWN, W_DOWN, stride_wd, H1, hidden, OUT, stride_out,
-                          a, inter, hidden, batch, eps, wait_idx, wait_target, signal_idx, spin_limit,
-                          False, False, BLOCK_B, BLOCK_N, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
+                          a, b, inter, hidden, batch, eps, wait_idx, wait_target, signal_idx, spin_limit,
+                          WS_PART, col_merge_off + h1_count + a, epoch,
+                          False, False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
         t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu") - base
 
 
@@ -386,30 +420,42 @@ def decode_layer_kernel(
 @dataclass(frozen=True)
 class Counters:
     """Word offsets of the counters in the int64 SYNC buffer (after :mod:`flashflow.kernels.mlp`'s
-    fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), then one each
-    for attention results, O tiles, gate/up tiles and down tiles."""
+    fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), one each for
+    attention results, O tiles, gate/up tiles and down tiles, then the K slices' arrivals per O
+    column block and per down column block (``columns`` each)."""
     attn_ready: int
     merge: int
     o_ready: int
     h1_ready: int
     act_ready: int
     done: int
+    col_merge: int
     words: int
 
 
-def counters(config, batch: int) -> Counters:
+def counters(config, batch: int, columns: int = 0) -> Counters:
+    """The counters of a layer at ``batch`` rows; ``columns``: the O / down column blocks whose
+    K slices arrive on counters of their own (0 without split-K)."""
     hk = config.kv_heads
     base = CNT_OFF + hk + batch * hk
-    return Counters(CNT_OFF, CNT_OFF + hk, base, base + 1, base + 2, base + 3, base + 4)
+    return Counters(CNT_OFF, CNT_OFF + hk, base, base + 1, base + 2, base + 3, base + 4, base + 4 + 2 * columns)
+
+
+def split_k(tiles) -> int:
+    """K slices per O / down column block (``tiles.SPLIT_K``; 1 for tiles without the field)."""
+    return getattr(tiles, "SPLIT_K", 1)
 
 
 def build_tasks(config, batch: int, num_splits: int, tiles,
                 shuffle=None) -> list[tuple]:
     """The task rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)`` in ticket order:
     QKV tiles (by KV group: its query heads, its key head, its value head), attention tasks,
-    O-projection, gate/up and down tiles. ``shuffle`` (a seed): a random topological order
-    instead, for tests (the outputs do not depend on the order)."""
-    c, cnt = config, counters(config, batch)
+    O-projection, gate/up and down tiles (O and down: ``(column block, K slice)``, each column
+    block's slices together). ``shuffle`` (a seed): a random topological order instead, for
+    tests (the outputs do not depend on the order)."""
+    c = config
+    cnt = counters(config, batch, cdiv(c.hidden, tiles.BLOCK_N))
+    sk = split_k(tiles)
     group = c.heads // c.kv_heads
     per_head = c.head_dim // 2 // tiles.QKV_PAIRS
     n_o, n_gu = cdiv(c.hidden, tiles.BLOCK_N), cdiv(c.intermediate, tiles.BLOCK_I)
@@ -420,21 +466,33 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
     for kvh in range(c.kv_heads):
         tasks += [(ATTN, b, kvh, s, cnt.attn_ready + kvh, (group + 2) * per_head, cnt.o_ready, 0)
                   for b in range(batch) for s in range(num_splits)]
-    tasks += [(OPROJ, j, 0, 0, cnt.o_ready, batch * c.kv_heads, cnt.h1_ready, 0) for j in range(n_o)]
+    tasks += [(OPROJ, j, s, 0, cnt.o_ready, batch * c.kv_heads, cnt.h1_ready, 0) for j in range(n_o) for s in range(sk)]
     tasks += [(GATEUP, j, 0, 0, cnt.h1_ready, n_o, cnt.act_ready, 0) for j in range(n_gu)]
-    tasks += [(DOWN, j, 0, 0, cnt.act_ready, n_gu, cnt.done, 0) for j in range(n_o)]
+    tasks += [(DOWN, j, s, 0, cnt.act_ready, n_gu, cnt.done, 0) for j in range(n_o) for s in range(sk)]
     if shuffle is not None:
         tasks = _random_topological(tasks, num_splits, random.Random(shuffle))
     return tasks
 
 
+def _merged(t) -> tuple | None:
+    """What a task's partial merges into: an attention task's (sequence, KV head), an O / down
+    K slice's column block; None for a task that signals alone."""
+    if t[0] == ATTN:
+        return (ATTN, t[1], t[2])
+    if t[0] in (OPROJ, DOWN):
+        return (t[0], t[1])
+    return None
+
+
 def _signals(tasks: list[tuple], num_splits: int):
-    """Each task's contribution to the counters: an attention task counts towards its counter
-    only as the last of its (sequence, KV head)'s splits (the merge signals)."""
+    """Each task's contribution to the counters: a task whose partial is merged (attention
+    splits, O / down K slices) counts towards its counter only as the last of its group (the
+    merge signals)."""
     left = {}
     for t in tasks:
-        if t[0] == ATTN:
-            left[(t[1], t[2])] = left.get((t[1], t[2]), 0) + 1
+        key = _merged(t)
+        if key is not None:
+            left[key] = left.get(key, 0) + 1
     return left
 
 
@@ -451,9 +509,10 @@ def _random_topological(tasks, num_splits, rng) -> list[tuple]:
 
 
 def _count(t, count, left) -> None:
-    if t[0] == ATTN:
-        left[(t[1], t[2])] -= 1
-        if left[(t[1], t[2])]:
+    key = _merged(t)
+    if key is not None:
+        left[key] -= 1
+        if left[key]:
             return
     count[t[6]] = count.get(t[6], 0) + 1
 

@@ -218,7 +218,9 @@ class DecodeLayerPlan:
         sms = device_num_sms(device)
         asked = num_splits or num_splits_heuristic(batch * config.kv_heads, capacity, sms, tiles.BLOCK_KV)
         self.num_splits = cap_splits(asked, capacity, tiles.BLOCK_KV)
-        self.counters = counters(config, batch)
+        if not isinstance(tiles.SPLIT_K, int) or tiles.SPLIT_K < 1:
+            raise ValueError(f"SPLIT_K must be an int >= 1, got {tiles.SPLIT_K!r}")
+        self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N))
         self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle)
         bad = dependency_violations(self.task_list, self.num_splits)
         assert not bad, f"task table not topological at tickets {bad[:8]}"
@@ -238,6 +240,9 @@ class DecodeLayerPlan:
         pieces = batch * c.kv_heads * self.num_splits
         self.ws_acc = torch.empty(pieces * self.block_r * c.head_dim, **f32)
         self.ws_ml = torch.empty(pieces * 2 * self.block_r, **f32)
+        # the O / down K slices' partials (one column block's slices side by side)
+        self.ws_part = torch.empty(cdiv(c.hidden, tiles.BLOCK_N) * tiles.SPLIT_K * self.block_b * tiles.BLOCK_N
+                                   if tiles.SPLIT_K > 1 else 1, **f32)
         inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
         angles = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.cos = angles.cos().to(**f32).contiguous()
@@ -327,16 +332,16 @@ class DecodeLayerPlan:
         on_interp = interpreting()
         args = (x, out, self.tasks, self.sync, seqlens, table if paged else seqlens, self.cos, self.sin,
                 w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"],
-                k_cache, v_cache, self.q_ws, self.attn, self.h1, self.act, self.ws_acc, self.ws_ml,
+                k_cache, v_cache, self.q_ws, self.attn, self.h1, self.act, self.ws_acc, self.ws_ml, self.ws_part,
                 self.batch, c.hidden, c.intermediate, self.num_tasks, self.programs, self.counters.merge,
-                self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.spin_limit,
+                self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.counters.col_merge, self.spin_limit,
                 x.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
                 table.stride(0) if paged else 0,
                 w["qkv"].stride(0), w["o"].stride(0), w["gate_up"].stride(0), w["down"].stride(0),
                 float(c.eps), LOG2E / math.sqrt(c.head_dim))
         constexprs = dict(HEADS=c.heads, KV_HEADS=c.kv_heads, HEAD_DIM=c.head_dim, QKV_PAIRS=t.QKV_PAIRS,
                           BLOCK_N=t.BLOCK_N, BLOCK_I=t.BLOCK_I, BLOCK_K=t.BLOCK_K, BLOCK_KV=t.BLOCK_KV,
-                          BLOCK_B=self.block_b, BLOCK_R=self.block_r, NUM_SPLITS=self.num_splits,
+                          BLOCK_B=self.block_b, BLOCK_R=self.block_r, NUM_SPLITS=self.num_splits, SPLIT_K=t.SPLIT_K,
                           PAGE_SIZE=self.page_size or 1, LAYOUT=1 if paged else 0, THREADS=t.num_warps * 32,
                           DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
                           DOT_PRECISION=dot_precision(self.dtype), num_warps=t.num_warps, num_stages=t.num_stages)

@@ -20,6 +20,7 @@ class DecodeLayerConfig(Config):
     BLOCK_KV: int     # cached keys per attention tile
     num_warps: int
     num_stages: int
+    SPLIT_K: int = 1  # K slices per O / down column block (their partials merged by the last slice)
 
 
 CONFIGS = ConfigTable(TABLE, DecodeLayerConfig, keys=("head_dim",), what="decode layer")

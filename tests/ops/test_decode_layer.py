@@ -306,3 +306,81 @@ def test_plans_kept_without_one_are_per_stream_and_bounded(monkeypatch):
         assert len(dl._PLANS) == 1       # the least recently used plan was dropped
     assert out[1] is not out[2]          # a second stream never shares the first one's counters
     assert next(iter(dl._PLANS))[-1] == 2
+
+
+# --------------------------------------------------------------------------------------------
+# split-K: the O and down column blocks in K slices, merged by the last slice to arrive
+# --------------------------------------------------------------------------------------------
+
+
+def _split_tiles(split_k):
+    import dataclasses
+    base = DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32).tiles
+    return dataclasses.replace(base, SPLIT_K=split_k)
+
+
+@pytest.mark.parametrize("split_k", [2, 3], ids=["2-slices", "3-slices-one-empty"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_split_k_steps_match_the_float64_reference(split_k, paged):
+    """O (K = 128: with 3 slices of 64 the last is empty) and down (K = 160) in K slices, over
+    three steps with the caches growing; every merge counter counts its slices."""
+    batch = 3
+    w, kc, vc, lens, table = _case(batch, paged=paged)
+    plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
+                           num_splits=2, config_tiles=_split_tiles(split_k))
+    wd, kref, vref = _ref_state(w, kc, vc, table)
+    g = torch.Generator().manual_seed(7)
+    steps = 3
+    for step in range(steps):
+        x = torch.randn(batch, C.hidden, generator=g)
+        got = plan.run(x, w, kc, vc, lens, table, out=torch.full((batch, C.hidden), float("nan")))
+        ref = _ref_step(x, wd, kref, vref, lens)
+        err = (got.double() - ref).abs().max().item()
+        assert err < 2e-5 * ref.abs().max().item(), (step, err)
+        lens += 1
+    sync, cnt = plan.sync, plan.counters
+    columns = C.hidden // plan.tiles.BLOCK_N
+    assert sync[cnt.col_merge:cnt.col_merge + 2 * columns].tolist() == [steps * split_k] * (2 * columns)
+    assert int(sync[cnt.h1_ready]) == int(sync[cnt.done]) == steps * columns   # column blocks, not slices
+    assert int(sync[0]) == steps * (plan.num_tasks + plan.programs)
+
+
+def test_split_k_any_program_count_and_order_give_the_same_bits():
+    w, kc, vc, lens, table = _case(3, paged=True)
+    kw = dict(device="cpu", dtype=torch.float32, num_splits=2, page_size=PAGE, config_tiles=_split_tiles(3))
+    plain = DecodeLayerPlan(C, 3, CAP, **kw)
+    base = _run(plain, w, kc, vc, lens, table)
+    for programs in (1, 2, 3):
+        got = _run(DecodeLayerPlan(C, 3, CAP, num_programs=programs, **kw), w, kc, vc, lens, table)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), programs
+    for seed in (1, 2):
+        plan = DecodeLayerPlan(C, 3, CAP, shuffle=seed, num_programs=2, **kw)
+        assert plan.task_list != plain.task_list and dependency_violations(plan.task_list, 2) == []
+        got = _run(plan, w, kc, vc, lens, table)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), seed
+    # split-K sums in another order than one slice: close to it, and the caches are the same bits
+    one = _run(DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2, page_size=PAGE), w, kc,
+               vc, lens, table)
+    assert (base[0] - one[0]).abs().max() < 1e-5 * one[0].abs().max()
+    assert torch.equal(base[1], one[1]) and torch.equal(base[2], one[2])
+
+
+def test_split_k_task_table():
+    tiles = _split_tiles(4)
+    tasks = build_tasks(C, 2, 3, tiles)
+    stages = [t[0] for t in tasks]
+    columns = C.hidden // tiles.BLOCK_N
+    assert stages.count(2) == stages.count(4) == 4 * columns
+    # each column block's slices 0..3, the O and down tasks wait as without slices
+    o = [t for t in tasks if t[0] == 2]
+    assert [(t[1], t[2]) for t in o] == [(j, s) for j in range(columns) for s in range(4)]
+    assert dependency_violations(tasks, 3) == []
+    # a gate/up task needs every O column block merged: moving one before the last O slice breaks it
+    first_gu = stages.index(3)
+    bad = tasks[:first_gu - 1] + [tasks[first_gu], tasks[first_gu - 1]] + tasks[first_gu + 1:]
+    assert dependency_violations(bad, 3) == [first_gu - 1]
+
+
+def test_split_k_must_be_a_positive_int():
+    with pytest.raises(ValueError, match=r"SPLIT_K must be an int >= 1, got 0"):
+        DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, config_tiles=_split_tiles(0))
