@@ -8,10 +8,12 @@ Two formats:
   nearest even onto the e4m3 grid and saturated at ±448, ``scale = amax / 448``. Three mantissa
   bits: a relative step of 1/16 at worst, whatever the magnitude above 2^-6.
 
-The roundings are written out in fp32 arithmetic (:func:`round_half_even`, :func:`round_e4m3`)
-instead of relying on the cast alone: the result is then exactly representable, so the cast that
-follows is exact on every GPU and under Triton's interpreter (whose own fp32 → fp8 conversion
-does not round to nearest), and the CPU tests check the numerics the GPU runs.
+The roundings are defined in fp32 arithmetic (:func:`round_half_even`, :func:`round_e4m3`,
+:func:`e4m3_grid`): under Triton's interpreter, whose own fp32 → fp8 conversion does not round to
+nearest, the values are rounded onto the grid first and the cast that follows is exact, so the
+CPU tests check the numerics the GPU runs. On a GPU an e4m3 value that is only stored is the
+hardware's conversion itself (:func:`to_e4m3`: ``cvt.rn.satfinite``, nearest even and
+saturating, the same values), one instruction per pair of values.
 
 Rows (:func:`quantize_row_fp8`, :func:`quantize_rows_kernel`): the A operand of an FP8 GEMM
 with row-wise scales (``torch._scaled_mm``), one e4m3 scale per row (token) of an activation,
