@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from flashflow.device import interpreting
-from flashflow.kernels.activation import gelu_tanh
+from flashflow.kernels.activation import gelu_tanh_fast
 
 INT8_MAX: tl.constexpr = tl.constexpr(127.0)
 E4M3_MAX: tl.constexpr = tl.constexpr(448.0)
@@ -171,7 +171,7 @@ def quantize_rows_kernel(
     """Rows of ``x`` (B·L rows of K, row (b, l) at ``b·stride_xb + l·stride_xl``, unit stride
     along K) to e4m3 with one float32 scale each (:func:`quantize_row_fp8`): ``q (B·L, K)``
     contiguous, ``s (B·L,)``. With ``GELU``, the row is first taken through GELU's tanh form in
-    fp32 (:func:`flashflow.kernels.activation.gelu_tanh`), never rounded to x's dtype.
+    fp32 (:func:`flashflow.kernels.activation.gelu_tanh_fast`), never rounded to x's dtype.
 
     One program per row, the row held in registers (``BLOCK_K`` = next power of two of K): its
     amax is one reduction. Bytes: x read once, K bytes and one float written per row.
@@ -184,7 +184,7 @@ def quantize_rows_kernel(
     mask = k < K
     x = tl.load(x_ptr + b * stride_xb + l * stride_xl + k, mask=mask, other=0.0).to(tl.float32)
     if GELU:
-        x = gelu_tanh(x)
+        x = gelu_tanh_fast(x)
     values, scale = quantize_row_fp8(x)
     tl.store(q_ptr + row * K + k, values.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + row, scale)
