@@ -294,12 +294,8 @@ def _gemm_impl(a: torch.Tensor, scale_a: torch.Tensor, w: torch.Tensor, scale_w:
 
 
 def _gemm_variant(a, scale_a, w, scale_w, bias, fast: bool, epilogue: bool, out=None) -> torch.Tensor:
-    if out is None:
-        out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
-                         out_dtype=_GEMM_OUT, use_fast_accum=fast)
-    else:
-        _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
-                   out_dtype=_GEMM_OUT, use_fast_accum=fast, out=out)
+    out = _scaled_mm(a, w.t(), scale_a=scale_a, scale_b=scale_w, bias=bias if epilogue else None,
+                     out_dtype=_GEMM_OUT, use_fast_accum=fast, out=out)
     if bias is not None and not epilogue:
         out += bias
     return out
