@@ -356,3 +356,19 @@ def test_in_place_a_non_finite_value_reaches_its_head_only(bad):
         assert not torch.isfinite(g[mask]).all()
         assert torch.equal(g[~mask], w[~mask])
     torch.testing.assert_close(got[2], v_before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_in_place_on_a_transposed_buffer():
+    """A buffer whose batch and sequence dims are transposed in memory (and whose q/k/v parts
+    are the middle of padded rows) gives the joint pass's bits too."""
+    b, s_txt, s_img, h, d = 2, 3, 5, 2, 16
+    full = rand(s_txt + s_img, b, 3 * h * d + 8, seed=12).transpose(0, 1)
+    qkv = full[..., 4:4 + 3 * h * d].unflatten(-1, (3, h, d))
+    assert not qkv.is_contiguous() and qkv.stride(0) < qkv.stride(1)
+    weights = joint_norms(d)
+    freqs = (freqs_of(s_txt, d, seed=7), freqs_of(s_img, d, seed=8))
+    q, k, v = qkv.unbind(2)
+    want = joint_qkv_norm_rope(q[:, :s_txt], k[:, :s_txt], v[:, :s_txt], q[:, s_txt:], k[:, s_txt:], v[:, s_txt:],
+                               *weights, *freqs, eps=EPS4)
+    for got, w in zip(joint_qkv_norm_rope_(qkv, s_txt, *weights, *freqs, eps=EPS4), want):
+        assert torch.equal(got, w)
