@@ -54,8 +54,10 @@ CFG_STEPS, CFG_REPEATS = 12, 3
 
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
-def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None):
-    return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups)
+def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None, linear="exact",
+       exchange=None):
+    return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups,
+                linear=linear, exchange=exchange)
 
 
 U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
@@ -74,6 +76,11 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2+graph": _p("fp8", U2, graph=True),
     "flashflow-fp8+ulysses2+graph (1 head group)": _p("fp8", U2, graph=True, head_groups=1),
     "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
+    "flashflow-fp8+ulysses2+graph (nccl exchange)": _p("fp8", U2, graph=True, exchange="nccl"),
+    # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
+    "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
+    "flashflow-fp8-linear+ulysses2+graph": _p("fp8", U2, graph=True, linear="fp8"),
+    "flashflow-fp8-linear+ulysses2+graph (nccl exchange)": _p("fp8", U2, graph=True, linear="fp8", exchange="nccl"),
 }
 # cfg part: provider -> (flashflow's attention mode or None, "cfg" / context-parallel degrees / None: one GPU)
 CFG_PROVIDERS = {   # the context-parallel ones last: whatever their hooks leave cannot reach the others
@@ -93,6 +100,24 @@ def check_args(args) -> str | None:
     if not isinstance(blocks, int) or isinstance(blocks, bool) or not 1 <= blocks <= 60:
         return f"--blocks must be a whole number from 1 to 60, got {blocks!r}"
     return None
+
+
+EXCHANGE_ENV = "FLASHFLOW_ULYSSES_EXCHANGE"
+# FLASHFLOW_DISTRIBUTED_PROVIDERS: a comma-separated subset of the step providers to run (all by default)
+PROVIDERS_ENV = "FLASHFLOW_DISTRIBUTED_PROVIDERS"
+
+
+def _selected(providers: dict) -> dict:
+    """The step providers :data:`PROVIDERS_ENV` names (in their order), all when it is unset; an
+    unknown name is refused with a ``ValueError``."""
+    names = os.environ.get(PROVIDERS_ENV)
+    if not names:
+        return providers
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in providers]
+    if unknown:
+        raise ValueError(f"{PROVIDERS_ENV} names unknown providers {unknown}; known: {list(providers)}")
+    return {n: how for n, how in providers.items() if n in wanted}
 
 
 def _time_rounds(fn, sync) -> float:
@@ -191,11 +216,14 @@ def _host_profile(fn, rank: int) -> None:
 
 
 @contextmanager
-def _provider(model, attention, degrees, order):
+def _provider(model, attention, degrees, order, linear="exact"):
     """``model`` as the provider runs it; flashflow disabled before the parallelism is removed, so
     that no processor keeps a config whose hooks are gone."""
-    from flashflow.integrations.diffusers import disable, enable
+    from functools import partial
 
+    from flashflow.integrations import diffusers as ff_diffusers
+
+    disable, enable = ff_diffusers.disable, partial(ff_diffusers.enable, linear=linear)
     if degrees is None:
         if attention is not None:
             enable(model, attention=attention)
@@ -241,12 +269,15 @@ def _step_rows(rank, blocks, quick, save):
 
         ref = step()
         results = {}
-        for provider, how in STEP_PROVIDERS.items():
+        for provider, how in _selected(STEP_PROVIDERS).items():
             degrees = how["degrees"]
             if how["head_groups"] is not None:
                 dist_attention.HEAD_GROUPS = how["head_groups"]
+            exchange = os.environ.get(EXCHANGE_ENV)
+            if how["exchange"] is not None:
+                os.environ[EXCHANGE_ENV] = how["exchange"]
             try:
-                with _provider(model, how["attention"], degrees, how["order"]):
+                with _provider(model, how["attention"], degrees, how["order"], how["linear"]):
                     out = step()
                     res = {"rel_l2": rel_l2(out, ref), "cosine": cosine(out, ref)}
                     if how["graph"]:
@@ -267,6 +298,10 @@ def _step_rows(rank, blocks, quick, save):
                 torch.cuda.synchronize()
             finally:
                 dist_attention.HEAD_GROUPS = head_groups
+                if exchange is None:
+                    os.environ.pop(EXCHANGE_ENV, None)
+                else:
+                    os.environ[EXCHANGE_ENV] = exchange
             results[provider] = res
             if rank == 0:
                 print(f"  {name} {provider}: {res}", file=sys.stderr, flush=True)
@@ -392,6 +427,7 @@ def _exchange_rows(rank, world):
     import torch.distributed as dist
 
     from flashflow.distributed.exchange import heads_to_seq, seq_to_heads
+    from flashflow.distributed.peer import peer_ulysses
 
     p = EXCHANGE
     local = p["seqlen"] // world
@@ -402,7 +438,20 @@ def _exchange_rows(rank, world):
     out = torch.randn((p["batch"], p["seqlen"], p["heads"] // world, p["head_dim"]), device="cuda",
                       dtype=torch.bfloat16, generator=g)
     stats = torch.randn((p["batch"], p["heads"], 2 * p["head_dim"]), device="cuda", dtype=torch.float32, generator=g)
+    peer = peer_ulysses(None, q.device, "peer")
+
+    def nccl_pair():
+        seq_to_heads([q, k, v], None, world)
+        return heads_to_seq(out, None, world)
+
+    def peer_pair():   # the peer exchanges alternate: q, k, v there, the output back
+        peer.seq_to_heads([q, k, v])
+        return peer.heads_to_seq(out)
+
     cases = {
+        "q, k, v and output in 16 bits (NCCL: seq_to_heads, heads_to_seq)": (
+            nccl_pair, (3 * q.numel() + out.numel()) * 2),
+        "q, k, v and output in 16 bits (peer memory)": (peer_pair, (3 * q.numel() + out.numel()) * 2),
         "q, k, v in 16 bits (seq_to_heads)": (lambda: seq_to_heads([q, k, v], None, world), 3 * q.numel() * 2),
         "q, k, v in 8 bits (seq_to_heads)": (lambda: seq_to_heads([q8, k8, v8], None, world), 3 * q.numel()),
         "output in 16 bits (heads_to_seq)": (lambda: heads_to_seq(out, None, world), out.numel() * 2),
@@ -524,7 +573,7 @@ def run(args) -> int:
 
     result = {
         "suite": SUITE, **env, "diffusers": diffusers.__version__, "world": WORLD, "blocks": args.blocks,
-        "quick": args.quick, "providers": list(STEP_PROVIDERS), "cfg_providers": list(CFG_PROVIDERS),
+        "quick": args.quick, "providers": list(_selected(STEP_PROVIDERS)), "cfg_providers": list(CFG_PROVIDERS),
         "timing": timing.record("rounds", of="warm", rounds=ROUNDS, calls=CALLS, warmup_calls=WARMUP,
                                 ranks="every rank the same calls; the slowest rank's median round",
                                 cfg_part=f"CUDA events recorded at the end of each step (the pipeline's step-end "

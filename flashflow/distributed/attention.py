@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from flashflow.distributed.peer import exchange_mode, peer_ulysses
 from flashflow.distributed.exchange import (HEADS_BACK, LSE_BACK, Exchange, Ring, SeqToHeads, expand_masks,
                                             gather_masks, group_size_rank, heads_to_seq, lse_heads_to_seq, seq_to_heads,
                                             wait)
@@ -300,7 +301,7 @@ HEAD_GROUPS = 1
 
 
 def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=None, attention="exact",
-                      softmax_scale=None, head_groups=None):
+                      softmax_scale=None, head_groups=None, exchange=None):
     """Non-causal attention over a sequence split across a Ulysses group (inside) and a ring group
     (outside), as diffusers' ``ContextParallelConfig(ulysses_degree, ring_degree)`` lays ranks out:
     the flattened rank ``ring_rank·U + ulysses_rank`` holds the sequence slice of that index. Either
@@ -309,13 +310,29 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
 
     Ulysses alone runs in ``head_groups`` groups of heads (default :data:`HEAD_GROUPS`): each
     group's all-to-all of q, k, v runs under the previous group's attention, and its output's
-    all-to-all under the next one's."""
+    all-to-all under the next one's.
+
+    ``exchange`` (default: ``FLASHFLOW_ULYSSES_EXCHANGE``, else ``"auto"``) picks how Ulysses alone
+    in one head group moves q, k, v and the output: ``"peer"`` writes them straight into the
+    other GPUs' memory (:mod:`flashflow.distributed.peer`, NCCL groups of CUDA tensors), ``"nccl"``
+    through ``all_to_all_single``, ``"auto"`` the first where it can run."""
+    mode = exchange_mode(exchange)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     u_world = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
     r_world = dist.get_world_size(ring_group) if ring_group is not None else 1
+    groups = HEAD_GROUPS if head_groups is None else head_groups
+    if mode == "peer" and (u_world == 1 or r_world > 1 or groups != 1):
+        raise ValueError(f"exchange='peer' runs Ulysses alone in one head group; got ulysses degree {u_world}, "
+                         f"ring degree {r_world}, head_groups={groups} (use exchange='auto' or 'nccl')")
+    if u_world > 1 and r_world == 1 and groups == 1:
+        peer = peer_ulysses(ulysses_group, q.device, mode)
+        views = peer.seq_to_heads([q, k, v]) if peer is not None else None
+        if views is not None:
+            mask = expand_masks(gather_masks(key_padding_mask, ulysses_group, u_world), q.shape[1])
+            out, _ = _attend(*views, scale, False, mask, attention)
+            return peer.heads_to_seq(out)
     if u_world > 1 and r_world == 1:
-        return _ulysses_groups(q, k, v, ulysses_group, u_world, key_padding_mask, attention, scale,
-                               HEAD_GROUPS if head_groups is None else head_groups)
+        return _ulysses_groups(q, k, v, ulysses_group, u_world, key_padding_mask, attention, scale, groups)
     mask = key_padding_mask
     if u_world > 1:
         (q, k, v), work = seq_to_heads([q, k, v], ulysses_group, u_world, async_op=True)

@@ -570,6 +570,50 @@ def context_attention_one_group(rank, world):
             assert torch.equal(got, runs[i][-1]), (what, runs[i][1], "differs from head_groups=1")
 
 
+@case(2)
+def context_attention_exchange_choice(rank, world):
+    """``exchange``: "nccl" and "auto" run gloo's all-to-all (the peer path needs NCCL and CUDA):
+    the same bits; "peer" on gloo, "peer" with a ring or head groups, and a wrong name are refused
+    with a ValueError before anything is sent (the ranks stay in step: the next call runs);
+    FLASHFLOW_ULYSSES_EXCHANGE is read when ``exchange`` is not given."""
+    import os
+
+    b, s_local, h, hk, d = 1, 7, 2 * world, 2 * world, 16
+    q, k, v, _, _ = draw(17, b, s_local * world, h, hk, d, torch.float32)
+    local = [local_slice(t, rank, world) for t in (q, k, v)]
+    group = dist.group.WORLD
+    outs = [context_attention(*local, group, None, exchange=mode) for mode in ("nccl", "auto", None)]
+    refusals = []
+    for kw, match in ((dict(exchange="peer"), "needs CUDA tensors and an NCCL group"),
+                      (dict(exchange="nvlink"), "exchange must be one of"),
+                      (dict(exchange="peer", head_groups=2), "runs Ulysses alone in one head group")):
+        try:
+            context_attention(*local, group, None, **kw)
+            refusals.append((kw, "not refused"))
+        except ValueError as e:
+            refusals.append((kw, None if match in str(e) else str(e)))
+    ring_refusal = None
+    try:
+        context_attention(*local, None, group, exchange="peer")
+    except ValueError as e:
+        ring_refusal = str(e)
+    os.environ["FLASHFLOW_ULYSSES_EXCHANGE"] = "bogus"
+    try:
+        context_attention(*local, group, None)
+        env_refusal = "not refused"
+    except ValueError as e:
+        env_refusal = str(e)
+    finally:
+        del os.environ["FLASHFLOW_ULYSSES_EXCHANGE"]
+    after = context_attention(*local, group, None)   # still in step after the refusals
+    got = gather_whole(outs[0], world)
+    assert rel_l2(got, attention_naive(q.double(), k.double(), v.double())) < FWD_TOL[torch.float32]
+    assert all(torch.equal(o, outs[0]) for o in outs[1:] + [after])
+    assert all(r is None for _, r in refusals), refusals
+    assert ring_refusal is not None and "ring degree 2" in ring_refusal, ring_refusal
+    assert "FLASHFLOW_ULYSSES_EXCHANGE must be one of" in env_refusal, env_refusal
+
+
 # ---------------------------------------------------------------------------------------------
 # 4 ranks: the cases registered for (2, 4) above, and context_attention over a 2 × 2 mesh
 # ---------------------------------------------------------------------------------------------

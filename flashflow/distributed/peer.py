@@ -1,0 +1,217 @@
+"""The Ulysses exchanges through memory every GPU of the group maps (PyTorch's symmetric memory),
+instead of NCCL's all-to-all.
+
+Each rank owns one buffer that every rank of the group can write (``rendezvous`` maps the ranks'
+buffers into each other's address space over NVLink). :meth:`PeerUlysses.seq_to_heads` copies
+each destination's head slice of this rank's q, k and v straight into that destination's buffer,
+at this rank's slot of the sequence, then waits at a barrier of the group (a one-block kernel that
+signals every peer and waits for every peer's signal): after it, the buffer holds the whole
+sequence of this rank's heads, and attention reads it where it lies. :meth:`~PeerUlysses.heads_to_seq`
+writes each destination's rows of the output into its buffer's head slot the same way.
+
+Against the NCCL path (:func:`flashflow.distributed.exchange.seq_to_heads`) it saves the packing
+copy before the all-to-all (the copies write the destination's layout directly) and NCCL's
+kernels and their launch; the copies are element-wise kernels, so each byte crosses NVLink once.
+
+Why one barrier per exchange is enough (no double buffering): a rank writes a peer's q/k/v slot
+for call ``n + 1`` only after the barrier of call ``n``'s output exchange, which the peer reaches
+after its attention of call ``n`` has read that slot; and it writes a peer's output slot for call
+``n + 1`` only after the barrier of call ``n + 1``'s q/k/v exchange, which the peer reaches after
+copying its output of call ``n`` out of the slot. The two methods must therefore alternate, every
+rank in the same order, which :func:`flashflow.distributed.attention.context_attention` does.
+
+The layouts are :func:`~flashflow.distributed.exchange.seq_to_heads`'s: the same views, the same
+bits. Where the group is not NCCL over CUDA devices, or symmetric memory cannot be set up, callers
+keep the NCCL / gloo path (:func:`peer_ulysses` returns None).
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PeerUlysses", "peer_ulysses", "EXCHANGES", "exchange_mode"]
+
+# "auto": the peer path where it can run, else NCCL; "nccl": always NCCL's all-to-all (the
+# environment variable FLASHFLOW_ULYSSES_EXCHANGE sets the default)
+EXCHANGES = ("auto", "peer", "nccl")
+# how long a barrier waits for a peer before it reports a hang (ms)
+BARRIER_TIMEOUT_MS = 120_000
+_ALIGN = 256   # bytes: each region of the buffer starts aligned
+
+
+def exchange_mode(mode: str | None = None) -> str:
+    """The exchange a Ulysses call uses: ``mode`` if given, else ``FLASHFLOW_ULYSSES_EXCHANGE``,
+    else ``"auto"``; anything else is refused with a ``ValueError``."""
+    if mode is None:
+        mode = os.environ.get("FLASHFLOW_ULYSSES_EXCHANGE", "auto")
+        what = "FLASHFLOW_ULYSSES_EXCHANGE"
+    else:
+        what = "exchange"
+    if not isinstance(mode, str) or mode not in EXCHANGES:
+        raise ValueError(f"{what} must be one of {EXCHANGES}, got {mode!r}")
+    return mode
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def push_seq_to_heads(tensors, slots, world: int) -> None:
+    """Write this rank's part of the q/k/v exchange: ``slots[g]`` is destination ``g``'s
+    ``(seqlen_local, batch, width)`` slot for this rank (``width`` = the tensors' head slices side
+    by side); each gets heads ``[g·h, (g+1)·h)`` of every tensor ``(batch, seqlen_local, heads_t,
+    head_dim)``. Pure copies: the same on any device (the CPU tests drive it with local slots)."""
+    for g in range(world):
+        offset = 0
+        for t in tensors:
+            h, d = t.shape[2] // world, t.shape[3]
+            slots[g][..., offset:offset + h * d].unflatten(-1, (h, d)).copy_(
+                t[:, :, g * h:(g + 1) * h].transpose(0, 1))
+            offset += h * d
+
+
+def push_heads_to_seq(x: torch.Tensor, slots, world: int) -> None:
+    """Write this rank's part of the output exchange: ``x`` ``(batch, world·seqlen_local, h,
+    head_dim)``; ``slots[p]`` is destination ``p``'s ``(batch, seqlen_local, h, head_dim)`` view of
+    this rank's heads in its output, which gets rows ``[p·S, (p+1)·S)`` of ``x``."""
+    seqlen = x.shape[1] // world
+    for p in range(world):
+        slots[p].copy_(x[:, p * seqlen:(p + 1) * seqlen])
+
+
+def recv_views(recv: torch.Tensor, parts, batch: int):
+    """The q/k/v views of a ``(world, seqlen_local, batch, width)`` receive buffer:
+    ``(batch, world·seqlen_local, h_t, head_dim)`` each, as the NCCL path returns them."""
+    world, seqlen, _, width = recv.shape
+    joint = recv.view(world * seqlen, batch, width).transpose(0, 1)
+    views, offset = [], 0
+    for h, d in parts:
+        views.append(joint[..., offset:offset + h * d].unflatten(-1, (h, d)))
+        offset += h * d
+    return views
+
+
+class PeerUlysses:
+    """One Ulysses group's exchanges through symmetric memory (see the module docstring). Made by
+    :func:`peer_ulysses`, one per (group, device)."""
+
+    def __init__(self, group, device: torch.device, strict: bool = False):
+        self.group = group
+        self.strict = strict     # a failed set-up raises (exchange="peer") instead of falling back
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.device = device
+        self.nbytes = 0
+        self.handle = None
+        self._buffer = None
+        self._recv = None   # (batch, seqlen, width, itemsize) of the last seq_to_heads, for heads_to_seq
+        self.failed = False
+
+    def ready_for(self, nbytes: int) -> bool:
+        """Whether the buffer holds ``nbytes`` (growing it if need be; a growth is a collective of
+        the group, so every rank asks for the same size at the same call). Under CUDA graph
+        capture it cannot grow: False then, and the caller takes the NCCL path."""
+        if nbytes <= self.nbytes:
+            return True
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        from torch.distributed import _symmetric_memory as symm_mem
+        if self.handle is not None:
+            # the old buffer may still be written by a peer's queued copies: let all of them land
+            torch.cuda.synchronize(self.device)
+            dist.barrier(group=self.group)
+        self.handle = self._buffer = None
+        self.nbytes = 0
+        size = _round_up(max(nbytes, 1 << 20), 1 << 20)
+        try:
+            self._buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
+            self.handle = symm_mem.rendezvous(self._buffer, self.group)
+        except Exception as err:   # noqa: BLE001 - any failure here means: use NCCL (on every rank alike)
+            self.handle = self._buffer = None
+            if self.strict:
+                raise
+            warnings.warn(f"flashflow: symmetric memory could not be set up ({err}); Ulysses exchanges go "
+                          "through NCCL", stacklevel=4)
+            self.failed = True
+            return False
+        self.nbytes = size
+        return True
+
+    def _view(self, rank: int, byte_offset: int, shape, dtype) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return self.handle.get_buffer(rank, tuple(shape), dtype, byte_offset // itemsize)
+
+    @staticmethod
+    def bytes_for(batch: int, seqlen: int, width: int, out_width: int, itemsize: int) -> int:
+        """Bytes of the buffer for a call: the q/k/v receive region (``batch·seqlen·width``
+        elements, ``width`` the whole group's: every rank's slot of the sequence) and the output
+        region (``batch·seqlen·out_width``)."""
+        return _round_up(batch * seqlen * width * itemsize, _ALIGN) + batch * seqlen * out_width * itemsize
+
+    def seq_to_heads(self, tensors):
+        """:func:`~flashflow.distributed.exchange.seq_to_heads` through the peers' buffers: views
+        ``(batch, world·seqlen_local, heads_t/world, head_dim)`` of this rank's buffer, valid until
+        the next :meth:`heads_to_seq` returns. None when the buffer cannot hold the call (then
+        nothing was written and the caller exchanges through NCCL)."""
+        world, rank = self.world, self.rank
+        batch, seqlen = tensors[0].shape[:2]
+        dtype = tensors[0].dtype
+        parts = [(t.shape[2] // world, t.shape[3]) for t in tensors]
+        width = sum(h * d for h, d in parts)   # per rank's head slice
+        out_width = parts[0][0] * parts[0][1] * world
+        itemsize = tensors[0].element_size()
+        if not self.ready_for(self.bytes_for(batch, seqlen, width * world, out_width, itemsize)):
+            return None
+        slot_shape = (seqlen, batch, width)
+        slot_bytes = seqlen * batch * width * itemsize
+        slots = [self._view(g, rank * slot_bytes, slot_shape, dtype) for g in range(world)]
+        push_seq_to_heads(tensors, slots, world)
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        recv = self._view(rank, 0, (world, seqlen, batch, width), dtype)
+        self._recv = (batch, seqlen, width, itemsize)
+        return recv_views(recv, parts, batch)
+
+    def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
+        """:func:`~flashflow.distributed.exchange.heads_to_seq` through the peers' buffers, for the
+        output of the attention over the views the last :meth:`seq_to_heads` returned: ``x``
+        ``(batch, world·seqlen_local, h, head_dim)`` -> ``(batch, seqlen_local, world·h, head_dim)``,
+        a new contiguous tensor."""
+        world, rank = self.world, self.rank
+        batch, total, h, d = x.shape
+        seqlen = total // world
+        if self._recv is None or self._recv[:2] != (batch, seqlen):
+            raise RuntimeError("PeerUlysses.heads_to_seq must follow seq_to_heads of the same batch and sequence")
+        _, _, width, itemsize = self._recv
+        self._recv = None
+        base = _round_up(batch * seqlen * width * world * itemsize, _ALIGN)
+        out_shape = (batch, seqlen, world, h, d)
+        slots = [self._view(p, base, out_shape, x.dtype)[:, :, rank] for p in range(world)]
+        push_heads_to_seq(x, slots, world)
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        return self._view(rank, base, out_shape, x.dtype).reshape(batch, seqlen, world * h, d).clone()
+
+
+_PEERS: dict = {}
+
+
+def peer_ulysses(group, device: torch.device, mode: str = "auto") -> PeerUlysses | None:
+    """The :class:`PeerUlysses` of ``group`` on ``device``, or None where the NCCL path runs:
+    ``mode`` ``"nccl"``, a CPU device, a group whose backend is not NCCL, or symmetric memory that
+    failed to set up before (``"auto"`` warns once and falls back; ``"peer"`` raises instead)."""
+    if mode == "nccl":
+        return None
+    backend = dist.get_backend(group)
+    if device.type != "cuda" or backend != "nccl":
+        if mode == "peer":
+            raise ValueError(f"exchange='peer' needs CUDA tensors and an NCCL group, got {device.type} tensors "
+                             f"and backend {backend!r}")
+        return None
+    group = group if group is not None else dist.group.WORLD
+    key = (group.group_name, device.index)
+    peer = _PEERS.get(key)
+    if peer is None:
+        peer = _PEERS[key] = PeerUlysses(group, device, strict=mode == "peer")
+    peer.strict = mode == "peer"
+    return None if peer.failed and not peer.strict else peer

@@ -1,0 +1,92 @@
+"""The layouts of the peer-memory Ulysses exchange (flashflow.distributed.peer), in one process.
+
+On a GPU each rank's copies write into the other ranks' buffers; here every rank's buffer is a
+local tensor and the ranks' copies run one after the other, which is what the buffers hold once
+the barrier has passed. What each rank then reads must be what the NCCL path's all-to-all gives
+it (the contract of seq_to_heads / heads_to_seq): heads [g·h, (g+1)·h) of every rank's slice, in
+rank order along the sequence; and back. Inputs come contiguous, transposed, with a non-unit last
+stride, expanded with stride 0, and as views of one fused q/k/v buffer (the diffusion processor's).
+Buffers start filled with NaN, so a slot a copy misses shows.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flashflow.distributed.peer import (EXCHANGES, PeerUlysses, exchange_mode, push_heads_to_seq, push_seq_to_heads,
+                                        recv_views)
+
+
+def _layouts(b, s, h, d, dtype, layout, gen):
+    """(q, k, v) of shape (b, s, h, d) (k and v with h // 2 heads under "gqa") in ``layout``."""
+    kv_h = h // 2 if layout == "gqa" else h
+    if layout == "fused":   # views of one (b, s, 3, h, d) buffer, as the processor's joint q/k/v
+        qkv = torch.randn(b, s, 3, h, d, generator=gen, dtype=torch.float64).to(dtype)
+        return qkv.unbind(2)
+    if layout == "transposed":
+        return tuple(torch.randn(b, hh, s, d, generator=gen, dtype=torch.float64).to(dtype).transpose(1, 2)
+                     for hh in (h, kv_h, kv_h))
+    if layout == "strided":   # non-unit last stride
+        return tuple(torch.randn(b, s, hh, 2 * d, generator=gen, dtype=torch.float64).to(dtype)[..., ::2]
+                     for hh in (h, kv_h, kv_h))
+    if layout == "expanded":  # stride 0 along the batch
+        return tuple(torch.randn(1, s, hh, d, generator=gen, dtype=torch.float64).to(dtype).expand(b, s, hh, d)
+                     for hh in (h, kv_h, kv_h))
+    return tuple(torch.randn(b, s, hh, d, generator=gen, dtype=torch.float64).to(dtype) for hh in (h, kv_h, kv_h))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("layout", ["contiguous", "fused", "transposed", "strided", "expanded", "gqa"])
+def test_seq_to_heads_then_heads_to_seq_match_the_all_to_all(world, layout):
+    b, s, h, d = 2, 5, 2 * world, 8
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(world * 100 + len(layout))
+    ranks = [_layouts(b, s, h, d, dtype, layout, gen) for _ in range(world)]
+    parts = [(t.shape[2] // world, d) for t in ranks[0]]
+    width = sum(hh * dd for hh, dd in parts)
+    recv = [torch.full((world, s, b, width), float("nan"), dtype=dtype) for _ in range(world)]
+    for r, tensors in enumerate(ranks):   # rank r's copies land in every rank's slot r
+        push_seq_to_heads(tensors, [recv[g][r] for g in range(world)], world)
+    for g in range(world):
+        views = recv_views(recv[g], parts, b)
+        for i, view in enumerate(views):
+            hh = parts[i][0]
+            want = torch.cat([ranks[p][i][:, :, g * hh:(g + 1) * hh] for p in range(world)], dim=1)
+            assert view.shape == (b, world * s, hh, d)
+            assert torch.equal(view, want), (world, layout, g, i)
+
+    # the output back: rank g's attention output over its heads, rows of every rank's slice
+    h_local = parts[0][0]
+    outs = [torch.randn(b, world * s, h_local, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(world)]
+    back = [torch.full((b, s, world, h_local, d), float("nan"), dtype=dtype) for _ in range(world)]
+    for g, x in enumerate(outs):
+        push_heads_to_seq(x, [back[p][:, :, g] for p in range(world)], world)
+    for p in range(world):
+        want = torch.cat([outs[g][:, p * s:(p + 1) * s] for g in range(world)], dim=2)
+        assert torch.equal(back[p].reshape(b, s, world * h_local, d), want), (world, layout, p)
+
+
+def test_the_buffer_holds_both_regions():
+    # q, k, v of 1 × 4224 tokens × 24 heads × 128 and the output: what one Qwen-Image-Edit block
+    # asks of each of 2 ranks (bf16)
+    b, s, heads, d = 1, 4224, 24, 128
+    width, out_width = 3 * heads * d, heads * d
+    need = PeerUlysses.bytes_for(b, s, width, out_width, 2)
+    assert need >= (b * s * width + b * s * out_width) * 2
+    assert need - (b * s * width + b * s * out_width) * 2 < 256   # only the alignment between them
+
+
+def test_exchange_mode(monkeypatch):
+    monkeypatch.delenv("FLASHFLOW_ULYSSES_EXCHANGE", raising=False)
+    assert exchange_mode() == "auto"
+    for mode in EXCHANGES:
+        assert exchange_mode(mode) == mode
+        monkeypatch.setenv("FLASHFLOW_ULYSSES_EXCHANGE", mode)
+        assert exchange_mode() == mode
+    monkeypatch.setenv("FLASHFLOW_ULYSSES_EXCHANGE", "nvlink")
+    with pytest.raises(ValueError, match="FLASHFLOW_ULYSSES_EXCHANGE must be one of"):
+        exchange_mode()
+    assert exchange_mode("nccl") == "nccl"   # an explicit argument wins over the environment
+    for bad in ("NCCL", 1, ""):
+        with pytest.raises(ValueError, match="exchange must be one of"):
+            exchange_mode(bad)

@@ -1,0 +1,178 @@
+"""Ulysses through peer memory (flashflow.distributed.peer) on two GPUs of one host, NCCL.
+
+The CPU tests (tests/distributed/test_peer_layout.py) check the copies' layouts with local
+buffers; here the copies cross NVLink into the other rank's symmetric memory and the barrier
+orders them. Each case runs on both ranks in one spawn; every rank's buffer is poisoned with NaN
+(all bytes 0xFF) before each call, so a slot nobody wrote shows.
+
+- The exchanges against NCCL's all-to-all, bit for bit, over fresh inputs: separate tensors, the
+  processor's fused q/k/v views, transposed and non-unit-stride inputs; the buffer growing for a
+  longer sequence.
+- context_attention with exchange="peer" against "nccl" (exact and FP8, with a key-padding mask),
+  bit for bit, and exact against float64 attention over the whole sequence.
+- CUDA graph capture of the peer path: replays with new inputs equal the eager NCCL path.
+- NaN/inf in one rank's k reach the same outputs as through NCCL.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs two CUDA GPUs")]
+
+
+def _poison(peer):
+    import torch.distributed as dist
+
+    if peer._buffer is not None:
+        peer._buffer.fill_(0xFF)          # every bf16 / fp16 element NaN
+    torch.cuda.synchronize()
+    dist.barrier()                        # no rank writes into a buffer before its owner poisoned it
+
+
+def _draw(shape, seed, layout, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    b, s, h, d = shape
+    if layout == "fused":
+        return torch.randn(b, s, 3, h, d, device="cuda", dtype=dtype, generator=g).unbind(2)
+    if layout == "transposed":
+        return tuple(torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2) for _ in range(3))
+    if layout == "strided":
+        return tuple(torch.randn(b, s, h, 2 * d, device="cuda", dtype=dtype, generator=g)[..., ::2] for _ in range(3))
+    return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(3))
+
+
+def _exchanges(rank, world, report):
+    from flashflow.distributed.exchange import heads_to_seq, seq_to_heads
+    from flashflow.distributed.peer import peer_ulysses
+
+    peer = peer_ulysses(None, torch.device("cuda", rank), "peer")
+    for it, (s, layout) in enumerate([(257, "contiguous"), (257, "fused"), (300, "transposed"), (1031, "strided"),
+                                      (1031, "fused"), (64, "contiguous")]):
+        q, k, v = _draw((1, s, 8, 128), 1000 * it + rank, layout)
+        want = seq_to_heads([q, k, v], None, world)
+        _poison(peer)
+        got = peer.seq_to_heads([q, k, v])
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape and torch.equal(a, b), (it, s, layout, i)
+        out = torch.randn(1, world * s, 4, 128, device="cuda", dtype=torch.bfloat16)
+        back, want_back = peer.heads_to_seq(out), heads_to_seq(out, None, world)
+        assert torch.equal(back, want_back), (it, s, layout, "heads_to_seq")
+    report.append(f"exchanges: {it + 1} calls bit-equal, buffer {peer.nbytes} bytes")
+
+
+def _attention(rank, world, report):
+    import torch.distributed as dist
+
+    from flashflow.distributed import context_attention, gather_sequence
+    from flashflow.distributed.peer import peer_ulysses
+    from flashflow.reference import attention_naive, full_key_padding_mask
+    from flashflow.reference.metrics import rel_l2
+
+    peer = peer_ulysses(None, torch.device("cuda", rank), "peer")
+    group = dist.group.WORLD
+    b, s, h, d = 1, 1500, 8, 128
+    whole = [torch.randn(b, s * world, h, d, device="cuda", dtype=torch.bfloat16,
+                         generator=torch.Generator(device="cuda").manual_seed(7 + i)) for i in range(3)]
+    local = [t[:, rank * s:(rank + 1) * s] for t in whole]
+    mask = torch.ones(b, 40, dtype=torch.bool, device="cuda")
+    mask[:, 33:] = False   # each rank's first 40 keys: 7 of them padding
+    for attention in ("exact", "fp8"):
+        for m in (None, mask):
+            want = context_attention(*local, group, None, attention=attention, key_padding_mask=m, exchange="nccl")
+            _poison(peer)
+            got = context_attention(*local, group, None, attention=attention, key_padding_mask=m, exchange="peer")
+            assert torch.equal(got, want), (attention, m is not None)
+            if attention == "exact":
+                full_mask = None
+                if m is not None:
+                    full_mask = torch.cat([full_key_padding_mask(m, s)] * world, dim=1)
+                ref = attention_naive(*(t.double() for t in whole), key_padding_mask=full_mask)
+                err = rel_l2(gather_sequence(got), ref)
+                assert err < 1e-2, (attention, m is not None, err)
+    report.append("context_attention: peer == nccl, exact and fp8, with and without a mask")
+
+    # CUDA graph: captured on static inputs, replayed with new values
+    static = [t.clone() for t in local]
+
+    def call():
+        return context_attention(*static, group, None, attention="fp8", exchange="peer")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for it in range(4):
+        for t in static:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        want = context_attention(*static, group, None, attention="fp8", exchange="nccl")
+        assert torch.equal(out, want), ("graph replay", it)
+    report.append("graph: 4 replays with new inputs == eager nccl")
+
+    # NaN and inf in rank 0's keys: the same outputs as through NCCL
+    bad = [t.clone() for t in local]
+    if rank == 0:
+        bad[1][0, 5, 3, 7] = float("nan")
+        bad[1][0, 9, 6, 0] = float("inf")
+    for attention in ("exact", "fp8"):
+        want = context_attention(*bad, group, None, attention=attention, exchange="nccl")
+        _poison(peer)
+        got = context_attention(*bad, group, None, attention=attention, exchange="peer")
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), attention
+        assert got.isnan().any(), attention
+    report.append("nan/inf: same pattern as nccl")
+
+
+CASES = (_exchanges, _attention)
+
+
+def _worker(rank, world, port, out_dir):
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
+                            timeout=datetime.timedelta(seconds=120))
+    lines = []
+    try:
+        for case in CASES:
+            try:
+                with torch.inference_mode(False), torch.no_grad():
+                    case(rank, world, lines)
+                lines.append(f"PASS {case.__name__}")
+            except Exception:   # noqa: BLE001 - reported to the parent
+                lines.append(f"FAIL {case.__name__}\n{traceback.format_exc()}")
+                break
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
+            f.write("\n".join(lines))
+        dist.destroy_process_group()
+
+
+def test_peer_ulysses_on_two_gpus():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_worker, args=(2, port, tmp), nprocs=2)
+        reports = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(2)]
+    print("\n".join(reports))
+    for r, text in enumerate(reports):
+        for case in CASES:
+            assert f"PASS {case.__name__}" in text, f"rank {r}:\n{text}"
