@@ -51,6 +51,7 @@ ROUNDS, CALLS, WARMUP = 7, 3, 3
 # the cfg part: (name, pipeline class); steps of a timed pipeline call, timed calls
 CFG_SHAPES = (("qwen-image-1024px", "QwenImagePipeline"), ("qwen-image-edit-1024px", "QwenImageEditPipeline"))
 CFG_STEPS, CFG_REPEATS = 12, 3
+GRAPH_CALLS = 10   # the exchange part: calls captured in one CUDA graph
 
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
@@ -77,10 +78,13 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2+graph (1 head group)": _p("fp8", U2, graph=True, head_groups=1),
     "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
     "flashflow-fp8+ulysses2+graph (nccl exchange)": _p("fp8", U2, graph=True, exchange="nccl"),
+    "flashflow-fp8+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True),
     # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
     "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph": _p("fp8", U2, graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph (nccl exchange)": _p("fp8", U2, graph=True, linear="fp8", exchange="nccl"),
+    "flashflow-fp8-linear+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True,
+                                                              linear="fp8"),
 }
 # cfg part: provider -> (flashflow's attention mode or None, "cfg" / context-parallel degrees / None: one GPU)
 CFG_PROVIDERS = {   # the context-parallel ones last: whatever their hooks leave cannot reach the others
@@ -444,14 +448,20 @@ def _exchange_rows(rank, world):
         seq_to_heads([q, k, v], None, world)
         return heads_to_seq(out, None, world)
 
-    def peer_pair():   # the peer exchanges alternate: q, k, v there, the output back
-        peer.seq_to_heads([q, k, v])
-        return peer.heads_to_seq(out)
+    def peer_pair(copies):   # the peer exchanges alternate: q, k, v there, the output back
+        def pair():
+            peer.remote_copy = copies
+            peer.seq_to_heads([q, k, v])
+            return peer.heads_to_seq(out)
+        return pair
 
     cases = {
         "q, k, v and output in 16 bits (NCCL: seq_to_heads, heads_to_seq)": (
             nccl_pair, (3 * q.numel() + out.numel()) * 2),
-        "q, k, v and output in 16 bits (peer memory)": (peer_pair, (3 * q.numel() + out.numel()) * 2),
+        "q, k, v and output in 16 bits (peer memory, copy engines)": (peer_pair("engine"),
+                                                                       (3 * q.numel() + out.numel()) * 2),
+        "q, k, v and output in 16 bits (peer memory, copy kernels)": (peer_pair("kernel"),
+                                                                       (3 * q.numel() + out.numel()) * 2),
         "q, k, v in 16 bits (seq_to_heads)": (lambda: seq_to_heads([q, k, v], None, world), 3 * q.numel() * 2),
         "q, k, v in 8 bits (seq_to_heads)": (lambda: seq_to_heads([q8, k8, v8], None, world), 3 * q.numel()),
         "output in 16 bits (heads_to_seq)": (lambda: heads_to_seq(out, None, world), out.numel() * 2),
@@ -464,6 +474,15 @@ def _exchange_rows(rank, world):
         # bytes this rank sends to others: (world - 1) / world of its buffer
         results[name] = {"ms": ms, "ms_rank": ms_rank, "bytes_sent": nbytes * (world - 1) / world,
                          "gb_per_s": nbytes * (world - 1) / world / ms / 1e6, **_nccl_ms(fn)}
+        # the same calls captured in a CUDA graph (10 a replay): the GPU's time, without the host's
+        try:
+            graph, _ = timing.capture_graph(fn, GRAPH_CALLS)
+            graph_ms = _slowest(_time_rounds(graph.replay, torch.cuda.synchronize)) / GRAPH_CALLS
+            results[name].update(graph_ms=graph_ms, graph_gb_per_s=nbytes * (world - 1) / world / graph_ms / 1e6)
+            del graph
+        except Exception as e:  # noqa: BLE001 — a capture that fails is a result
+            results[name]["graph_error"] = timing.short_error(e)
+            torch.cuda.synchronize()
         if rank == 0:
             print(f"  exchange {name}: {results[name]}", file=sys.stderr, flush=True)
     return [{"kind": "exchange", "shape": {**p, "world": world}, "results": results}]
@@ -610,9 +629,11 @@ def report(result: dict, markdown: bool = False) -> str:
                 tail = [f"{r['cosine']:.6f}"] + ([f"{r.get('nccl_kernels_ms', 0):.2f}"] if step else [])
                 lines.append(f"  {provider}: " + " | ".join([f"{r['ms']:.2f}", *ratios, *tail]))
         elif row["kind"] == "exchange":
-            lines.append(f"exchange {row['shape']}: ms | GB/s sent per rank | NCCL kernel ms")
+            lines.append(f"exchange {row['shape']}: ms | GB/s sent per rank | NCCL kernel ms | ms in a graph")
             for provider, r in res.items():
-                lines.append(f"  {provider}: {r['ms']:.3f} | {r['gb_per_s']:.0f} | {r.get('nccl_kernels_ms', 0):.3f}")
+                graph = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
+                lines.append(f"  {provider}: {r['ms']:.3f} | {r['gb_per_s']:.0f} | {r.get('nccl_kernels_ms', 0):.3f} | "
+                             f"{graph}")
         else:
             one = res.get("flashflow (one GPU)", {}).get("ms")
             lines.append(f"prefill {row['shape']}: ms | TFLOP/s | × one GPU | rel_l2")

@@ -40,6 +40,10 @@ EXCHANGES = ("auto", "peer", "nccl")
 # how long a barrier waits for a peer before it reports a hang (ms)
 BARRIER_TIMEOUT_MS = 120_000
 _ALIGN = 256   # bytes: each region of the buffer starts aligned
+# the copies to other ranks: "engine" by the copy engines (cudaMemcpy2DAsync) on a side stream,
+# beside the kernels that copy this rank's own slices; "kernel": element-wise copy kernels on the
+# caller's stream, one after the other
+REMOTE_COPIES = ("engine", "kernel")
 
 
 def exchange_mode(mode: str | None = None) -> str:
@@ -59,27 +63,96 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def push_seq_to_heads(tensors, slots, world: int) -> None:
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def push_seq_to_heads(tensors, slots, world: int, destinations=None, copy=_copy) -> None:
     """Write this rank's part of the q/k/v exchange: ``slots[g]`` is destination ``g``'s
     ``(seqlen_local, batch, width)`` slot for this rank (``width`` = the tensors' head slices side
     by side); each gets heads ``[g·h, (g+1)·h)`` of every tensor ``(batch, seqlen_local, heads_t,
-    head_dim)``. Pure copies: the same on any device (the CPU tests drive it with local slots)."""
-    for g in range(world):
+    head_dim)``. ``destinations``: which ``g`` (all by default); ``copy(dst, src)`` moves one
+    ``(seqlen_local, h, head_dim)`` piece of one batch row. Pure copies: the same on any device
+    (the CPU tests drive it with local slots)."""
+    for g in range(world) if destinations is None else destinations:
         offset = 0
         for t in tensors:
             h, d = t.shape[2] // world, t.shape[3]
-            slots[g][..., offset:offset + h * d].unflatten(-1, (h, d)).copy_(
-                t[:, :, g * h:(g + 1) * h].transpose(0, 1))
+            for b in range(t.shape[0]):
+                copy(slots[g][:, b, offset:offset + h * d].unflatten(-1, (h, d)), t[b, :, g * h:(g + 1) * h])
             offset += h * d
 
 
-def push_heads_to_seq(x: torch.Tensor, slots, world: int) -> None:
+def push_heads_to_seq(x: torch.Tensor, slots, world: int, destinations=None, copy=_copy) -> None:
     """Write this rank's part of the output exchange: ``x`` ``(batch, world·seqlen_local, h,
     head_dim)``; ``slots[p]`` is destination ``p``'s ``(batch, seqlen_local, h, head_dim)`` view of
     this rank's heads in its output, which gets rows ``[p·S, (p+1)·S)`` of ``x``."""
     seqlen = x.shape[1] // world
-    for p in range(world):
-        slots[p].copy_(x[:, p * seqlen:(p + 1) * seqlen])
+    for p in range(world) if destinations is None else destinations:
+        for b in range(x.shape[0]):
+            copy(slots[p][b], x[b, p * seqlen:(p + 1) * seqlen])
+
+
+class CopyEngine:
+    """``cudaMemcpy2DAsync`` (through ctypes, from the CUDA runtime torch has loaded): a copy of
+    rows with a pitch on each side, run by the GPU's copy engines, not its SMs, so it proceeds
+    beside kernels. :meth:`copy` takes ``(rows, ...)`` views whose rows are each one contiguous run
+    of bytes and falls back to ``Tensor.copy_`` (a kernel) for anything else."""
+
+    def __init__(self):
+        self.fn = None
+        path = next((line.split()[-1] for line in _maps() if "libcudart.so" in line), None)
+        if path is None:
+            return
+        import ctypes
+
+        fn = ctypes.CDLL(path).cudaMemcpy2DAsync
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                       ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        self.fn = fn
+
+    @staticmethod
+    def _rows(t: torch.Tensor):
+        """(row pitch in bytes, bytes a row) of ``t`` ``(rows, ...)`` whose trailing dimensions are
+        one contiguous run, else None."""
+        run, expected = t.element_size(), 1
+        for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+            if size != 1 and stride != expected:
+                return None
+            expected *= size
+        return t.stride(0) * t.element_size(), expected * run
+
+    @classmethod
+    def pitches(cls, dst: torch.Tensor, src: torch.Tensor):
+        """``(dst pitch, src pitch, bytes a row)`` when ``cudaMemcpy2DAsync`` can copy ``src`` into
+        ``dst`` (same dtype and shape, rows of one contiguous run each, pitches at least a row:
+        no stride-0 or overlapping rows), else None."""
+        rows_d, rows_s = cls._rows(dst), cls._rows(src)
+        if rows_d is None or rows_s is None or dst.dtype != src.dtype or dst.shape != src.shape:
+            return None
+        width = rows_d[1]
+        if dst.shape[0] == 0 or width == 0 or rows_d[0] < width or rows_s[0] < width:
+            return None
+        return rows_d[0], rows_s[0], width
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        how = None if self.fn is None else self.pitches(dst, src)
+        if how is None:
+            dst.copy_(src)
+            return
+        err = self.fn(dst.data_ptr(), how[0], src.data_ptr(), how[1], how[2], dst.shape[0],
+                      3, torch.cuda.current_stream(dst.device).cuda_stream)   # 3: cudaMemcpyDeviceToDevice
+        if err != 0:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed with CUDA error {err}")
+
+
+def _maps() -> list[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
 
 
 def recv_views(recv: torch.Tensor, parts, batch: int):
@@ -108,6 +181,11 @@ class PeerUlysses:
         self._buffer = None
         self._recv = None   # (batch, seqlen, width, itemsize) of the last seq_to_heads, for heads_to_seq
         self.failed = False
+        # how the copies to other ranks run (REMOTE_COPIES; FLASHFLOW_PEER_COPY sets the default)
+        self.remote_copy = os.environ.get("FLASHFLOW_PEER_COPY", "engine")
+        if self.remote_copy not in REMOTE_COPIES:
+            raise ValueError(f"FLASHFLOW_PEER_COPY must be one of {REMOTE_COPIES}, got {self.remote_copy!r}")
+        self._engine = self._side = None
 
     def ready_for(self, nbytes: int) -> bool:
         """Whether the buffer holds ``nbytes`` (growing it if need be; a growth is a collective of
@@ -167,11 +245,28 @@ class PeerUlysses:
         slot_shape = (seqlen, batch, width)
         slot_bytes = seqlen * batch * width * itemsize
         slots = [self._view(g, rank * slot_bytes, slot_shape, dtype) for g in range(world)]
-        push_seq_to_heads(tensors, slots, world)
+        self._push(lambda dest, copy: push_seq_to_heads(tensors, slots, world, dest, copy))
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         recv = self._view(rank, 0, (world, seqlen, batch, width), dtype)
         self._recv = (batch, seqlen, width, itemsize)
         return recv_views(recv, parts, batch)
+
+    def _push(self, push) -> None:
+        """``push(destinations, copy)`` for the other ranks and for this one: with the copy engines,
+        the other ranks' copies on the side stream while this rank's run as kernels on the
+        caller's stream, which then waits for the side stream."""
+        others = [g for g in range(self.world) if g != self.rank]
+        if self.remote_copy == "kernel":
+            push(None, _copy)
+            return
+        if self._engine is None:
+            self._engine, self._side = CopyEngine(), torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            push(others, self._engine.copy)
+        push([self.rank], _copy)
+        main.wait_stream(self._side)
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """:func:`~flashflow.distributed.exchange.heads_to_seq` through the peers' buffers, for the
@@ -188,7 +283,7 @@ class PeerUlysses:
         base = _round_up(batch * seqlen * width * world * itemsize, _ALIGN)
         out_shape = (batch, seqlen, world, h, d)
         slots = [self._view(p, base, out_shape, x.dtype)[:, :, rank] for p in range(world)]
-        push_heads_to_seq(x, slots, world)
+        self._push(lambda dest, copy: push_heads_to_seq(x, slots, world, dest, copy))
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         return self._view(rank, base, out_shape, x.dtype).reshape(batch, seqlen, world * h, d).clone()
 

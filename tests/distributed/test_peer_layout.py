@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashflow.distributed.peer import (EXCHANGES, PeerUlysses, exchange_mode, push_heads_to_seq, push_seq_to_heads,
-                                        recv_views)
+from flashflow.distributed.peer import (EXCHANGES, CopyEngine, PeerUlysses, exchange_mode, push_heads_to_seq,
+                                        push_seq_to_heads, recv_views)
 
 
 def _layouts(b, s, h, d, dtype, layout, gen):
@@ -90,3 +90,26 @@ def test_exchange_mode(monkeypatch):
     for bad in ("NCCL", 1, ""):
         with pytest.raises(ValueError, match="exchange must be one of"):
             exchange_mode(bad)
+
+
+def test_copy_engine_rows_and_fallback():
+    rows = CopyEngine._rows
+    t = torch.zeros(6, 4, 8, dtype=torch.bfloat16)
+    assert rows(t) == (64, 64)                                  # contiguous rows
+    assert rows(t[:, 1:3]) == (64, 32)                          # a head slice of each row
+    assert rows(torch.zeros(6, 2, 3, 4, 8)[:, 1, :, 1:3]) is None   # two runs a row
+    assert rows(t[:, :, ::2]) is None                           # non-unit last stride
+    assert rows(t.transpose(1, 2)) is None
+    row0 = torch.zeros(1, 8, dtype=torch.bfloat16).expand(5, 8)
+    assert rows(row0) == (0, 16)                                # stride-0 rows: one source row, repeated
+    pitches = CopyEngine.pitches
+    assert pitches(torch.zeros(5, 8, dtype=torch.bfloat16), row0) is None   # cudaMemcpy2D refuses a pitch < a row
+    assert pitches(t[:, 1:3], t[:, 2:4]) == (64, 64, 32)
+    assert pitches(t[:, 1:3], t[:, 2:4].float()) is None       # dtypes differ
+    assert pitches(t[:0, 1:3], t[:0, 2:4]) is None              # nothing to copy
+    engine = CopyEngine()
+    engine.fn = None          # no CUDA runtime: every copy is Tensor.copy_
+    src = torch.randn(6, 4, 8).to(torch.bfloat16).transpose(1, 2)
+    dst = torch.full((6, 8, 4), float("nan"), dtype=torch.bfloat16)
+    engine.copy(dst, src)
+    assert torch.equal(dst, src)

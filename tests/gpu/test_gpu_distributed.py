@@ -5,6 +5,8 @@ buffers; here the copies cross NVLink into the other rank's symmetric memory and
 orders them. Each case runs on both ranks in one spawn; every rank's buffer is poisoned with NaN
 (all bytes 0xFF) before each call, so a slot nobody wrote shows.
 
+Every case runs twice: the copies to the other rank by the copy engines, and by kernels.
+
 - The exchanges against NCCL's all-to-all, bit for bit, over fresh inputs: separate tensors, the
   processor's fused q/k/v views, transposed and non-unit-stride inputs; the buffer growing for a
   longer sequence.
@@ -147,15 +149,18 @@ def _worker(rank, world, port, out_dir):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank),
                             timeout=datetime.timedelta(seconds=120))
+    from flashflow.distributed.peer import REMOTE_COPIES, peer_ulysses
+
     lines = []
     try:
-        for case in CASES:
+        for case, copies in ((c, m) for m in REMOTE_COPIES for c in CASES):
             try:
+                peer_ulysses(None, torch.device("cuda", rank), "peer").remote_copy = copies
                 with torch.inference_mode(False), torch.no_grad():
                     case(rank, world, lines)
-                lines.append(f"PASS {case.__name__}")
+                lines.append(f"PASS {case.__name__} {copies}")
             except Exception:   # noqa: BLE001 - reported to the parent
-                lines.append(f"FAIL {case.__name__}\n{traceback.format_exc()}")
+                lines.append(f"FAIL {case.__name__} {copies}\n{traceback.format_exc()}")
                 break
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
@@ -173,6 +178,9 @@ def test_peer_ulysses_on_two_gpus():
         torch.multiprocessing.spawn(_worker, args=(2, port, tmp), nprocs=2)
         reports = [open(os.path.join(tmp, f"rank{r}.txt")).read() for r in range(2)]
     print("\n".join(reports))
+    from flashflow.distributed.peer import REMOTE_COPIES
+
     for r, text in enumerate(reports):
         for case in CASES:
-            assert f"PASS {case.__name__}" in text, f"rank {r}:\n{text}"
+            for copies in REMOTE_COPIES:
+                assert f"PASS {case.__name__} {copies}" in text, f"rank {r}:\n{text}"
