@@ -56,9 +56,9 @@ GRAPH_CALLS = 10   # the exchange part: calls captured in one CUDA graph
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
 def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None, linear="exact",
-       exchange=None):
+       exchange=None, peer_groups=None):
     return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups,
-                linear=linear, exchange=exchange)
+                linear=linear, exchange=exchange, peer_groups=peer_groups)
 
 
 U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
@@ -79,10 +79,19 @@ STEP_PROVIDERS = {
     "flashflow+ulysses2+graph": _p("exact", U2, graph=True),
     "flashflow-fp8+ulysses2+graph (nccl exchange)": _p("fp8", U2, graph=True, exchange="nccl"),
     "flashflow-fp8+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True),
+    "flashflow-fp8+ulysses2+graph (peer, 1 head group)": _p("fp8", U2, graph=True, peer_groups=1),
+    "flashflow-fp8+ulysses2+graph (peer, 2 head groups)": _p("fp8", U2, graph=True, peer_groups=2),
+    "flashflow-fp8+ulysses2+graph (peer, 3 head groups)": _p("fp8", U2, graph=True, peer_groups=3),
     # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
     "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph": _p("fp8", U2, graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph (nccl exchange)": _p("fp8", U2, graph=True, linear="fp8", exchange="nccl"),
+    "flashflow-fp8-linear+ulysses2+graph (peer, 1 head group)": _p("fp8", U2, graph=True, linear="fp8",
+                                                                    peer_groups=1),
+    "flashflow-fp8-linear+ulysses2+graph (peer, 2 head groups)": _p("fp8", U2, graph=True, linear="fp8",
+                                                                     peer_groups=2),
+    "flashflow-fp8-linear+ulysses2+graph (peer, 3 head groups)": _p("fp8", U2, graph=True, linear="fp8",
+                                                                     peer_groups=3),
     "flashflow-fp8-linear+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True,
                                                               linear="fp8"),
 }
@@ -257,7 +266,7 @@ def _step_rows(rank, blocks, quick, save):
     from flashflow.distributed import attention as dist_attention
     from flashflow.reference.metrics import cosine, rel_l2
 
-    head_groups = dist_attention.HEAD_GROUPS
+    head_groups, peer_groups = dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS
 
     dtype = torch.bfloat16
     model = qi.build_model(blocks, "cuda", dtype)
@@ -277,6 +286,8 @@ def _step_rows(rank, blocks, quick, save):
             degrees = how["degrees"]
             if how["head_groups"] is not None:
                 dist_attention.HEAD_GROUPS = how["head_groups"]
+            if how["peer_groups"] is not None:
+                dist_attention.PEER_HEAD_GROUPS = how["peer_groups"]
             exchange = os.environ.get(EXCHANGE_ENV)
             if how["exchange"] is not None:
                 os.environ[EXCHANGE_ENV] = how["exchange"]
@@ -301,7 +312,7 @@ def _step_rows(rank, blocks, quick, save):
                 res = {"error": timing.short_error(e)}
                 torch.cuda.synchronize()
             finally:
-                dist_attention.HEAD_GROUPS = head_groups
+                dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS = head_groups, peer_groups
                 if exchange is None:
                     os.environ.pop(EXCHANGE_ENV, None)
                 else:

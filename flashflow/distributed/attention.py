@@ -298,6 +298,8 @@ def ring_attention(q, k, v, group=None, causal=False, softmax_scale=None, *, lay
 # per step against 15.78 in CUDA graphs, but 23.47 against 19.46 eager, where the step is
 # host-bound and each group adds two collectives' host time (bench/results/distributed-*.json).
 HEAD_GROUPS = 1
+# the peer-memory path's head groups (its copies run on the copy engines, beside the attention)
+PEER_HEAD_GROUPS = 1
 
 
 def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=None, attention="exact",
@@ -320,17 +322,17 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     u_world = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
     r_world = dist.get_world_size(ring_group) if ring_group is not None else 1
+    if mode == "peer" and (u_world == 1 or r_world > 1):
+        raise ValueError(f"exchange='peer' runs Ulysses alone; got ulysses degree {u_world}, ring degree {r_world} "
+                         "(use exchange='auto' or 'nccl')")
+    peer = peer_ulysses(ulysses_group, q.device, mode) if u_world > 1 and r_world == 1 else None
+    if peer is not None:
+        groups = _fit_groups(PEER_HEAD_GROUPS if head_groups is None else head_groups, q, k, u_world)
+        mask = expand_masks(gather_masks(key_padding_mask, ulysses_group, u_world), q.shape[1])
+        out = peer.attend([q, k, v], lambda *views: _attend(*views, scale, False, mask, attention)[0], groups)
+        if out is not None:
+            return out
     groups = HEAD_GROUPS if head_groups is None else head_groups
-    if mode == "peer" and (u_world == 1 or r_world > 1 or groups != 1):
-        raise ValueError(f"exchange='peer' runs Ulysses alone in one head group; got ulysses degree {u_world}, "
-                         f"ring degree {r_world}, head_groups={groups} (use exchange='auto' or 'nccl')")
-    if u_world > 1 and r_world == 1 and groups == 1:
-        peer = peer_ulysses(ulysses_group, q.device, mode)
-        views = peer.seq_to_heads([q, k, v]) if peer is not None else None
-        if views is not None:
-            mask = expand_masks(gather_masks(key_padding_mask, ulysses_group, u_world), q.shape[1])
-            out, _ = _attend(*views, scale, False, mask, attention)
-            return peer.heads_to_seq(out)
     if u_world > 1 and r_world == 1:
         return _ulysses_groups(q, k, v, ulysses_group, u_world, key_padding_mask, attention, scale, groups)
     mask = key_padding_mask
@@ -348,12 +350,17 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     return out
 
 
+def _fit_groups(groups: int, q, k, world: int) -> int:
+    """``groups`` when it divides each rank's heads and KV heads, else 1."""
+    per_rank, kv_per_rank = q.shape[2] // world, k.shape[2] // world
+    return 1 if groups < 1 or per_rank % groups or kv_per_rank % groups else groups
+
+
 def _ulysses_groups(q, k, v, group, world, key_padding_mask, attention, scale, groups):
     """Ulysses attention over ``groups`` head groups, exchanges overlapped with attention."""
     batch, seqlen, heads, head_dim = q.shape
-    per_rank, kv_per_rank = heads // world, k.shape[2] // world
-    if groups < 1 or per_rank % groups or kv_per_rank % groups:
-        groups = 1
+    per_rank = heads // world
+    groups = _fit_groups(groups, q, k, world)
     qg, kg, vg = (t.unflatten(2, (world, groups, t.shape[2] // (world * groups))) for t in (q, k, v))
     # every group's exchange queued up front: NCCL runs them in order while the attention of the
     # groups before runs on the compute stream

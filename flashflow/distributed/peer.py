@@ -71,15 +71,18 @@ def push_seq_to_heads(tensors, slots, world: int, destinations=None, copy=_copy)
     """Write this rank's part of the q/k/v exchange: ``slots[g]`` is destination ``g``'s
     ``(seqlen_local, batch, width)`` slot for this rank (``width`` = the tensors' head slices side
     by side); each gets heads ``[g·h, (g+1)·h)`` of every tensor ``(batch, seqlen_local, heads_t,
-    head_dim)``. ``destinations``: which ``g`` (all by default); ``copy(dst, src)`` moves one
+    head_dim)``, or ``(batch, seqlen_local, world, h, head_dim)``: a head group's view.
+    ``destinations``: which ``g`` (all by default); ``copy(dst, src)`` moves one
     ``(seqlen_local, h, head_dim)`` piece of one batch row. Pure copies: the same on any device
     (the CPU tests drive it with local slots)."""
+    # a 5-D tensor is (batch, seqlen, world, heads per rank, head_dim) already: a head group's view
+    tensors = [t if t.dim() == 5 else t.unflatten(2, (world, t.shape[2] // world)) for t in tensors]
     for g in range(world) if destinations is None else destinations:
         offset = 0
         for t in tensors:
-            h, d = t.shape[2] // world, t.shape[3]
+            h, d = t.shape[3], t.shape[4]
             for b in range(t.shape[0]):
-                copy(slots[g][:, b, offset:offset + h * d].unflatten(-1, (h, d)), t[b, :, g * h:(g + 1) * h])
+                copy(slots[g][:, b, offset:offset + h * d].unflatten(-1, (h, d)), t[b, :, g])
             offset += h * d
 
 
@@ -267,6 +270,67 @@ class PeerUlysses:
             push(others, self._engine.copy)
         push([self.rank], _copy)
         main.wait_stream(self._side)
+
+    def attend(self, tensors, attend, groups: int = 1):
+        """Ulysses attention through the peers' buffers, in ``groups`` groups of each rank's heads:
+        ``attend(q, k, v)`` (views ``(batch, world·seqlen_local, h/groups, head_dim)``) -> the
+        group's output ``(batch, world·seqlen_local, h/groups, head_dim)``; returns this rank's
+        slice of the output, ``(batch, seqlen_local, heads, head_dim)``, or None when the buffer
+        cannot hold the call (nothing was sent: the caller exchanges through NCCL).
+
+        With the copy engines, every group's copies to the other ranks are queued on the side
+        stream up front, so group ``i + 1``'s transfer runs under group ``i``'s attention, and
+        group ``i``'s output goes back under group ``i + 1``'s attention: what is left exposed is
+        the first group's transfer and the last group's output."""
+        world, rank = self.world, self.rank
+        batch, seqlen = tensors[0].shape[:2]
+        dtype, itemsize = tensors[0].dtype, tensors[0].element_size()
+        split = [t.unflatten(2, (world, groups, t.shape[2] // (world * groups))) for t in tensors]
+        parts = [(t.shape[4], t.shape[5]) for t in split]
+        width = sum(h * d for h, d in parts)   # one group of one rank's heads
+        hq, d = parts[0]
+        recv_bytes = _round_up(batch * seqlen * width * world * itemsize, _ALIGN)
+        base = groups * recv_bytes
+        if not self.ready_for(base + batch * seqlen * world * groups * hq * d * itemsize):
+            return None
+        slot_bytes = seqlen * batch * width * itemsize
+        out_shape = (batch, seqlen, world, groups, hq, d)
+        engine = self.remote_copy == "engine"
+        if engine and self._engine is None:
+            self._engine, self._side = CopyEngine(), torch.cuda.Stream(self.device)
+        main = torch.cuda.current_stream(self.device)
+        others = [g for g in range(world) if g != rank]
+        slots = [[self._view(g, i * recv_bytes + rank * slot_bytes, (seqlen, batch, width), dtype)
+                  for g in range(world)] for i in range(groups)]
+        pieces = [[t[:, :, :, i] for t in split] for i in range(groups)]
+        sent = []
+        if engine:
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):
+                for i in range(groups):
+                    push_seq_to_heads(pieces[i], slots[i], world, others, self._engine.copy)
+                    sent.append(torch.cuda.Event())
+                    sent[-1].record(self._side)
+        outs = []   # kept until the side stream is joined: its copies read them
+        for i in range(groups):
+            push_seq_to_heads(pieces[i], slots[i], world, [rank] if engine else None, _copy)
+            if engine:
+                main.wait_event(sent[i])
+            self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+            recv = self._view(rank, i * recv_bytes, (world, seqlen, batch, width), dtype)
+            out = attend(*recv_views(recv, parts, batch))
+            outs.append(out)
+            back = [self._view(p, base, out_shape, dtype)[:, :, rank, i] for p in range(world)]
+            if engine:
+                self._side.wait_stream(main)
+                with torch.cuda.stream(self._side):
+                    push_heads_to_seq(out, back, world, others, self._engine.copy)
+            push_heads_to_seq(out, back, world, [rank] if engine else None, _copy)
+        if engine:
+            main.wait_stream(self._side)
+        self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
+        del outs
+        return self._view(rank, base, out_shape, dtype).reshape(batch, seqlen, world * groups * hq, d).clone()
 
     def heads_to_seq(self, x: torch.Tensor) -> torch.Tensor:
         """:func:`~flashflow.distributed.exchange.heads_to_seq` through the peers' buffers, for the

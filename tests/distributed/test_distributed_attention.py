@@ -573,7 +573,7 @@ def context_attention_one_group(rank, world):
 @case(2)
 def context_attention_exchange_choice(rank, world):
     """``exchange``: "nccl" and "auto" run gloo's all-to-all (the peer path needs NCCL and CUDA):
-    the same bits; "peer" on gloo, "peer" with a ring or head groups, and a wrong name are refused
+    the same bits; "peer" on gloo, "peer" with a ring, and a wrong name are refused
     with a ValueError before anything is sent (the ranks stay in step: the next call runs);
     FLASHFLOW_ULYSSES_EXCHANGE is read when ``exchange`` is not given."""
     import os
@@ -586,7 +586,7 @@ def context_attention_exchange_choice(rank, world):
     refusals = []
     for kw, match in ((dict(exchange="peer"), "needs CUDA tensors and an NCCL group"),
                       (dict(exchange="nvlink"), "exchange must be one of"),
-                      (dict(exchange="peer", head_groups=2), "runs Ulysses alone in one head group")):
+                      (dict(exchange="peer", head_groups=2), "needs CUDA tensors and an NCCL group")):
         try:
             context_attention(*local, group, None, **kw)
             refusals.append((kw, "not refused"))

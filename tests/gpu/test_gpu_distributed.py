@@ -10,8 +10,9 @@ Every case runs twice: the copies to the other rank by the copy engines, and by 
 - The exchanges against NCCL's all-to-all, bit for bit, over fresh inputs: separate tensors, the
   processor's fused q/k/v views, transposed and non-unit-stride inputs; the buffer growing for a
   longer sequence.
-- context_attention with exchange="peer" against "nccl" (exact and FP8, with a key-padding mask),
-  bit for bit, and exact against float64 attention over the whole sequence.
+- context_attention with exchange="peer" against "nccl" (exact and FP8, with a key-padding mask,
+  1, 2 and 4 head groups), bit for bit, and exact against float64 attention over the whole
+  sequence.
 - CUDA graph capture of the peer path: replays with new inputs equal the eager NCCL path.
 - NaN/inf in one rank's k reach the same outputs as through NCCL.
 """
@@ -86,11 +87,12 @@ def _attention(rank, world, report):
     mask = torch.ones(b, 40, dtype=torch.bool, device="cuda")
     mask[:, 33:] = False   # each rank's first 40 keys: 7 of them padding
     for attention in ("exact", "fp8"):
-        for m in (None, mask):
+        for m, groups in ((None, 1), (mask, 1), (None, 2), (mask, 4)):
             want = context_attention(*local, group, None, attention=attention, key_padding_mask=m, exchange="nccl")
             _poison(peer)
-            got = context_attention(*local, group, None, attention=attention, key_padding_mask=m, exchange="peer")
-            assert torch.equal(got, want), (attention, m is not None)
+            got = context_attention(*local, group, None, attention=attention, key_padding_mask=m, exchange="peer",
+                                    head_groups=groups)
+            assert torch.equal(got, want), (attention, m is not None, groups)
             if attention == "exact":
                 full_mask = None
                 if m is not None:
@@ -98,13 +100,13 @@ def _attention(rank, world, report):
                 ref = attention_naive(*(t.double() for t in whole), key_padding_mask=full_mask)
                 err = rel_l2(gather_sequence(got), ref)
                 assert err < 1e-2, (attention, m is not None, err)
-    report.append("context_attention: peer == nccl, exact and fp8, with and without a mask")
+    report.append("context_attention: peer == nccl, exact and fp8, with and without a mask, 1, 2 and 4 head groups")
 
     # CUDA graph: captured on static inputs, replayed with new values
     static = [t.clone() for t in local]
 
     def call():
-        return context_attention(*static, group, None, attention="fp8", exchange="peer")
+        return context_attention(*static, group, None, attention="fp8", exchange="peer", head_groups=2)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -121,7 +123,7 @@ def _attention(rank, world, report):
         graph.replay()
         want = context_attention(*static, group, None, attention="fp8", exchange="nccl")
         assert torch.equal(out, want), ("graph replay", it)
-    report.append("graph: 4 replays with new inputs == eager nccl")
+    report.append("graph (2 head groups): 4 replays with new inputs == eager nccl")
 
     # NaN and inf in rank 0's keys: the same outputs as through NCCL
     bad = [t.clone() for t in local]
