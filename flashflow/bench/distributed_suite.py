@@ -621,6 +621,16 @@ def run(args) -> int:
     return 0 if failed is None else 1
 
 
+def one_gpu_counterpart(provider: str) -> str | None:
+    """The one-GPU step provider that runs ``provider``'s flashflow modes (attention, linear layers,
+    CUDA graph or not), or None (a one-GPU provider, or none such)."""
+    how = STEP_PROVIDERS.get(provider)
+    if how is None or how["degrees"] is None:
+        return None
+    return next((name for name, other in STEP_PROVIDERS.items() if other["degrees"] is None
+                 and all(other[k] == how[k] for k in ("attention", "linear", "graph"))), None)
+
+
 def report(result: dict, markdown: bool = False) -> str:
     lines = []
     for row in result["rows"]:
@@ -629,7 +639,7 @@ def report(result: dict, markdown: bool = False) -> str:
             step = row["kind"] == "step"
             anchors = ["flashflow-fp8", "diffusers"] + (["diffusers+ulysses2"] if step else [])
             lines.append(f"step {row['shape']['name']}: ms | × one-GPU flashflow-fp8 | × diffusers | "
-                         f"× diffusers+ulysses2 | cosine | nccl ms" if step else
+                         f"× diffusers+ulysses2 | cosine | nccl ms | × one GPU, same mode" if step else
                          f"cfg step {row['shape']['name']}: ms per step | × one-GPU flashflow-fp8 | × diffusers | "
                          f"cosine")
             for provider, r in res.items():
@@ -638,6 +648,9 @@ def report(result: dict, markdown: bool = False) -> str:
                     continue
                 ratios = [f"{res[a]['ms'] / r['ms']:.2f}" if res.get(a, {}).get("ms") else "-" for a in anchors]
                 tail = [f"{r['cosine']:.6f}"] + ([f"{r.get('nccl_kernels_ms', 0):.2f}"] if step else [])
+                if step:
+                    one = one_gpu_counterpart(provider)
+                    tail.append(f"{res[one]['ms'] / r['ms']:.2f}" if res.get(one, {}).get("ms") else "-")
                 lines.append(f"  {provider}: " + " | ".join([f"{r['ms']:.2f}", *ratios, *tail]))
         elif row["kind"] == "exchange":
             lines.append(f"exchange {row['shape']}: ms | GB/s sent per rank | NCCL kernel ms | ms in a graph")

@@ -40,4 +40,34 @@ def test_report_of_a_saved_result(path):
             if row["kind"] == "cfg" and "error" not in r:
                 assert f"{r['ms']:.2f} | {res['flashflow-fp8']['ms'] / r['ms']:.2f} | {res['diffusers']['ms'] / r['ms']:.2f}" in text
             if row["kind"] == "step" and "error" not in r:
-                assert f"{r['ms']:.2f} | {res['flashflow-fp8']['ms'] / r['ms']:.2f}" in text
+                fp8 = f"{res['flashflow-fp8']['ms'] / r['ms']:.2f}" if "flashflow-fp8" in res else "-"
+                lines = text.splitlines()
+                start = lines.index(next(x for x in lines if x.startswith(f"step {row['shape']['name']}:")))
+                line = next(x for x in lines[start:] if x.startswith(f"  {provider}: "))
+                assert line.startswith(f"  {provider}: {r['ms']:.2f} | {fp8}"), line
+                one = ds.one_gpu_counterpart(provider)
+                if one in res:
+                    assert line.endswith(f" | {res[one]['ms'] / r['ms']:.2f}"), line
+
+
+def test_one_gpu_counterpart():
+    assert ds.one_gpu_counterpart("flashflow-fp8+ulysses2+graph (peer 2 head groups)") == "flashflow-fp8+graph"
+    assert ds.one_gpu_counterpart("flashflow-fp8-linear+ulysses2+graph (parallel first)") == \
+        "flashflow-fp8-linear+graph"
+    assert ds.one_gpu_counterpart("flashflow-fp8+ulysses2") == "flashflow-fp8"
+    assert ds.one_gpu_counterpart("diffusers+ulysses2") == "diffusers"
+    assert ds.one_gpu_counterpart("flashflow-fp8+graph") is None
+    assert ds.one_gpu_counterpart("no such provider") is None
+
+
+def test_provider_selection(monkeypatch):
+    from flashflow.bench import distributed_suite as ds
+
+    monkeypatch.delenv(ds.PROVIDERS_ENV, raising=False)
+    assert ds._selected(ds.STEP_PROVIDERS) is ds.STEP_PROVIDERS
+    assert all("," not in name for name in ds.STEP_PROVIDERS)   # the variable is a comma-separated list
+    monkeypatch.setenv(ds.PROVIDERS_ENV, "flashflow-fp8+graph, diffusers")
+    assert list(ds._selected(ds.STEP_PROVIDERS)) == ["diffusers", "flashflow-fp8+graph"]   # the suite's order
+    monkeypatch.setenv(ds.PROVIDERS_ENV, "diffusers,flashflow-fp9")
+    with pytest.raises(ValueError, match="unknown providers \\['flashflow-fp9'\\]"):
+        ds._selected(ds.STEP_PROVIDERS)
