@@ -56,9 +56,9 @@ GRAPH_CALLS = 10   # the exchange part: calls captured in one CUDA graph
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
 def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None, linear="exact",
-       exchange=None, peer_groups=None):
+       exchange=None, peer_groups=None, peer_copy=None):
     return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups,
-                linear=linear, exchange=exchange, peer_groups=peer_groups)
+                linear=linear, exchange=exchange, peer_groups=peer_groups, peer_copy=peer_copy)
 
 
 U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
@@ -82,6 +82,10 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2+graph (peer 1 head group)": _p("fp8", U2, graph=True, peer_groups=1),
     "flashflow-fp8+ulysses2+graph (peer 2 head groups)": _p("fp8", U2, graph=True, peer_groups=2),
     "flashflow-fp8+ulysses2+graph (peer 3 head groups)": _p("fp8", U2, graph=True, peer_groups=3),
+    "flashflow-fp8+ulysses2+graph (peer staged copies)": _p("fp8", U2, graph=True, peer_copy="staged"),
+    "flashflow-fp8+ulysses2+graph (peer staged copies 2 head groups)": _p("fp8", U2, graph=True, peer_copy="staged",
+                                                                          peer_groups=2),
+    "flashflow-fp8+ulysses2+graph (peer kernel copies)": _p("fp8", U2, graph=True, peer_copy="kernel"),
     # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
     "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph": _p("fp8", U2, graph=True, linear="fp8"),
@@ -92,6 +96,8 @@ STEP_PROVIDERS = {
                                                                      peer_groups=2),
     "flashflow-fp8-linear+ulysses2+graph (peer 3 head groups)": _p("fp8", U2, graph=True, linear="fp8",
                                                                      peer_groups=3),
+    "flashflow-fp8-linear+ulysses2+graph (peer staged copies)": _p("fp8", U2, graph=True, linear="fp8",
+                                                                    peer_copy="staged"),
     "flashflow-fp8-linear+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True,
                                                               linear="fp8"),
 }
@@ -115,7 +121,7 @@ def check_args(args) -> str | None:
     return None
 
 
-EXCHANGE_ENV = "FLASHFLOW_ULYSSES_EXCHANGE"
+EXCHANGE_ENV, PEER_COPY_ENV = "FLASHFLOW_ULYSSES_EXCHANGE", "FLASHFLOW_PEER_COPY"
 # FLASHFLOW_DISTRIBUTED_PROVIDERS: a comma-separated subset of the step providers to run (all by default)
 PROVIDERS_ENV = "FLASHFLOW_DISTRIBUTED_PROVIDERS"
 
@@ -288,9 +294,10 @@ def _step_rows(rank, blocks, quick, save):
                 dist_attention.HEAD_GROUPS = how["head_groups"]
             if how["peer_groups"] is not None:
                 dist_attention.PEER_HEAD_GROUPS = how["peer_groups"]
-            exchange = os.environ.get(EXCHANGE_ENV)
-            if how["exchange"] is not None:
-                os.environ[EXCHANGE_ENV] = how["exchange"]
+            saved_env = {name: os.environ.get(name) for name in (EXCHANGE_ENV, PEER_COPY_ENV)}
+            for name, value in ((EXCHANGE_ENV, how["exchange"]), (PEER_COPY_ENV, how["peer_copy"])):
+                if value is not None:
+                    os.environ[name] = value
             try:
                 with _provider(model, how["attention"], degrees, how["order"], how["linear"]):
                     out = step()
@@ -313,10 +320,11 @@ def _step_rows(rank, blocks, quick, save):
                 torch.cuda.synchronize()
             finally:
                 dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS = head_groups, peer_groups
-                if exchange is None:
-                    os.environ.pop(EXCHANGE_ENV, None)
-                else:
-                    os.environ[EXCHANGE_ENV] = exchange
+                for name, value in saved_env.items():
+                    if value is None:
+                        os.environ.pop(name, None)
+                    else:
+                        os.environ[name] = value
             results[provider] = res
             if rank == 0:
                 print(f"  {name} {provider}: {res}", file=sys.stderr, flush=True)
@@ -442,7 +450,7 @@ def _exchange_rows(rank, world):
     import torch.distributed as dist
 
     from flashflow.distributed.exchange import heads_to_seq, seq_to_heads
-    from flashflow.distributed.peer import peer_ulysses
+    from flashflow.distributed.peer import REMOTE_COPIES, peer_ulysses
 
     p = EXCHANGE
     local = p["seqlen"] // world
@@ -459,20 +467,18 @@ def _exchange_rows(rank, world):
         seq_to_heads([q, k, v], None, world)
         return heads_to_seq(out, None, world)
 
-    def peer_pair(copies):   # the peer exchanges alternate: q, k, v there, the output back
+    def peer_pair(copies, groups=1):   # q, k, v there, the output back, around no attention
         def pair():
             peer.remote_copy = copies
-            peer.seq_to_heads([q, k, v])
-            return peer.heads_to_seq(out)
+            return peer.attend([q, k, v], lambda *views: out, groups)
         return pair
 
     cases = {
         "q, k, v and output in 16 bits (NCCL: seq_to_heads, heads_to_seq)": (
             nccl_pair, (3 * q.numel() + out.numel()) * 2),
-        "q, k, v and output in 16 bits (peer memory, copy engines)": (peer_pair("engine"),
-                                                                       (3 * q.numel() + out.numel()) * 2),
-        "q, k, v and output in 16 bits (peer memory, copy kernels)": (peer_pair("kernel"),
-                                                                       (3 * q.numel() + out.numel()) * 2),
+        **{f"q, k, v and output in 16 bits (peer memory, {copies} copies)": (peer_pair(copies),
+                                                                            (3 * q.numel() + out.numel()) * 2)
+           for copies in REMOTE_COPIES},
         "q, k, v in 16 bits (seq_to_heads)": (lambda: seq_to_heads([q, k, v], None, world), 3 * q.numel() * 2),
         "q, k, v in 8 bits (seq_to_heads)": (lambda: seq_to_heads([q8, k8, v8], None, world), 3 * q.numel()),
         "output in 16 bits (heads_to_seq)": (lambda: heads_to_seq(out, None, world), out.numel() * 2),

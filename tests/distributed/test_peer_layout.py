@@ -13,8 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flashflow.distributed.peer import (EXCHANGES, CopyEngine, PeerUlysses, exchange_mode, push_heads_to_seq,
-                                        push_seq_to_heads, recv_views)
+from flashflow.distributed import peer as peer_module
+from flashflow.distributed.peer import (EXCHANGES, CopyEngine, PeerUlysses, exchange_mode, out_from_region,
+                                        push_heads_to_seq, push_seq_to_heads, recv_views)
 
 
 def _layouts(b, s, h, d, dtype, layout, gen):
@@ -58,22 +59,61 @@ def test_seq_to_heads_then_heads_to_seq_match_the_all_to_all(world, layout):
     # the output back: rank g's attention output over its heads, rows of every rank's slice
     h_local = parts[0][0]
     outs = [torch.randn(b, world * s, h_local, d, generator=gen, dtype=torch.float64).to(dtype) for _ in range(world)]
-    back = [torch.full((b, s, world, h_local, d), float("nan"), dtype=dtype) for _ in range(world)]
-    for g, x in enumerate(outs):
-        push_heads_to_seq(x, [back[p][:, :, g] for p in range(world)], world)
+    regions = [torch.full((world, 1, b, s, h_local, d), float("nan"), dtype=dtype) for _ in range(world)]
+    for g, x in enumerate(outs):   # rank g's output lands at [g, group 0] of every rank's region
+        push_heads_to_seq(x, [regions[p][g, 0] for p in range(world)], world)
     for p in range(world):
         want = torch.cat([outs[g][:, p * s:(p + 1) * s] for g in range(world)], dim=2)
-        assert torch.equal(back[p].reshape(b, s, world * h_local, d), want), (world, layout, p)
+        got = out_from_region(regions[p])
+        assert got.is_contiguous() and torch.equal(got, want), (world, layout, p)
 
 
-def test_the_buffer_holds_both_regions():
+def test_output_region_with_head_groups():
+    # region [p, i]: source rank p's head group i; the output orders heads rank-major, then group
+    world, groups, b, s, h, d = 3, 2, 2, 5, 2, 8
+    region = torch.randn(world, groups, b, s, h, d).to(torch.bfloat16)
+    got = out_from_region(region)
+    want = torch.cat([region[p, i] for p in range(world) for i in range(groups)], dim=2)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("case", ["heads", "transposed", "odd", "offset", "float32", "int8"])
+def test_copy_goes_wide_where_it_can_and_is_exact_everywhere(case):
+    base = torch.randn(4, 6, 3, 16).to(torch.bfloat16)
+    dst = torch.full((4, 6, 3, 16), float("nan"), dtype=torch.bfloat16)
+    src, d = base, dst
+    if case == "heads":         # a head slice: 8-byte runs with a stride (wide)
+        src, d = base[:, :, 1:], dst[:, :, 1:]
+    elif case == "transposed":  # last stride not 1 on the source: plain copy
+        src = torch.randn(4, 6, 16, 3).to(torch.bfloat16).transpose(2, 3)
+    elif case == "odd":         # 3 elements a row: not whole 8-byte steps
+        src, d = base[..., :3], dst[..., :3]
+    elif case == "offset":      # an offset of one element: not 8-byte aligned
+        src, d = base[..., 1:9], dst[..., 1:9]
+    elif case == "float32":
+        src, d = base.float(), dst.float()
+    else:
+        src, d = (base * 10).to(torch.int8), torch.zeros_like(dst, dtype=torch.int8)
+    peer_module._copy(d, src)
+    assert torch.equal(d.nan_to_num(7.0) if d.is_floating_point() else d,
+                       src.nan_to_num(7.0) if src.is_floating_point() else src)
+    if case == "heads":
+        assert peer_module._wide(src) is not None and peer_module._wide(d) is not None
+    if case in ("transposed", "odd", "offset"):
+        assert peer_module._wide(src) is None or peer_module._wide(d) is None
+
+
+def test_the_buffer_holds_every_region():
     # q, k, v of 1 × 4224 tokens × 24 heads × 128 and the output: what one Qwen-Image-Edit block
-    # asks of each of 2 ranks (bf16)
-    b, s, heads, d = 1, 4224, 24, 128
-    width, out_width = 3 * heads * d, heads * d
-    need = PeerUlysses.bytes_for(b, s, width, out_width, 2)
-    assert need >= (b * s * width + b * s * out_width) * 2
-    assert need - (b * s * width + b * s * out_width) * 2 < 256   # only the alignment between them
+    # asks of each of 2 ranks (bf16), in 1 and 2 head groups
+    b, s, heads, d, world = 1, 4224, 24, 128, 2
+    for groups in (1, 2):
+        h = heads // (world * groups)
+        recv_bytes, base, total = PeerUlysses.layout(b, s, 3 * h * d, h * d, 2, world, groups)
+        assert recv_bytes >= world * b * s * 3 * h * d * 2 and recv_bytes % 256 == 0
+        assert base == groups * recv_bytes
+        assert total - base == world * groups * b * s * h * d * 2
+        assert total - b * s * 4 * heads * d * 2 < 256 * groups   # only the alignment beyond the data
 
 
 def test_exchange_mode(monkeypatch):
@@ -113,3 +153,21 @@ def test_copy_engine_rows_and_fallback():
     dst = torch.full((6, 8, 4), float("nan"), dtype=torch.bfloat16)
     engine.copy(dst, src)
     assert torch.equal(dst, src)
+
+
+def test_copy_mode(monkeypatch):
+    peer = PeerUlysses.__new__(PeerUlysses)   # no group: only the mode's lookup
+    peer.remote_copy = None
+    monkeypatch.delenv("FLASHFLOW_PEER_COPY", raising=False)
+    assert peer.copy_mode() == peer_module.DEFAULT_REMOTE_COPY
+    monkeypatch.setenv("FLASHFLOW_PEER_COPY", "staged")
+    assert peer.copy_mode() == "staged"
+    peer.remote_copy = "kernel"                # the attribute wins over the environment
+    assert peer.copy_mode() == "kernel"
+    peer.remote_copy = "dma"
+    with pytest.raises(ValueError, match="remote_copy must be one of"):
+        peer.copy_mode()
+    peer.remote_copy = None
+    monkeypatch.setenv("FLASHFLOW_PEER_COPY", "dma")
+    with pytest.raises(ValueError, match="FLASHFLOW_PEER_COPY must be one of"):
+        peer.copy_mode()

@@ -52,22 +52,39 @@ def _draw(shape, seed, layout, dtype=torch.bfloat16):
 
 
 def _exchanges(rank, world, report):
+    """PeerUlysses.attend around an attention that records the views it gets and returns a given
+    output: the views equal NCCL's seq_to_heads, the result NCCL's heads_to_seq, for 1 and 2 head
+    groups (group i: heads [i·h/2, (i+1)·h/2) of each rank's slice)."""
     from flashflow.distributed.exchange import heads_to_seq, seq_to_heads
     from flashflow.distributed.peer import peer_ulysses
 
     peer = peer_ulysses(None, torch.device("cuda", rank), "peer")
+    calls = 0
     for it, (s, layout) in enumerate([(257, "contiguous"), (257, "fused"), (300, "transposed"), (1031, "strided"),
                                       (1031, "fused"), (64, "contiguous")]):
         q, k, v = _draw((1, s, 8, 128), 1000 * it + rank, layout)
         want = seq_to_heads([q, k, v], None, world)
-        _poison(peer)
-        got = peer.seq_to_heads([q, k, v])
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert a.shape == b.shape and torch.equal(a, b), (it, s, layout, i)
         out = torch.randn(1, world * s, 4, 128, device="cuda", dtype=torch.bfloat16)
-        back, want_back = peer.heads_to_seq(out), heads_to_seq(out, None, world)
-        assert torch.equal(back, want_back), (it, s, layout, "heads_to_seq")
-    report.append(f"exchanges: {it + 1} calls bit-equal, buffer {peer.nbytes} bytes")
+        want_back = heads_to_seq(out, None, world)
+        for groups in (1, 2):
+            per = 4 // groups
+            seen = []
+
+            def fake_attention(*views):
+                i = len(seen)
+                seen.append([t.clone() for t in views])
+                return out[:, :, i * per:(i + 1) * per].contiguous()
+
+            _poison(peer)
+            back = peer.attend([q, k, v], fake_attention, groups)
+            calls += 1
+            assert len(seen) == groups
+            for i, views in enumerate(seen):
+                for j, (a, b) in enumerate(zip(views, want)):
+                    b = b[:, :, i * per:(i + 1) * per]
+                    assert a.shape == b.shape and torch.equal(a, b), (it, s, layout, groups, i, j)
+            assert torch.equal(back, want_back), (it, s, layout, groups, "output")
+    report.append(f"exchanges: {calls} calls bit-equal, buffer {peer.nbytes} bytes")
 
 
 def _attention(rank, world, report):
