@@ -82,9 +82,6 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2+graph (peer 1 head group)": _p("fp8", U2, graph=True, peer_groups=1),
     "flashflow-fp8+ulysses2+graph (peer 2 head groups)": _p("fp8", U2, graph=True, peer_groups=2),
     "flashflow-fp8+ulysses2+graph (peer 3 head groups)": _p("fp8", U2, graph=True, peer_groups=3),
-    "flashflow-fp8+ulysses2+graph (peer staged copies)": _p("fp8", U2, graph=True, peer_copy="staged"),
-    "flashflow-fp8+ulysses2+graph (peer staged copies 2 head groups)": _p("fp8", U2, graph=True, peer_copy="staged",
-                                                                          peer_groups=2),
     "flashflow-fp8+ulysses2+graph (peer kernel copies)": _p("fp8", U2, graph=True, peer_copy="kernel"),
     # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
     "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
@@ -96,8 +93,6 @@ STEP_PROVIDERS = {
                                                                      peer_groups=2),
     "flashflow-fp8-linear+ulysses2+graph (peer 3 head groups)": _p("fp8", U2, graph=True, linear="fp8",
                                                                      peer_groups=3),
-    "flashflow-fp8-linear+ulysses2+graph (peer staged copies)": _p("fp8", U2, graph=True, linear="fp8",
-                                                                    peer_copy="staged"),
     "flashflow-fp8-linear+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True,
                                                               linear="fp8"),
 }

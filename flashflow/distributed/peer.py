@@ -43,10 +43,10 @@ BARRIER_TIMEOUT_MS = 120_000
 _ALIGN = 256   # bytes: each region of the buffer starts aligned
 # the copies to other ranks: "engine" by the copy engines (cudaMemcpy2DAsync, rows of the caller's
 # tensors where they lie) on a side stream, beside the kernels that copy this rank's own slices;
-# "staged": one kernel copies the others' slices next to this rank's own into a local staging
-# buffer, then the copy engines move each as one run of bytes; "kernel": element-wise copy kernels
-# on the caller's stream writing straight into the other GPUs' memory
-REMOTE_COPIES = ("engine", "staged", "kernel")
+# "kernel": element-wise copy kernels on the caller's stream writing straight into the other GPUs'
+# memory. (Packing the other ranks' slices locally first, then one copy-engine run a destination,
+# measured slower than "engine": 0.235 against 0.191 ms an Edit block's exchanges, 2 × H200.)
+REMOTE_COPIES = ("engine", "kernel")
 DEFAULT_REMOTE_COPY = "engine"
 
 
@@ -89,22 +89,19 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 def push_seq_to_heads(tensors, slots, world: int, destinations=None, copy=_copy) -> None:
-    """Write this rank's part of the q/k/v exchange: ``slots[g]`` is destination ``g``'s
-    ``(seqlen_local, batch, width)`` slot for this rank (``width`` = the tensors' head slices side
-    by side); each gets heads ``[g·h, (g+1)·h)`` of every tensor ``(batch, seqlen_local, heads_t,
-    head_dim)``, or ``(batch, seqlen_local, world, h, head_dim)``: a head group's view.
-    ``destinations``: which ``g`` (all by default); ``copy(dst, src)`` moves one
-    ``(seqlen_local, h, head_dim)`` piece of one batch row. Pure copies: the same on any device
-    (the CPU tests drive it with local slots)."""
+    """Write this rank's part of the q/k/v exchange: ``slots[g][j]`` is destination ``g``'s
+    ``(batch, seqlen_local, h_j, head_dim)`` slot of tensor ``j`` for this rank, which gets heads
+    ``[g·h_j, (g+1)·h_j)`` of ``tensors[j]`` ``(batch, seqlen_local, heads_j, head_dim)`` (or of its
+    ``(batch, seqlen_local, world, h_j, head_dim)`` view: a head group's). ``destinations``: which
+    ``g`` (all by default); ``copy(dst, src)`` moves one batch row's ``(seqlen_local, h_j,
+    head_dim)`` piece. Pure copies: the same on any device (the CPU tests drive it with local
+    slots)."""
     # a 5-D tensor is (batch, seqlen, world, heads per rank, head_dim) already: a head group's view
     tensors = [t if t.dim() == 5 else t.unflatten(2, (world, t.shape[2] // world)) for t in tensors]
     for g in range(world) if destinations is None else destinations:
-        offset = 0
-        for t in tensors:
-            h, d = t.shape[3], t.shape[4]
+        for j, t in enumerate(tensors):
             for b in range(t.shape[0]):
-                copy(slots[g][:, b, offset:offset + h * d].unflatten(-1, (h, d)), t[b, :, g])
-            offset += h * d
+                copy(slots[g][j][b], t[b, :, g])
 
 
 def push_heads_to_seq(x: torch.Tensor, slots, world: int, destinations=None, copy=_copy) -> None:
@@ -181,16 +178,12 @@ def _maps() -> list[str]:
         return []
 
 
-def recv_views(recv: torch.Tensor, parts, batch: int):
-    """The q/k/v views of a ``(world, seqlen_local, batch, width)`` receive buffer:
-    ``(batch, world·seqlen_local, h_t, head_dim)`` each, as the NCCL path returns them."""
-    world, seqlen, _, width = recv.shape
-    joint = recv.view(world * seqlen, batch, width).transpose(0, 1)
-    views, offset = [], 0
-    for h, d in parts:
-        views.append(joint[..., offset:offset + h * d].unflatten(-1, (h, d)))
-        offset += h * d
-    return views
+def recv_views(regions):
+    """The q/k/v attention reads from its receive regions ``(batch, world, seqlen_local, h_j,
+    head_dim)`` (source rank ``p``'s slot at ``[:, p]``): ``(batch, world·seqlen_local, h_j,
+    head_dim)`` each, contiguous, the sequence in rank order (the values NCCL's
+    :func:`~flashflow.distributed.exchange.seq_to_heads` returns)."""
+    return [r.flatten(1, 2) for r in regions]
 
 
 def out_from_region(region: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -206,9 +199,10 @@ def out_from_region(region: torch.Tensor, out: torch.Tensor | None = None) -> to
 
 class PeerUlysses:
     """One Ulysses group's exchanges through symmetric memory (see the module docstring). Made by
-    :func:`peer_ulysses`, one per (group, device). Its buffer holds, per head group, the q/k/v
-    receive region ``(world, seqlen_local, batch, width)`` (rank ``p``'s slot at ``[p]``), then one
-    output region ``(world, groups, batch, seqlen_local, h, head_dim)``."""
+    :func:`peer_ulysses`, one per (group, device). Its buffer holds, per head group, a receive
+    region ``(batch, world, seqlen_local, h_j, head_dim)`` for each of q, k, v (rank ``p``'s slot
+    at ``[:, p]``: attention reads each as one contiguous tensor), then one output region
+    ``(world, groups, batch, seqlen_local, h, head_dim)``."""
 
     def __init__(self, group, device: torch.device, strict: bool = False):
         self.group = group
@@ -268,13 +262,17 @@ class PeerUlysses:
         return self.handle.get_buffer(rank, tuple(shape), dtype, byte_offset // itemsize)
 
     @staticmethod
-    def layout(batch: int, seqlen: int, width: int, out_width: int, itemsize: int, world: int, groups: int):
-        """``(bytes of one group's receive region, offset of the output region, bytes in all)``:
-        ``width`` is one group of one rank's q/k/v heads side by side (elements), ``out_width``
-        one group of one rank's output heads."""
-        recv_bytes = _round_up(batch * seqlen * width * world * itemsize, _ALIGN)
-        base = groups * recv_bytes
-        return recv_bytes, base, base + world * groups * batch * seqlen * out_width * itemsize
+    def layout(batch: int, seqlen: int, parts, itemsize: int, world: int, groups: int):
+        """``(offsets of one group's receive regions, bytes of a group's, offset of the output
+        region, bytes in all)``: ``parts`` the ``(heads, head_dim)`` of one group of one rank's
+        q, k, v (the output takes q's)."""
+        offsets, at = [], 0
+        for h, d in parts:
+            offsets.append(at)
+            at += _round_up(batch * world * seqlen * h * d * itemsize, _ALIGN)
+        base = groups * at
+        h, d = parts[0]
+        return offsets, at, base, base + world * groups * batch * seqlen * h * d * itemsize
 
     def attend(self, tensors, attend, groups: int = 1):
         """Ulysses attention through the peers' buffers, in ``groups`` groups of each rank's heads:
@@ -293,52 +291,41 @@ class PeerUlysses:
         dtype, itemsize = tensors[0].dtype, tensors[0].element_size()
         split = [t.unflatten(2, (world, groups, t.shape[2] // (world * groups))) for t in tensors]
         parts = [(t.shape[4], t.shape[5]) for t in split]
-        width = sum(h * d for h, d in parts)   # one group of one rank's heads
-        hq, d = parts[0]
         mode = self.copy_mode()
-        recv_bytes, base, total = self.layout(batch, seqlen, width, hq * d, itemsize, world, groups)
+        offsets, group_bytes, base, total = self.layout(batch, seqlen, parts, itemsize, world, groups)
         if not self.ready_for(total):
             return None
-        if mode != "kernel" and self._engine is None:
+        if mode == "engine" and self._engine is None:
             self._engine, self._side = CopyEngine(), torch.cuda.Stream(self.device)
         main = torch.cuda.current_stream(self.device)
         others = [g for g in range(world) if g != rank]
-        slot_bytes = seqlen * batch * width * itemsize
-        slots = [[self._view(g, i * recv_bytes + rank * slot_bytes, (seqlen, batch, width), dtype)
-                  for g in range(world)] for i in range(groups)]
-        regions = [self._view(p, base, (world, groups, batch, seqlen, hq, d), dtype) for p in range(world)]
+
+        def regions(g, i):   # rank g's receive regions of group i, one a tensor
+            return [self._view(g, i * group_bytes + off, (batch, world, seqlen, h, d), dtype)
+                    for off, (h, d) in zip(offsets, parts)]
+
+        hq, d = parts[0]
+        outs_at = [self._view(p, base, (world, groups, batch, seqlen, hq, d), dtype) for p in range(world)]
         keep = []   # what the side stream reads, kept alive until it is joined
         sent = []
         for i in range(groups):
             pieces = [t[:, :, :, i] for t in split]
+            slots = [[r[:, rank] for r in regions(g, i)] for g in range(world)]
             if mode == "kernel":
-                push_seq_to_heads(pieces, slots[i], world)
+                push_seq_to_heads(pieces, slots, world)
                 continue
-            if mode == "staged":
-                # one kernel writes this rank's slot and a local staging copy of the others'; the
-                # copy engines then move each staged slot as one run of bytes
-                stage = torch.empty((len(others), seqlen, batch, width), dtype=dtype, device=self.device)
-                keep.append(stage)
-                targets = [slots[i][g] if g == rank else stage[others.index(g)] for g in range(world)]
-                push_seq_to_heads(pieces, targets, world)
-                self._side.wait_stream(main)
-                with torch.cuda.stream(self._side):
-                    for j, g in enumerate(others):
-                        self._engine.copy(slots[i][g].view(1, -1), stage[j].view(1, -1))
-            else:   # "engine": the copy engines read the caller's tensors where they lie
-                self._side.wait_stream(main)
-                with torch.cuda.stream(self._side):
-                    push_seq_to_heads(pieces, slots[i], world, others, self._engine.copy)
-                push_seq_to_heads(pieces, slots[i], world, [rank])
+            self._side.wait_stream(main)
+            with torch.cuda.stream(self._side):   # the copy engines read the caller's tensors where they lie
+                push_seq_to_heads(pieces, slots, world, others, self._engine.copy)
+            push_seq_to_heads(pieces, slots, world, [rank])
             sent.append(torch.cuda.Event())
             sent[-1].record(self._side)
         for i in range(groups):
             if mode != "kernel":
                 main.wait_event(sent[i])
             self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-            recv = self._view(rank, i * recv_bytes, (world, seqlen, batch, width), dtype)
-            out = attend(*recv_views(recv, parts, batch))
-            back = [regions[p][rank, i] for p in range(world)]
+            out = attend(*recv_views(regions(rank, i)))
+            back = [outs_at[p][rank, i] for p in range(world)]
             if mode == "kernel":
                 push_heads_to_seq(out, back, world)
                 continue
@@ -351,7 +338,7 @@ class PeerUlysses:
             main.wait_stream(self._side)
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         del keep
-        return out_from_region(regions[rank])
+        return out_from_region(outs_at[rank])
 
 
 _PEERS: dict = {}

@@ -44,16 +44,16 @@ def test_seq_to_heads_then_heads_to_seq_match_the_all_to_all(world, layout):
     gen = torch.Generator().manual_seed(world * 100 + len(layout))
     ranks = [_layouts(b, s, h, d, dtype, layout, gen) for _ in range(world)]
     parts = [(t.shape[2] // world, d) for t in ranks[0]]
-    width = sum(hh * dd for hh, dd in parts)
-    recv = [torch.full((world, s, b, width), float("nan"), dtype=dtype) for _ in range(world)]
+    # every rank's receive regions (batch, world, seqlen, h_j, d), one for each of q, k, v
+    recv = [[torch.full((b, world, s, hh, dd), float("nan"), dtype=dtype) for hh, dd in parts] for _ in range(world)]
     for r, tensors in enumerate(ranks):   # rank r's copies land in every rank's slot r
-        push_seq_to_heads(tensors, [recv[g][r] for g in range(world)], world)
+        push_seq_to_heads(tensors, [[region[:, r] for region in recv[g]] for g in range(world)], world)
     for g in range(world):
-        views = recv_views(recv[g], parts, b)
+        views = recv_views(recv[g])
         for i, view in enumerate(views):
             hh = parts[i][0]
             want = torch.cat([ranks[p][i][:, :, g * hh:(g + 1) * hh] for p in range(world)], dim=1)
-            assert view.shape == (b, world * s, hh, d)
+            assert view.shape == (b, world * s, hh, d) and view.is_contiguous()
             assert torch.equal(view, want), (world, layout, g, i)
 
     # the output back: rank g's attention output over its heads, rows of every rank's slice
@@ -109,11 +109,14 @@ def test_the_buffer_holds_every_region():
     b, s, heads, d, world = 1, 4224, 24, 128, 2
     for groups in (1, 2):
         h = heads // (world * groups)
-        recv_bytes, base, total = PeerUlysses.layout(b, s, 3 * h * d, h * d, 2, world, groups)
-        assert recv_bytes >= world * b * s * 3 * h * d * 2 and recv_bytes % 256 == 0
-        assert base == groups * recv_bytes
+        offsets, group_bytes, base, total = PeerUlysses.layout(b, s, [(h, d)] * 3, 2, world, groups)
+        one = b * world * s * h * d * 2
+        assert offsets == [0, one, 2 * one] and group_bytes == 3 * one   # already 256-byte multiples
+        assert base == groups * group_bytes
         assert total - base == world * groups * b * s * h * d * 2
-        assert total - b * s * 4 * heads * d * 2 < 256 * groups   # only the alignment beyond the data
+        assert total == b * s * 4 * heads * d * 2
+    offsets, group_bytes, _, _ = PeerUlysses.layout(1, 3, [(1, 8), (1, 8), (1, 8)], 2, 2, 1)
+    assert offsets == [0, 256, 512] and group_bytes == 768              # 96-byte regions, aligned
 
 
 def test_exchange_mode(monkeypatch):
@@ -160,10 +163,10 @@ def test_copy_mode(monkeypatch):
     peer.remote_copy = None
     monkeypatch.delenv("FLASHFLOW_PEER_COPY", raising=False)
     assert peer.copy_mode() == peer_module.DEFAULT_REMOTE_COPY
-    monkeypatch.setenv("FLASHFLOW_PEER_COPY", "staged")
-    assert peer.copy_mode() == "staged"
-    peer.remote_copy = "kernel"                # the attribute wins over the environment
+    monkeypatch.setenv("FLASHFLOW_PEER_COPY", "kernel")
     assert peer.copy_mode() == "kernel"
+    peer.remote_copy = "engine"                # the attribute wins over the environment
+    assert peer.copy_mode() == "engine"
     peer.remote_copy = "dma"
     with pytest.raises(ValueError, match="remote_copy must be one of"):
         peer.copy_mode()
