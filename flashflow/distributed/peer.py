@@ -19,7 +19,7 @@ for call ``n + 1`` only after the barrier that ends call ``n``, which the peer r
 attention of call ``n`` has read that slot; and it writes a peer's output region for call
 ``n + 1`` only after a q/k/v barrier of call ``n + 1``, which the peer reaches after copying its
 output of call ``n`` out of the region. Every rank must make the same calls in the same order,
-as every rank of a Ulysses group does.
+each rank's calls on one CUDA stream, as every rank of a Ulysses group running a model does.
 
 The views attention gets are :func:`~flashflow.distributed.exchange.seq_to_heads`'s: the same
 layout, the same bits. Where the group is not NCCL over CUDA devices, or symmetric memory cannot

@@ -29,9 +29,10 @@ Several GPUs: diffusers' context parallelism (``enable_parallelism`` with a
 ``ContextParallelConfig``: ``ulysses_degree``, ``ring_degree`` or both), in either order of
 ``enable`` and ``enable_parallelism``. diffusers' hooks split the text and image streams along
 the sequence; the processor runs the fused norm/RoPE pass on its rank's slice, then
-:func:`flashflow.distributed.context_attention` (an all-to-all to head slices of the whole
-sequence, a ring of K/V slices merged by their LSE, or both) with flashflow's attention, exact or
-FP8 (docs/diffusion.md). ``ulysses_anything`` / ``ring_anything`` (uneven slices) and tensor
+:func:`flashflow.distributed.context_attention` (an exchange to head slices of the whole
+sequence, through the other GPUs' memory where the group is NCCL, else NCCL's or gloo's
+all-to-all; a ring of K/V slices merged by their LSE; or both) with flashflow's attention, exact
+or FP8 (docs/diffusion.md, docs/distributed.md). ``ulysses_anything`` / ``ring_anything`` (uneven slices) and tensor
 parallelism are refused with a ``ValueError``. CFG parallel, the conditional and unconditional
 passes of a pipeline step on two ranks or two groups of ranks, is a pipeline-level switch:
 :func:`flashflow.integrations.cfg_parallel.enable_cfg_parallel`.
