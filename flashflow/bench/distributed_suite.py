@@ -71,6 +71,7 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2": _p("fp8", U2),
     "flashflow-fp8+ulysses2 (1 head group)": _p("fp8", U2, head_groups=1),
     "flashflow-fp8+ulysses2 (parallel first)": _p("fp8", U2, order="parallel-first"),
+    "flashflow-fp8+ulysses2 (nccl exchange)": _p("fp8", U2, exchange="nccl"),
     "flashflow-fp8+ring2": _p("fp8", R2),
     # CUDA graphs last: a capture that fails on one rank leaves the other in a collective
     "flashflow-fp8+graph": _p("fp8", graph=True),

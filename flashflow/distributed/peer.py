@@ -217,6 +217,7 @@ class PeerUlysses:
         # DEFAULT_REMOTE_COPY (read at each call)
         self.remote_copy = None
         self._engine = self._side = None
+        self._cached = {}   # layout -> views of the buffers (emptied when the buffer is replaced)
 
     def copy_mode(self) -> str:
         """The copies' mode for the next call (see ``remote_copy``); a wrong name is a ValueError."""
@@ -242,6 +243,7 @@ class PeerUlysses:
             dist.barrier(group=self.group)
         self.handle = self._buffer = None
         self.nbytes = 0
+        self._cached.clear()
         size = _round_up(max(nbytes, 1 << 20), 1 << 20)
         try:
             self._buffer = symm_mem.empty(size, dtype=torch.uint8, device=self.device)
@@ -274,6 +276,28 @@ class PeerUlysses:
         h, d = parts[0]
         return offsets, at, base, base + world * groups * batch * seqlen * h * d * itemsize
 
+    def _views(self, batch, seqlen, parts, dtype, groups, offsets, group_bytes, base):
+        """``(recv, slots, outs)`` of a call's layout, made once per layout (the host's time):
+        ``recv[i]`` the q/k/v attention reads for group ``i``; ``slots[i][g][j]`` rank ``g``'s
+        slot of tensor ``j`` for this rank; ``outs[p]`` rank ``p``'s output region."""
+        key = (batch, seqlen, parts, dtype, groups, self.nbytes)
+        views = self._cached.get(key)
+        if views is None:
+            world, rank = self.world, self.rank
+
+            def regions(g, i):   # rank g's receive regions of group i, one a tensor
+                return [self._view(g, i * group_bytes + off, (batch, world, seqlen, h, d), dtype)
+                        for off, (h, d) in zip(offsets, parts)]
+
+            hq, d = parts[0]
+            recv = [recv_views(regions(rank, i)) for i in range(groups)]
+            slots = [[[r[:, rank] for r in regions(g, i)] for g in range(world)] for i in range(groups)]
+            outs = [self._view(p, base, (world, groups, batch, seqlen, hq, d), dtype) for p in range(world)]
+            if len(self._cached) >= 16:
+                self._cached.pop(next(iter(self._cached)))
+            views = self._cached[key] = (recv, slots, outs)
+        return views
+
     def attend(self, tensors, attend, groups: int = 1):
         """Ulysses attention through the peers' buffers, in ``groups`` groups of each rank's heads:
         ``tensors`` q, k, v ``(batch, seqlen_local, heads_t, head_dim)``; ``attend(q, k, v)`` (views
@@ -299,18 +323,13 @@ class PeerUlysses:
             self._engine, self._side = CopyEngine(), torch.cuda.Stream(self.device)
         main = torch.cuda.current_stream(self.device)
         others = [g for g in range(world) if g != rank]
-
-        def regions(g, i):   # rank g's receive regions of group i, one a tensor
-            return [self._view(g, i * group_bytes + off, (batch, world, seqlen, h, d), dtype)
-                    for off, (h, d) in zip(offsets, parts)]
-
-        hq, d = parts[0]
-        outs_at = [self._view(p, base, (world, groups, batch, seqlen, hq, d), dtype) for p in range(world)]
+        recv_at, slots_at, outs_at = self._views(batch, seqlen, tuple(parts), dtype, groups,
+                                                 offsets, group_bytes, base)
         keep = []   # what the side stream reads, kept alive until it is joined
         sent = []
         for i in range(groups):
             pieces = [t[:, :, :, i] for t in split]
-            slots = [[r[:, rank] for r in regions(g, i)] for g in range(world)]
+            slots = slots_at[i]
             if mode == "kernel":
                 push_seq_to_heads(pieces, slots, world)
                 continue
@@ -324,7 +343,7 @@ class PeerUlysses:
             if mode != "kernel":
                 main.wait_event(sent[i])
             self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-            out = attend(*recv_views(regions(rank, i)))
+            out = attend(*recv_at[i])
             back = [outs_at[p][rank, i] for p in range(world)]
             if mode == "kernel":
                 push_heads_to_seq(out, back, world)
