@@ -474,7 +474,7 @@ def _exchange_rows(rank, world):
             nccl_pair, (3 * q.numel() + out.numel()) * 2),
         **{f"q, k, v and output in 16 bits (peer memory, {copies} copies)": (peer_pair(copies),
                                                                             (3 * q.numel() + out.numel()) * 2)
-           for copies in REMOTE_COPIES},
+           for copies in REMOTE_COPIES if copies != "auto"},
         "q, k, v in 16 bits (seq_to_heads)": (lambda: seq_to_heads([q, k, v], None, world), 3 * q.numel() * 2),
         "q, k, v in 8 bits (seq_to_heads)": (lambda: seq_to_heads([q8, k8, v8], None, world), 3 * q.numel()),
         "output in 16 bits (heads_to_seq)": (lambda: heads_to_seq(out, None, world), out.numel() * 2),

@@ -162,7 +162,7 @@ def test_copy_mode(monkeypatch):
     peer = PeerUlysses.__new__(PeerUlysses)   # no group: only the mode's lookup
     peer.remote_copy = None
     monkeypatch.delenv("FLASHFLOW_PEER_COPY", raising=False)
-    assert peer.copy_mode() == peer_module.DEFAULT_REMOTE_COPY
+    assert peer.copy_mode() == peer_module.DEFAULT_REMOTE_COPY == "auto"
     monkeypatch.setenv("FLASHFLOW_PEER_COPY", "kernel")
     assert peer.copy_mode() == "kernel"
     peer.remote_copy = "engine"                # the attribute wins over the environment

@@ -5,7 +5,8 @@ buffers; here the copies cross NVLink into the other rank's symmetric memory and
 orders them. Each case runs on both ranks in one spawn; every rank's buffer is poisoned with NaN
 (all bytes 0xFF) before each call, so a slot nobody wrote shows.
 
-Every case runs twice: the copies to the other rank by the copy engines, and by kernels.
+Every case runs in each copy mode (REMOTE_COPIES): the copies to the other rank by the copy
+engines, by kernels, and "auto" (kernels eagerly, the copy engines in the captured graph).
 
 - The exchanges against NCCL's all-to-all, bit for bit, over fresh inputs: separate tensors, the
   processor's fused q/k/v views, transposed and non-unit-stride inputs; the buffer growing for a
