@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flashflow.distributed.peer import exchange_mode, peer_ulysses
 from flashflow.distributed.exchange import (HEADS_BACK, LSE_BACK, Exchange, Ring, SeqToHeads, expand_masks,
                                             gather_masks, group_size_rank, heads_to_seq, lse_heads_to_seq, seq_to_heads,
                                             wait)
+from flashflow.distributed.peer import exchange_mode, peer_ulysses
 from flashflow.ops.attention import flash_attn_func
 from flashflow.ops.attention_bwd import attention_backward
 from flashflow.ops.attention_fp8 import flash_attn_fp8_func
@@ -310,14 +310,15 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     group may be None (degree 1). Forward only (the diffusion processor's path); the caller checks
     its inputs.
 
-    Ulysses alone runs in ``head_groups`` groups of heads (default :data:`HEAD_GROUPS`): each
-    group's all-to-all of q, k, v runs under the previous group's attention, and its output's
-    all-to-all under the next one's.
-
     ``exchange`` (default: ``FLASHFLOW_ULYSSES_EXCHANGE``, else ``"auto"``) picks how Ulysses alone
-    in one head group moves q, k, v and the output: ``"peer"`` writes them straight into the
-    other GPUs' memory (:mod:`flashflow.distributed.peer`, NCCL groups of CUDA tensors), ``"nccl"``
-    through ``all_to_all_single``, ``"auto"`` the first where it can run."""
+    moves q, k, v and the output: ``"peer"`` writes them straight into the other GPUs' memory
+    (:mod:`flashflow.distributed.peer`, NCCL groups of CUDA tensors), ``"nccl"`` through
+    ``all_to_all_single`` (gloo's on CPUs), ``"auto"`` the first where it can run.
+
+    Ulysses alone runs in ``head_groups`` groups of heads (default :data:`PEER_HEAD_GROUPS` through
+    peer memory, :data:`HEAD_GROUPS` through NCCL; a count that does not divide each rank's heads
+    and KV heads runs as 1): each group's transfer of q, k, v runs under the previous group's
+    attention, and its output's under the next one's."""
     mode = exchange_mode(exchange)
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     u_world = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
