@@ -17,9 +17,11 @@ same inputs. Rows:
   and flashflow FP8 with Ulysses-2, flashflow's CFG parallel (FP8, and diffusers' own processors);
   the final latents against the one-GPU diffusers pipeline's.
 - ``exchange``: the Ulysses exchanges of one Qwen-Image-Edit block (8448 tokens, 24 heads of
-  128, batch 1) on their own: q, k, v to head slices in 16 bits and in 8 bits (what FP8 attention
+  128, batch 1) on their own: q, k, v there and the output back through NCCL and through peer
+  memory (each copy mode), q, k, v to head slices in 16 bits and in 8 bits (what FP8 attention
   could send once its quantization ran before the exchange), the output back, and the small
-  all-reduce of K's sums and V's channel maxima that quantizing before the exchange would add.
+  all-reduce of K's sums and V's channel maxima that quantizing before the exchange would add;
+  each issued eagerly and captured in a CUDA graph.
 - ``prefill``: causal GQA attention over a long sequence (``flash_attn_func`` on one GPU against
   :func:`flashflow.distributed.ulysses_attention` and :func:`~flashflow.distributed.ring_attention`,
   contiguous and zigzag), each rank's slice of the output against the one-GPU output.
@@ -27,6 +29,9 @@ same inputs. Rows:
 Timing (``ranks``): every rank runs the same fixed number of calls (a collective inside a call
 keeps them in step; ``do_bench`` picks its own count per process and would not), rounds of calls
 between CUDA events, the median round per rank and the slowest rank's median.
+
+Environment: ``FLASHFLOW_DISTRIBUTED_PARTS`` (comma-separated, default every part) and
+``FLASHFLOW_DISTRIBUTED_PROVIDERS`` (a comma-separated subset of the step providers, default all).
 """
 from __future__ import annotations
 
