@@ -14,7 +14,7 @@ from flashflow.tuning.decode_layer import decode_layer_config
 
 LLAMA = SimpleNamespace(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
 TINY = SimpleNamespace(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=192)
-TILES = decode_layer_config("sm90", 128)
+TILES = replace(decode_layer_config("sm90", 128), SPLIT_K=1)   # one K slice: what split-K is compared with
 TINY_TILES = replace(decode_layer_config("interpreter", 32), BLOCK_K=32, BLOCK_KV=16)
 
 
