@@ -207,9 +207,9 @@ class PeerUlysses:
     at ``[:, p]``: attention reads each as one contiguous tensor), then one output region
     ``(world, groups, batch, seqlen_local, h, head_dim)``."""
 
-    def __init__(self, group, device: torch.device, strict: bool = False):
+    def __init__(self, group, device: torch.device):
         self.group = group
-        self.strict = strict     # a failed set-up raises (exchange="peer") instead of falling back
+        self.strict = False      # a failed set-up raises (exchange="peer") instead of falling back
         self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = device
         self.nbytes = 0
@@ -263,8 +263,7 @@ class PeerUlysses:
         return True
 
     def _view(self, rank: int, byte_offset: int, shape, dtype) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return self.handle.get_buffer(rank, tuple(shape), dtype, byte_offset // itemsize)
+        return self.handle.get_buffer(rank, tuple(shape), dtype, byte_offset // dtype.itemsize)
 
     @staticmethod
     def layout(batch: int, seqlen: int, parts, itemsize: int, world: int, groups: int):
@@ -384,6 +383,6 @@ def peer_ulysses(group, device: torch.device, mode: str = "auto") -> PeerUlysses
     key = (group.group_name, device.index)
     peer = _PEERS.get(key)
     if peer is None:
-        peer = _PEERS[key] = PeerUlysses(group, device, strict=mode == "peer")
+        peer = _PEERS[key] = PeerUlysses(group, device)
     peer.strict = mode == "peer"
     return None if peer.failed and not peer.strict else peer

@@ -11,8 +11,9 @@ from triton.language.extra.cuda import libdevice
 
 from flashflow.device import interpreting
 
-# sqrt(2/pi), the tanh approximation's constant
-_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(0.7978845608028654)
+# sqrt(2/pi), the tanh approximation's constant, and log2(e)
+_S, _LOG2E = 0.7978845608028654, 1.4426950408889634
+_SQRT_2_OVER_PI: tl.constexpr = tl.constexpr(_S)
 
 
 @triton.jit
@@ -29,8 +30,8 @@ def gelu_tanh(a):
 
 # -2·sqrt(2/π)·log2(e) and that times 0.044715: GELU's tanh argument, doubled, negated and in
 # base 2, as ``a·(C1 + C2·a²)``
-_C1: tl.constexpr = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634)
-_C2: tl.constexpr = tl.constexpr(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
+_C1: tl.constexpr = tl.constexpr(-2.0 * _S * _LOG2E)
+_C2: tl.constexpr = tl.constexpr(-2.0 * _S * _LOG2E * 0.044715)
 # on a GPU, the division as the hardware's approximate reciprocal and one multiply (no range
 # fix-up: a divisor past 2^126 gives 0, which is the quotient's limit here anyway)
 _FAST_DIVISION: tl.constexpr = tl.constexpr(not interpreting())

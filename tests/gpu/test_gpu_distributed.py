@@ -9,7 +9,7 @@ Every case runs in each copy mode (REMOTE_COPIES): the copies to the other rank 
 engines, by kernels, and "auto" (kernels eagerly, the copy engines in the captured graph).
 
 - The exchanges against NCCL's all-to-all, bit for bit, over fresh inputs: separate tensors, the
-  processor's fused q/k/v views, transposed and non-unit-stride inputs; the buffer growing for a
+  processor's fused q/k/v views, transposed, non-unit-stride and stride-0 inputs; the buffer growing for a
   longer sequence.
 - context_attention with exchange="peer" against "nccl" (exact and FP8, with a key-padding mask,
   1, 2 and 4 head groups), bit for bit, and exact against float64 attention over the whole
@@ -47,6 +47,9 @@ def _draw(shape, seed, layout, dtype=torch.bfloat16):
         return torch.randn(b, s, 3, h, d, device="cuda", dtype=dtype, generator=g).unbind(2)
     if layout == "transposed":
         return tuple(torch.randn(b, h, s, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2) for _ in range(3))
+    if layout == "expanded":   # stride 0 along the heads: one head's values seen h times
+        return tuple(torch.randn(b, s, 1, d, device="cuda", dtype=dtype, generator=g).expand(b, s, h, d)
+                     for _ in range(3))
     if layout == "strided":
         return tuple(torch.randn(b, s, h, 2 * d, device="cuda", dtype=dtype, generator=g)[..., ::2] for _ in range(3))
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(3))
@@ -62,7 +65,7 @@ def _exchanges(rank, world, report):
     peer = peer_ulysses(None, torch.device("cuda", rank), "peer")
     calls = 0
     for it, (s, layout) in enumerate([(257, "contiguous"), (257, "fused"), (300, "transposed"), (1031, "strided"),
-                                      (1031, "fused"), (64, "contiguous")]):
+                                      (1031, "fused"), (64, "contiguous"), (200, "expanded")]):
         q, k, v = _draw((1, s, 8, 128), 1000 * it + rank, layout)
         want = seq_to_heads([q, k, v], None, world)
         out = torch.randn(1, world * s, 4, 128, device="cuda", dtype=torch.bfloat16)
