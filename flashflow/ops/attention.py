@@ -12,6 +12,7 @@ All three go through one ``torch.library`` custom op, ``flashflow::attention_fwd
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -20,10 +21,11 @@ import triton
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, num_sms as device_num_sms
 from flashflow.kernels.attention_fwd import attention_fwd_kernel, attention_merge_kernel
 from flashflow.kernels.softmax import LOG2E
+from flashflow.ops import attention_gluon
 from flashflow.ops.attention_bwd import attention_bwd_impl, attention_bwd_op
 from flashflow.ops.common import (Launcher, aligned16, call_key, contiguous_strides as _contiguous_strides, dot_options,
-                                  head_dim_pad as _head_dim_pad, key_padding_for_kernels, op_or_direct, tensor_descriptor, tma_strides_ok,
-                                  unit_last_stride)
+                                  head_dim_pad as _head_dim_pad, key_padding_for_kernels, op_or_direct, rows_view, tensor_descriptor,
+                                  tma_strides_ok, unit_last_stride)
 from flashflow.ops.validate import (check_flag, check_int, check_key_padding_mask, check_no_grad, check_qkv,
                                     check_softcap, check_tensor, softmax_scale_or_default, window_bounds)
 from flashflow.tuning import autotune
@@ -53,24 +55,6 @@ def _tma_strides_ok(q, k, v, out_stride) -> bool:
     return all(tma_strides_ok(st, es) for st in (q.stride(), k.stride(), v.stride(), out_stride))
 
 
-def _rows_view(shape, stride):
-    """2-D (rows, cols) view of a (b, s, h, d) tensor of ``shape`` and ``stride`` for a host-built
-    TMA descriptor.
-
-    Returns (row_b, row_h, col_h, n_rows, n_cols, row_stride) such that token s of (b, h) is row
-    ``b·row_b + h·row_h + s`` at column ``h·col_h``; None if the strides allow neither layout.
-    Token-major ``(b, s, h, d)`` storage (FlashAttention's) and head-major ``(b, h, s, d)``
-    storage (SDPA's, seen through a transpose) both qualify.
-    """
-    b, s, h, d = shape
-    sb, ss, sh, _ = stride
-    if (b == 1 or sb == s * ss) and (h == 1 or sh >= d):
-        return s, 0, sh, b * s, (h - 1) * sh + d, ss
-    if (h == 1 or sh == s * ss) and (b == 1 or sb == h * sh):
-        return h * s, s, 0, b * h * s, d, ss
-    return None
-
-
 def pick_config(q: torch.Tensor, causal: bool, bias: bool = False) -> AttentionConfig:
     """The shipped config for ``q``'s head_dim and GPU (:func:`flashflow.tuning.attention.attention_config`)."""
     return attention_config(_head_dim_pad(q.shape[-1]), causal, gpu_family(q.device), bias)
@@ -87,6 +71,18 @@ _FORWARD_KERNELS: list = []
 # autograd apart): a key seen before skips the validation (a function of the key) and the
 # dispatch, and launches its plan, under _AttentionFunction where it records autograd
 _ENTRIES: dict = {}
+
+
+_OVERRIDE_SEEN: list = [None]   # FLASHFLOW_ATTENTION_KERNEL's value when _ENTRIES was filled
+
+
+def _follow_kernel_override() -> None:
+    """Forget the recorded entries when ``FLASHFLOW_ATTENTION_KERNEL`` changed since they were
+    recorded (they stand for the kernel its old value chose)."""
+    value = os.environ.get(attention_gluon.KERNEL_ENV)
+    if value != _OVERRIDE_SEEN[0]:
+        _ENTRIES.clear()
+        _OVERRIDE_SEEN[0] = value
 
 
 def register_forward_kernel(name: str, supports, launch, first: bool = False) -> None:
@@ -297,7 +293,7 @@ class _ForwardPlan:
         if cfg.use_tma and tma_aligned and _tma_strides_ok(q, k, v, out_stride):
             load_mode = 1
             views = None if (varlen or head_dim != head_dim_pad or not cfg.host_desc) else \
-                [_rows_view(t.shape, st) for t, st in ((q, q.stride()), (k, k.stride()), (v, v.stride()),
+                [rows_view(t.shape, st) for t, st in ((q, q.stride()), (k, k.stride()), (v, v.stride()),
                                                         (q, out_stride))]
             if views and all(views) and views[1][:3] == views[2][:3]:
                 load_mode = 2
@@ -354,6 +350,8 @@ class _ForwardPlan:
 
 PORTABLE = "triton-portable"
 register_forward_kernel(PORTABLE, lambda q, k, v, **kw: True, _portable_forward)
+# Hopper: the Gluon kernel takes the calls it supports (flashflow.ops.attention_gluon)
+register_forward_kernel(attention_gluon.GLUON, attention_gluon.supports, attention_gluon.gluon_forward, first=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -549,6 +547,7 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
         # the key holds each tensor's requires_grad and the grad mode: a call that records
         # autograd has keys of its own, whose entries launch under _AttentionFunction
         key = call_key((q, k, v, softmax_scale, causal, window_size, softcap, return_lse, deterministic))
+        _follow_kernel_override()
         entry = _ENTRIES.get(key) if key is not None else None
         if entry is not None and not autotune.enabled() and (q.is_cuda or interpreting()):
             if grad:

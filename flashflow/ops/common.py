@@ -234,3 +234,21 @@ def op_or_direct(op, impl):
             return op(*args)
         return impl(*args)
     return call
+
+
+def rows_view(shape, stride):
+    """2-D (rows, cols) view of a (b, s, h, d) tensor of ``shape`` and ``stride`` for a host-built
+    TMA descriptor.
+
+    Returns (row_b, row_h, col_h, n_rows, n_cols, row_stride) such that token s of (b, h) is row
+    ``b·row_b + h·row_h + s`` at column ``h·col_h``; None if the strides allow neither layout.
+    Token-major ``(b, s, h, d)`` storage (FlashAttention's) and head-major ``(b, h, s, d)``
+    storage (SDPA's, seen through a transpose) both qualify.
+    """
+    b, s, h, d = shape
+    sb, ss, sh, _ = stride
+    if (b == 1 or sb == s * ss) and (h == 1 or sh >= d):
+        return s, 0, sh, b * s, (h - 1) * sh + d, ss
+    if (h == 1 or sh == s * ss) and (b == 1 or sb == h * sh):
+        return h * s, s, 0, b * h * s, d, ss
+    return None

@@ -1,0 +1,553 @@
+"""Flash attention forward for Hopper (sm90) in Gluon, Triton's warp-level dialect: bf16 / fp16.
+
+The attention of :func:`flashflow.kernels.attention_fwd.attention_fwd_kernel` (the online
+softmax of :mod:`flashflow.kernels.softmax`, base-2 scores, the same normalisation and LSE),
+with the Hopper schedule written out instead of left to Triton's pipeliner, as
+FlashAttention-3 lays it out:
+
+* K and V blocks arrive by TMA in two rings of ``NUM_STAGES`` shared buffers, each buffer with
+  its own mbarrier (expect-tx bytes, a phase bit per pass over the ring); Q arrives once. Block
+  ``j`` of a tile sits in buffer ``j % NUM_STAGES``; a K buffer is refilled as soon as the Q·Kᵀ
+  reading it has finished, a V buffer as soon as its P·V has.
+* Both products are asynchronous WGMMAs overlapped within a warpgroup: block j's
+  ``S_j = Q · K_jᵀ`` is issued, then block j−1's ``acc = acc · α + P_{j−1} · V_{j−1}``, and the
+  softmax of ``S_j`` runs while that P·V is still on the tensor cores.
+* P never leaves registers: in 16 bits the accumulator's registers are already the A operand
+  of the P·V WGMMA, so P's change of layout moves nothing.
+* ``BLOCK_M = 16 · num_warps`` rows, one warpgroup per 64 (8 warps: two warpgroups sharing one
+  K/V ring). ``WARP_SPECIALIZE``: one extra warp issues every TMA load (24 registers, the MMA
+  warps the rest), the consumers hand buffers back through "free" mbarriers. With
+  ``SPLIT_WARPGROUPS`` (128 rows, 4 warps a partition) the two MMA warpgroups are partitions
+  of their own, and with ``PINGPONG`` they take turns issuing their MMAs (one warpgroup's
+  softmax under the other's WGMMAs), passing the turn through two mbarriers.
+
+Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (bottom-right causal diagonal; a
+key-padding mask over the first ``mask_keys`` keys). The blocks of a tile run in three phases:
+the masked prefix (blocks holding a key of the key-padding mask), the unmasked middle (the
+pipelined loop above), the masked suffix (the causal diagonal, a ragged last block). The masked
+blocks run one at a time, their Q·Kᵀ and P·V not overlapped.
+
+Loads come from host TMA descriptors over 2-D views of q, k, v (rows = tokens, the launcher's
+``rows_view``): rows past a sequence's end may belong to the next sequence or head. Their keys
+are masked in the scores and, in the block where that happens, V's rows past the end are
+zeroed in shared memory before P·V (a 0 · NaN there would reach the output); query rows there
+are never stored.
+
+Cost per (batch, head): FLOPs ``4·Sq·Sk·d`` (about half with causal), at the 16-bit tensor-core
+rate; bytes ``2·(Sq + 2·Sk)·d`` at two bytes an element (K and V read once per query tile,
+mostly from L2) plus the output.
+"""
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
+
+
+# ----------------------------------------------------------------------------- softmax
+
+
+@gluon.jit
+def _allowed(offs_m, offs_n, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL: gl.constexpr,
+             KEY_PADDING: gl.constexpr):
+    """Keys row ``offs_m`` may see among ``offs_n`` (mask.py's rule: in the sequence, at or
+    left of the bottom-right diagonal with ``CAUSAL``, flagged True in the key-padding row
+    ``kpm`` over its first ``mask_keys`` keys)."""
+    allowed = gl.expand_dims(offs_n < seqlen_k, 0)
+    if CAUSAL:
+        allowed = allowed & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m + diag_offset, 1))
+    if KEY_PADDING:
+        keep = gl.load(kpm + offs_n, mask=offs_n < mask_keys, other=1)
+        allowed = allowed & gl.expand_dims(keep != 0, 0)
+    return allowed
+
+
+@gluon.jit
+def _softmax_masked(qk, m_i, l_i, qk_scale_log2, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys,
+                    CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
+                    s_layout: gl.constexpr):
+    """softmax.py's ``online_softmax`` of one masked key block: ``(p, alpha, l, m)``."""
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    s = qk * qk_scale_log2
+    s = gl.where(_allowed(offs_m, offs_n, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING), s,
+                 float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, 1))
+    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - gl.expand_dims(m_shift, 1))
+    alpha = gl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _softmax_full(qk, m_i, l_i, qk_scale_log2):
+    """softmax.py's ``online_softmax_scaled``: no key masked, the scale folded into one FMA."""
+    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale_log2)
+    p = gl.exp2(qk * qk_scale_log2 - gl.expand_dims(m_new, 1))
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, alpha, l_i, m_new
+
+
+@gluon.jit
+def _issue_pv(acc, alpha, p, v_buf, p_layout: gl.constexpr):
+    """``acc · α + P · V`` as an asynchronous WGMMA (P from registers, V's buffer as the B
+    operand); the caller waits on the returned accumulator."""
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    p16 = gl.convert_layout(p.to(v_buf.dtype), p_layout)
+    return warpgroup_mma(p16, v_buf, acc, is_async=True)
+
+
+# ----------------------------------------------------------------------------- loads
+
+
+@gluon.jit
+def _load_kv(desc, smem, bar, row, col, stage):
+    mbarrier.expect(bar.index(stage), desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [row, col], bar.index(stage), smem.index(stage))
+
+
+@gluon.jit
+def _refill(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_row0, k_col, j, n_blocks,
+            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Without a load warp (one tile a CTA): block ``j + NUM_STAGES``'s K and V into the
+    buffers block ``j`` leaves, once every warp is past its reads of them."""
+    gl.thread_barrier()
+    if j + NUM_STAGES < n_blocks:
+        stage = j % NUM_STAGES
+        _load_kv(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+        _load_kv(v_desc, v_smem, v_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
+              q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
+              num_m_blocks, num_tiles, masked_keys, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
+    """The load warp: for each tile of this CTA, Q into one of ``Q_BUFS`` buffers once the
+    consumers are done with the tile that used it last, then every K and V block into its ring, each buffer
+    once the consumers have marked it free. Ring position ``g`` runs on across tiles, so the
+    next tile's blocks load while the consumers finish this one. A pass over a ring waits for
+    the consumers' arrivals of the pass before; the first goes straight through (parity 1 of a
+    fresh barrier)."""
+    g = 0
+    it = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, BLOCK_M)
+        n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, BLOCK_M,
+                                                  BLOCK_N)
+        k_row0 = batch * k_row_b + kv_head * k_row_h
+        k_col = kv_head * k_col_h
+        qi = it % Q_BUFS
+        mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
+        mbarrier.expect(q_bar.index(qi), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch * q_row_b + head * q_row_h + m_start, head * q_col_h],
+                                        q_bar.index(qi), q_smem.index(qi))
+        for j in range(n_blocks):
+            stage = (g + j) % NUM_STAGES
+            free_phase = (((g + j) // NUM_STAGES) & 1) ^ 1
+            mbarrier.wait(k_free.index(stage), free_phase)
+            _load_kv(k_desc, k_smem, k_bar, k_row0 + j * BLOCK_N, k_col, stage)
+            mbarrier.wait(v_free.index(stage), free_phase)
+            _load_kv(v_desc, v_smem, v_bar, k_row0 + j * BLOCK_N, k_col, stage)
+        g += n_blocks
+        it += 1
+
+
+@gluon.jit
+def _zero_v_tail(v_buf, n_valid, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    """Zero V's rows ``n_valid..`` of a buffer in shared memory (rows past the sequence's end
+    that hold another sequence's values, or NaN)."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1], [1, 0])
+    v = v_buf.load(layout)
+    rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, layout))
+    v_buf.store(gl.where(gl.expand_dims(rows < n_valid, 1), v, gl.zeros_like(v)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+# ----------------------------------------------------------------------------- consumer
+
+
+@gluon.jit
+def _take_turn(turn, k, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Wait for warpgroup ``WG``'s ``k``-th turn to issue MMAs: warpgroup 0 goes first (parity 1
+    of a fresh barrier passes at once), then each waits for the other's pass."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 if WG == 0 else 0))
+
+
+@gluon.jit
+def _pass_turn(turn, PINGPONG: gl.constexpr, WG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG))
+
+
+@gluon.jit
+def _masked_blocks(g, lo, hi, acc, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, k_desc, v_desc,
+                   k_row0, k_col, n_blocks, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys,
+                   CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
+    """Blocks ``[lo, hi)`` with their keys masked, one at a time (block j in ring position
+    ``g + j``)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
+    qk_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    for j in range(lo, hi):
+        stage = (g + j) % NUM_STAGES
+        phase = ((g + j) // NUM_STAGES) & 1
+        mbarrier.wait(k_bar.index(stage), phase)
+        qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma_wait(0, deps=[qk])
+        if PRODUCER:
+            mbarrier.arrive(k_free.index(stage))
+        p, alpha, l_i, m_i = _softmax_masked(qk, m_i, l_i, qk_scale_log2, offs_m, j * BLOCK_N, seqlen_k,
+                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+        mbarrier.wait(v_bar.index(stage), phase)
+        if (j + 1) * BLOCK_N > seqlen_k:
+            _zero_v_tail(v_smem.index(stage), seqlen_k - j * BLOCK_N, BLOCK_N, HEAD_DIM, num_warps)
+        acc = _issue_pv(acc, alpha, p, v_smem.index(stage), p_layout)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if PRODUCER:
+            mbarrier.arrive(v_free.index(stage))
+        else:
+            _refill(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_row0, k_col, j, n_blocks, BLOCK_N, NUM_STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_phase, turn, g, t0, k_desc, v_desc,
+              m_start, k_row0, k_col, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi,
+              CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
+              WG: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA and softmax warps of ``BLOCK_M`` query rows: ``(acc, l, m)`` over the blocks
+    ``[0, n_blocks)`` of the tile's keys, ``[full_lo, full_hi)`` of them unmasked; block j sits
+    in ring position ``g + j``, and the tile's ping-pong turns are numbered from ``t0``."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+    offs_m = m_start + gl.arange(0, BLOCK_M, layout=row_s)
+    diag_offset = seqlen_k - seqlen_q
+    qk_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_ready, q_phase)
+
+    # the masked prefix (keys of the key-padding mask)
+    acc, m_i, l_i = _masked_blocks(g, 0, full_lo, acc, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
+                                   k_desc, v_desc, k_row0, k_col, n_blocks, qk_scale_log2, offs_m, seqlen_k,
+                                   diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_M, BLOCK_N, HEAD_DIM,
+                                   NUM_STAGES, PRODUCER, num_warps)
+    if full_lo < full_hi:
+        # block full_lo: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
+        stage = (g + full_lo) % NUM_STAGES
+        mbarrier.wait(k_bar.index(stage), ((g + full_lo) // NUM_STAGES) & 1)
+        _take_turn(turn, t0, PINGPONG, WG)
+        qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        _pass_turn(turn, PINGPONG, WG)
+        qk = warpgroup_mma_wait(0, deps=[qk])
+        if PRODUCER:
+            mbarrier.arrive(k_free.index(stage))
+        else:
+            gl.thread_barrier()
+            if full_lo + NUM_STAGES < n_blocks:
+                _load_kv(k_desc, k_smem, k_bar, k_row0 + (full_lo + NUM_STAGES) * BLOCK_N, k_col, stage)
+        p, alpha, l_i, m_i = _softmax_full(qk, m_i, l_i, qk_scale_log2)
+        for j in range(full_lo + 1, full_hi):
+            stage = (g + j) % NUM_STAGES
+            phase = ((g + j) // NUM_STAGES) & 1
+            prev = (g + j - 1) % NUM_STAGES
+            prev_phase = ((g + j - 1) // NUM_STAGES) & 1
+            # S_j = Q · K_jᵀ on the tensor cores ...
+            mbarrier.wait(k_bar.index(stage), phase)
+            mbarrier.wait(v_bar.index(prev), prev_phase)
+            _take_turn(turn, t0 + j - full_lo, PINGPONG, WG)
+            qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+            # ... then block j−1's P·V into the rescaled accumulator
+            acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
+            _pass_turn(turn, PINGPONG, WG)
+            qk = warpgroup_mma_wait(1, deps=[qk])
+            if PRODUCER:
+                mbarrier.arrive(k_free.index(stage))
+            # the softmax of block j under block j−1's P·V
+            p, alpha, l_i, m_i = _softmax_full(qk, m_i, l_i, qk_scale_log2)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            if PRODUCER:
+                mbarrier.arrive(v_free.index(prev))
+            else:
+                # every warp is past its reads of both buffers: refill them
+                gl.thread_barrier()
+                if j + NUM_STAGES < n_blocks:
+                    _load_kv(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+                if j - 1 + NUM_STAGES < n_blocks:
+                    _load_kv(v_desc, v_smem, v_bar, k_row0 + (j - 1 + NUM_STAGES) * BLOCK_N, k_col, prev)
+        # the last unmasked block's P·V
+        last = full_hi - 1
+        stage = (g + last) % NUM_STAGES
+        mbarrier.wait(v_bar.index(stage), ((g + last) // NUM_STAGES) & 1)
+        _take_turn(turn, t0 + full_hi - full_lo, PINGPONG, WG)
+        acc = _issue_pv(acc, alpha, p, v_smem.index(stage), p_layout)
+        _pass_turn(turn, PINGPONG, WG)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if PRODUCER:
+            mbarrier.arrive(v_free.index(stage))
+        else:
+            gl.thread_barrier()
+            if last + NUM_STAGES < n_blocks:
+                _load_kv(v_desc, v_smem, v_bar, k_row0 + (last + NUM_STAGES) * BLOCK_N, k_col, stage)
+    # the masked suffix: the causal diagonal, a ragged last block
+    acc, m_i, l_i = _masked_blocks(g, gl.maximum(full_hi, full_lo), n_blocks, acc, m_i, l_i, q_smem, k_smem, v_smem,
+                                   k_bar, v_bar, k_free, v_free, k_desc, v_desc, k_row0, k_col, n_blocks,
+                                   qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL,
+                                   KEY_PADDING, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, PRODUCER, num_warps)
+    return acc, l_i, m_i
+
+
+@gluon.jit
+def _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob, stride_os, stride_oh,
+               stride_lb, stride_lh, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr, RETURN_LSE: gl.constexpr,
+               COALESCE: gl.constexpr, num_warps: gl.constexpr):
+    """Rows ``m_start..`` of the output, ``acc / l`` (softmax.py's ``normalize``: 0 for a row with
+    no key), and with ``RETURN_LSE`` their natural-log LSE (-inf for a row with no key).
+    ``COALESCE``: store from a layout of 16 contiguous bytes a thread (one exchange through
+    shared memory) instead of the MMA layout's 4-byte pieces."""
+    o_layout: gl.constexpr = acc.type.layout
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    offs_m = m_start + gl.arange(0, BLOCK_M, layout=row_o)
+    l_o = gl.convert_layout(l_i, row_o)
+    empty = l_o == 0.0
+    l_safe = gl.where(empty, 1.0, l_o)
+    out = (acc / gl.expand_dims(l_safe, 1)).to(O.dtype.element_ty)
+    o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
+    if COALESCE:
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1],
+                                                   [1, 0])
+        out = gl.convert_layout(out, st_layout)
+        st_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
+        st_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
+        o_ptrs = o_base + gl.expand_dims(st_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(st_d, 0)
+        gl.store(o_ptrs, out, mask=gl.expand_dims(st_m < seqlen_q, 1))
+    else:
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = o_base + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0)
+        gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < seqlen_q, 1))
+    if RETURN_LSE:
+        m_o = gl.convert_layout(m_i, row_o)
+        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(l_safe)) * LN2_G)
+        gl.store(LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_m, lse,
+                 mask=offs_m < seqlen_q)
+
+
+@gluon.jit
+def _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST: gl.constexpr, BLOCK_M: gl.constexpr):
+    """``(m_start, head, batch, kv_head)`` of a tile: m-block fastest, then head, then batch (the
+    tiles that run together share K/V in L2); the m-blocks reversed with ``HEAVY_FIRST``."""
+    pid_m = tile % num_m_blocks
+    head = (tile // num_m_blocks) % heads
+    batch = tile // (num_m_blocks * heads)
+    if HEAVY_FIRST:
+        pid_m = num_m_blocks - 1 - pid_m
+    return pid_m * BLOCK_M, head, batch, head // kv_group
+
+
+@gluon.jit
+def _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr):
+    """A tile's key blocks (mask.py's ``key_blocks`` without a window): ``(n_blocks, full_lo,
+    full_hi)``, blocks ``[0, n_blocks)`` of which ``[full_lo, full_hi)`` are unmasked for every
+    row (the first ``masked_keys`` keys may be masked anywhere)."""
+    hi = seqlen_k
+    full_hi = seqlen_k // BLOCK_N
+    if CAUSAL:
+        diag_offset = seqlen_k - seqlen_q
+        hi = gl.maximum(gl.minimum(m_start + BLOCK_M + diag_offset, seqlen_k), 0)
+        full_hi = gl.minimum(full_hi, gl.maximum(m_start + diag_offset + 1, 0) // BLOCK_N)
+    n_blocks = gl.cdiv(hi, BLOCK_N)
+    full_lo = gl.minimum(gl.cdiv(masked_keys, BLOCK_N), n_blocks)
+    full_hi = gl.maximum(full_hi, full_lo)
+    return n_blocks, full_lo, full_hi
+
+
+@gluon.jit
+def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                    k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
+                    qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                    CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                    TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
+                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
+    """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
+    of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles in the load warp's order,
+    takes Q from the buffer the load warp filled, hands it back after the tile's last Q·Kᵀ and
+    stores from the MMA layout (the ring may already hold the next tile's blocks)."""
+    g = 0
+    it = 0
+    t = 0
+    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
+        n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
+        if KEY_PADDING:
+            kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
+        else:
+            kpm = KEY_PADDING_MASK
+        qi = it % Q_BUFS
+        if ROWS == TILE_M:
+            q_buf = q_smem.index(qi)
+        else:
+            q_buf = q_smem.index(qi).slice(ROWS * wg, ROWS)
+        m_rows = m_start + ROWS * wg
+        acc, l_i, m_i = _consumer(q_buf, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(qi),
+                                  (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc, m_rows, batch * k_row_b + kv_head * k_row_h,
+                                  kv_head * k_col_h, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
+                                  full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
+                                  PINGPONG, wg, num_warps)
+        mbarrier.arrive(q_free.index(qi))
+        _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
+                   stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
+        g += n_blocks
+        it += 1
+        if full_lo < full_hi:
+            t += full_hi - full_lo + 1
+
+
+@gluon.jit
+def attention_fwd_gluon_kernel(
+    q_desc, k_desc, v_desc, O, LSE, KEY_PADDING_MASK,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_kpm,
+    q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
+    seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles, mask_keys, qk_scale_log2,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+    CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+    WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
+    PERSISTENT: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
+    (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
+    with it, a CTA takes tiles ``program_id, program_id + num_programs, ...`` (persistent when
+    the grid is smaller than ``num_tiles``, ``PERSISTENT``: two Q buffers), its load warp
+    running ahead into the next tile.
+    ``q_desc/k_desc/v_desc``: TMA descriptors over 2-D row views, token s of (b, h) at row
+    ``b·row_b + h·row_h + s``, column ``h·col_h`` (blocks ``[BLOCK_M, D]``, ``[BLOCK_N, D]``).
+    ``O``: ``(b, sq, h, D)`` strided; ``LSE``: ``(b, h, sq)``. ``KEY_PADDING_MASK``:
+    ``(b, ≥ mask_keys)`` bool, unit stride along the keys, ``stride_kpm`` a batch."""
+    if SPLIT_WARPGROUPS:
+        gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 128 and num_warps == 4, "two 64-row partitions")
+    else:
+        gl.static_assert(BLOCK_M == 16 * num_warps, "one warpgroup per 64 query rows")
+    if KEY_PADDING:
+        masked_keys = gl.minimum(mask_keys, seqlen_k)
+    else:
+        masked_keys = 0
+
+    Q_BUFS: gl.constexpr = 2 if PERSISTENT else 1
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    k_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    # each consumer partition arrives once when it has read a buffer
+    consumers: gl.constexpr = 2 if SPLIT_WARPGROUPS else 1
+    for s in gl.static_range(2):
+        mbarrier.init(q_bar.index(s), count=1)
+        mbarrier.init(q_free.index(s), count=consumers)
+        mbarrier.init(turn.index(s), count=1)
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bar.index(s), count=1)
+        mbarrier.init(v_bar.index(s), count=1)
+        mbarrier.init(k_free.index(s), count=consumers)
+        mbarrier.init(v_free.index(s), count=consumers)
+    fence_async_shared()
+
+    if WARP_SPECIALIZE:
+        producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
+                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
+                         num_m_blocks, num_tiles, masked_keys, CAUSAL, HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES,
+                         Q_BUFS)
+        if SPLIT_WARPGROUPS:
+            gl.warp_specialize([
+                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                                   k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
+                (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                                   k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
+                (_producer, producer_args),
+            ], [4, 1], [240, 24])
+        else:
+            gl.warp_specialize([
+                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                                   k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                   Q_BUFS, False, RETURN_LSE, num_warps)),
+                (_producer, producer_args),
+            ], [1], [24])
+    else:
+        m_start, head, batch, kv_head = _tile_coords(gl.program_id(0), num_m_blocks, heads, kv_group, HEAVY_FIRST,
+                                                     BLOCK_M)
+        n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, BLOCK_M, BLOCK_N)
+        k_row0 = batch * k_row_b + kv_head * k_row_h
+        k_col = kv_head * k_col_h
+        if KEY_PADDING:
+            kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
+        else:
+            kpm = KEY_PADDING_MASK
+        mbarrier.expect(q_bar.index(0), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch * q_row_b + head * q_row_h + m_start, head * q_col_h],
+                                        q_bar.index(0), q_smem.index(0))
+        for s in gl.static_range(NUM_STAGES):
+            if s < n_blocks:
+                _load_kv(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, k_col, s)
+                _load_kv(v_desc, v_smem, v_bar, k_row0 + s * BLOCK_N, k_col, s)
+        acc, l_i, m_i = _consumer(q_smem.index(0), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(0), 0,
+                                  turn, 0, 0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
+                                  qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING,
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, 0, num_warps)
+        _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob, stride_os, stride_oh,
+                   stride_lb, stride_lh, BLOCK_M, HEAD_DIM, RETURN_LSE, True, num_warps)
+
+    for s in gl.static_range(2):
+        mbarrier.invalidate(q_bar.index(s))
+        mbarrier.invalidate(q_free.index(s))
+        mbarrier.invalidate(turn.index(s))
+    for s in gl.static_range(NUM_STAGES):
+        mbarrier.invalidate(k_bar.index(s))
+        mbarrier.invalidate(v_bar.index(s))
+        mbarrier.invalidate(k_free.index(s))
+        mbarrier.invalidate(v_free.index(s))
+
+
+def gl_dtype(dtype):
+    import torch   # the launcher's only use of torch: dtypes
+
+    return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+
+
+def descriptor(t, view, block):
+    """A host TMA descriptor over ``view = (rows, cols, row_stride)`` of ``t``'s storage."""
+    rows, cols, row_stride = view
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t.dtype))
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block, layout)
+

@@ -1,0 +1,134 @@
+"""The Hopper attention forward in Gluon (:mod:`flashflow.kernels.attention_gluon`): which calls
+it takes, its config and its launch.
+
+:func:`flashflow.ops.attention.attention_forward` runs the first registered forward kernel that
+supports a call; this one registers ahead of the portable Triton kernel. It takes a call
+(:func:`supports`) on an sm90 GPU, in bf16 or fp16, at a head_dim with a shipped config whose
+``auto`` is on (``tuning/attention_gluon.json``: head_dim 128 today; at 64 the portable kernel
+measured faster), dense (no varlen), with no additive bias, softcap or window other than causal,
+and q/k/v describable by host TMA descriptors (16-byte aligned bases and strides, unit last
+stride, a 2-D row view: :func:`flashflow.ops.common.rows_view`; k and v alike). A key-padding
+mask and an LSE are taken. Everything else runs on the portable kernel.
+
+``FLASHFLOW_ATTENTION_KERNEL`` forces the choice: ``portable`` never takes this kernel,
+``gluon`` takes it wherever it can run (``auto`` off included) and raises a ``ValueError``
+naming the reason where it cannot; ``auto`` (the default) is the rule above.
+:func:`unsupported_reason` is the rule in words (``flashflow info`` prints the choice).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from flashflow.device import cdiv, gpu_family, interpreting, num_sms, on_gpu
+from flashflow.kernels.softmax import LOG2E
+from flashflow.ops.common import aligned16, rows_view, tma_strides_ok
+from flashflow.tuning import NoConfigError
+from flashflow.tuning.attention_gluon import GluonAttentionConfig, check_launch, gluon_attention_config
+
+GLUON = "gluon-sm90"
+KERNEL_ENV = "FLASHFLOW_ATTENTION_KERNEL"
+KERNEL_CHOICES = ("auto", "gluon", "portable")
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def kernel_choice() -> str:
+    """``FLASHFLOW_ATTENTION_KERNEL``, checked: ``auto`` (unset), ``gluon`` or ``portable``."""
+    choice = os.environ.get(KERNEL_ENV, "auto").strip().lower() or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNEL_ENV} must be one of {', '.join(KERNEL_CHOICES)}, got {choice!r}")
+    return choice
+
+
+def unsupported_reason(q, k, v, *, bias=None, cu_seqlens_q=None, softcap=0.0, window_left=None, window_right=None,
+                       config=None, out=None, forced: bool = False, **_) -> Optional[str]:
+    """Why the Gluon kernel does not take this call (None: it does). ``forced``: as under
+    ``FLASHFLOW_ATTENTION_KERNEL=gluon`` (a config with ``auto`` off still runs)."""
+    if interpreting() or not on_gpu(q.device):
+        return "not on a CUDA device"
+    family = gpu_family(q.device)
+    if family != "sm90":
+        return f"not a Hopper GPU ({family})"
+    if q.dtype not in DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype} (takes bf16 or fp16)"
+    if cu_seqlens_q is not None:
+        return "varlen (cu_seqlens)"
+    if bias is not None:
+        return "an additive bias"
+    if softcap > 0:
+        return "softcap"
+    if window_left is not None or window_right not in (None, 0):
+        return "a window other than causal"
+    if config is not None:
+        return "a portable config was given"
+    causal = window_right is not None
+    try:
+        cfg = gluon_attention_config(q.shape[-1], causal, family)
+    except NoConfigError:
+        return f"head_dim {q.shape[-1]} (no Gluon config)"
+    if not (cfg.auto or forced):
+        return f"head_dim {q.shape[-1]}{' causal' if causal else ''}: the portable kernel measured faster"
+    if q.numel() == 0 or k.shape[1] == 0:
+        return "an empty call"
+    if out is not None and out.stride(-1) != 1:
+        return "out without unit last stride"
+    es = q.element_size()
+    if not (aligned16(q, k, v) and all(t.stride(-1) == 1 and tma_strides_ok(t.stride(), es) for t in (q, k, v))):
+        return "q, k, v not describable by TMA (16-byte aligned bases and strides, unit last stride)"
+    views = [rows_view(t.shape, t.stride()) for t in (q, k, v)]
+    if not all(views) or views[1][:3] != views[2][:3]:
+        return "q, k, v strides allow no 2-D row view (k and v alike)"
+    return None
+
+
+def supports(q, k, v, **kw) -> bool:
+    choice = kernel_choice()
+    if choice == "portable":
+        return False
+    reason = unsupported_reason(q, k, v, forced=choice == "gluon", **kw)
+    if reason is not None and choice == "gluon":
+        raise ValueError(f"{KERNEL_ENV}=gluon: the Gluon attention forward cannot take this call: {reason}")
+    return reason is None
+
+
+def gluon_forward(q, k, v, *, key_padding_mask=None, mask_keys=None, softmax_scale: float, window_right=None,
+                  return_lse: bool = True, heavy_first: bool = False, out=None,
+                  config: Optional[GluonAttentionConfig] = None, **_):
+    """Launch the Gluon forward on validated tensors in FlashAttention layout (the keyword
+    arguments of ``flashflow.ops.attention._portable_forward``; what :func:`supports` refuses
+    never comes here). ``config`` overrides the shipped one (studies, tests). Returns
+    ``(out, lse)``: lse ``(b, h, sq)`` float32, natural log, ``(0,)`` without ``return_lse``."""
+    from flashflow.kernels.attention_gluon import attention_fwd_gluon_kernel, descriptor
+
+    batch, seqlen_q, heads, head_dim = q.shape
+    seqlen_k, kv_heads = k.shape[1], k.shape[2]
+    causal = window_right is not None
+    cfg = config or gluon_attention_config(head_dim, causal, gpu_family(q.device))
+    check_launch(cfg, causal)
+    if out is None:
+        out = q.new_empty(q.shape)
+    lse = q.new_empty((batch, heads, seqlen_q) if return_lse else (0,), dtype=torch.float32)
+    views = [rows_view(t.shape, t.stride()) for t in (q, k, v)]
+    q_desc, k_desc, v_desc = (descriptor(t, vw[3:], [rows, head_dim])
+                              for t, vw, rows in zip((q, k, v), views, (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N)))
+    if key_padding_mask is not None:
+        mask_keys = key_padding_mask.shape[1] if mask_keys is None else mask_keys
+        kpm, kpm_stride = key_padding_mask, key_padding_mask.stride(0)
+    else:
+        kpm, kpm_stride, mask_keys = q, 0, 0
+    num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
+    num_tiles = num_m_blocks * heads * batch
+    grid = min(num_tiles, num_sms(q.device)) if cfg.persistent else num_tiles
+    so = out.stride()
+    attention_fwd_gluon_kernel[(grid, 1, 1)](
+        q_desc, k_desc, v_desc, out, lse, kpm,
+        so[0], so[1], so[2], heads * seqlen_q if return_lse else 0, seqlen_q if return_lse else 0, kpm_stride,
+        *views[0][:3], *views[1][:3],
+        seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_tiles, mask_keys, softmax_scale * LOG2E,
+        HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
+        KEY_PADDING=key_padding_mask is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
+        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
+        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps)
+    return out, lse

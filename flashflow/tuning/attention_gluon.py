@@ -1,0 +1,58 @@
+"""The Gluon (Hopper) attention forward's config: tiles, warps, stages and warp roles per
+head_dim, causal or not. The numbers are in ``attention_gluon.json`` beside this module;
+:func:`gluon_attention_config` is the one lookup."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from flashflow.tuning import Config, ConfigTable
+
+TABLE = "attention_gluon"
+
+
+@dataclass(frozen=True)
+class GluonAttentionConfig(Config):
+    BLOCK_M: int              # 64 query rows a warpgroup
+    BLOCK_N: int
+    num_warps: int            # the MMA warps (of each partition with split_warpgroups)
+    num_stages: int           # buffers of the K ring and of the V ring
+    warp_specialize: bool = False    # one load warp (24 registers) issues the TMA copies
+    split_warpgroups: bool = False   # 128 rows as two MMA partitions of one warpgroup each
+    pingpong: bool = False           # the two partitions take turns issuing their MMAs
+    persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
+    auto: bool = True                # the dispatcher takes it unasked (else only when forced)
+
+    def __post_init__(self):
+        rows = 32 * self.num_warps if self.split_warpgroups else 16 * self.num_warps
+        if self.BLOCK_M != rows:
+            raise ValueError(f"BLOCK_M {self.BLOCK_M} must be 64 rows a warpgroup ({rows} here)")
+        if self.split_warpgroups and not (self.warp_specialize and self.num_warps == 4):
+            raise ValueError("split_warpgroups needs warp_specialize and num_warps 4")
+        if self.persistent and not self.warp_specialize:
+            raise ValueError("persistent needs warp_specialize")
+        if self.pingpong and not self.split_warpgroups:
+            raise ValueError("pingpong needs split_warpgroups")
+
+
+def check_launch(cfg: GluonAttentionConfig, causal: bool) -> None:
+    """The launch rule no config can change: the persistent kernel with two MMA partitions is
+    refused with a causal mask (it faults on the GPU: an illegal address, not understood), a
+    ``ValueError`` before anything is launched."""
+    if causal and cfg.persistent and cfg.split_warpgroups:
+        raise ValueError("config: persistent with split_warpgroups does not run causal attention; "
+                         "take persistent=False (the shipped causal entry) or split_warpgroups=False")
+
+
+CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal"), what="Gluon attention")
+
+
+def supported_families() -> list[str]:
+    return CONFIGS.families()
+
+
+@functools.lru_cache(maxsize=None)
+def gluon_attention_config(head_dim: int, causal: bool, family: str) -> GluonAttentionConfig:
+    """The shipped config for ``head_dim``, causal or not, on ``family``; the first matching
+    entry of ``attention_gluon.json``."""
+    return CONFIGS.config(family, head_dim=head_dim, causal=causal)

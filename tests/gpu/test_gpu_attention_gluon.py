@@ -1,0 +1,189 @@
+"""The Gluon attention forward (Hopper) against float64: every shipped config and the schedules
+of the study, odd lengths, GQA, causal with fewer and more queries than keys (rows with no key),
+the key-padding mask, LSE against the portable kernel's, NaN-filled outputs; NaN/inf in the
+neighbouring sequence's rows past a ragged end; the dispatcher's choice and its override; the
+SDPA and fused-q/k/v layouts; CUDA graphs, torch.compile and the backward through it."""
+import math
+
+import pytest
+import torch
+
+import flashflow
+from flashflow.device import gpu_family
+from flashflow.ops import attention as attn_ops
+from flashflow.ops import attention_gluon as ag
+from flashflow.ops.attention import _portable_forward
+from flashflow.tuning.attention_gluon import GluonAttentionConfig as C
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = {
+    "shipped": None,
+    "split-pp": C(128, 128, 4, 2, True, True, True),
+    "split": C(128, 128, 4, 2, True, True, False),
+    "split-pp-s3": C(128, 128, 4, 3, True, True, True),
+    "persistent-8warps": C(128, 128, 8, 2, True, False, False, True),
+    "m64-n64": C(64, 64, 4, 2),
+    "m128-8warps": C(128, 128, 8, 2),
+}
+# b, sq, sk, h, hk, d, causal, key padding
+SHAPES = {
+    "qwen-like": (1, 4352, 4352, 4, 4, 128, False, False),
+    "ragged-gqa": (2, 1000, 1000, 8, 2, 128, False, False),
+    "ragged-gqa-causal": (2, 1000, 1000, 8, 2, 128, True, False),
+    "causal-sq<sk": (1, 300, 1000, 4, 4, 128, True, False),
+    "causal-sq>sk": (1, 1000, 300, 4, 4, 128, True, False),
+    "short": (1, 77, 77, 4, 4, 128, False, False),
+    "d64-causal-odd": (2, 513, 700, 4, 4, 64, True, False),
+    "key-padding": (2, 640, 640, 4, 4, 128, False, True),
+    "key-padding-causal-gqa": (1, 640, 640, 4, 2, 128, True, True),
+    "many-tiles-gqa": (4, 1000, 1000, 32, 8, 128, False, False),
+}
+
+
+@pytest.fixture(autouse=True)
+def hopper():
+    if gpu_family(torch.device("cuda")) != "sm90":
+        pytest.skip("the Gluon attention is written for Hopper (sm90)")
+
+
+def _exact(q, k, v, causal, kpm=None):
+    g = q.shape[2] // k.shape[2]
+    kk, vv = (t.double().repeat_interleave(g, 2) for t in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), kk) * q.shape[-1] ** -0.5
+    if kpm is not None:
+        full = torch.ones(k.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+        full[:, :kpm.shape[1]] = kpm
+        s = s.masked_fill(~full[:, None, None, :], float("-inf"))
+    if causal:
+        sq, sk = q.shape[1], k.shape[1]
+        hidden = torch.arange(sk, device=q.device)[None, :] > torch.arange(sq, device=q.device)[:, None] + sk - sq
+        s = s.masked_fill(hidden, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1).nan_to_num(0.0), vv)
+
+
+def _run(q, k, v, cfg, causal, kpm=None, mask_keys=None, out=None):
+    d = q.shape[-1]
+    if cfg is None and d != 128:
+        cfg = ag.gluon_attention_config(d, causal, "sm90")
+    return ag.gluon_forward(q, k, v, key_padding_mask=kpm, mask_keys=mask_keys, softmax_scale=d ** -0.5,
+                            window_right=0 if causal else None, out=out, config=cfg)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_against_float64_and_the_portable_lse(gpu, shape, config):
+    b, sq, sk, h, hk, d, causal, kp = SHAPES[shape]
+    cfg = CONFIGS[config]
+    if cfg is not None and causal and cfg.persistent and cfg.split_warpgroups:
+        pytest.skip("refused (check_launch)")
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kpm = torch.rand(b, 200, device="cuda") > 0.3 if kp else None
+    out, lse = _run(q, k, v, cfg, causal, kpm, 200 if kp else None, out=gpu.nan_like(q))
+    _, ref_lse = _portable_forward(q, k, v, key_padding_mask=kpm, mask_keys=200 if kp else None,
+                                   softmax_scale=d ** -0.5, window_right=0 if causal else None)
+    assert not out.isnan().any()
+    assert gpu.rel(out, _exact(q, k, v, causal, kpm)) < gpu.tol
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    finite = ref_lse.isfinite()
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("config", ["shipped", "split-pp", "m64-n64"])
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_the_next_sequence_past_a_ragged_end_does_not_leak(gpu, config, bad):
+    """Rows past sequence 0's last key are sequence 1's (the 2-D row view): NaN or inf there
+    must not reach sequence 0's output (keys masked, V's rows zeroed before P·V)."""
+    b, s, h, d = 2, 1000, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    k[1], v[1] = float(bad), float(bad)
+    for causal in (False, True):
+        out, _ = _run(q, k, v, CONFIGS[config] if not causal else None, causal, out=gpu.nan_like(q))
+        assert out[0].isfinite().all()
+        assert gpu.rel(out[0:1], _exact(q[0:1], k[0:1], v[0:1], causal)) < gpu.tol
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_finite_inputs_as_the_portable_kernel(which):
+    b, s, h, d = 1, 700, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    t = dict(q=q, k=k, v=v)[which]
+    t[0, 5, 1, 7] = float("nan")
+    t[0, 300, 2, 0] = float("inf")
+    for causal in (False, True):
+        out, _ = _run(q, k, v, None, causal)
+        ref, _ = _portable_forward(q, k, v, softmax_scale=d ** -0.5, window_right=0 if causal else None)
+        assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+
+
+def test_dispatch_and_its_override(monkeypatch):
+    q, k, v = (torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    kw = dict(softmax_scale=128 ** -0.5)
+    assert attn_ops.forward_kernel_name(q, k, v, **kw) == ag.GLUON
+    assert attn_ops.forward_kernel_name(q, k, v, window_right=0, **kw) == ag.GLUON
+    q64 = q[..., :64].contiguous()
+    assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == attn_ops.PORTABLE   # auto off at d64
+    monkeypatch.setenv(ag.KERNEL_ENV, "portable")
+    assert attn_ops.forward_kernel_name(q, k, v, **kw) == attn_ops.PORTABLE
+    monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
+    assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == ag.GLUON
+    out = flashflow.flash_attn_func(q64, q64, q64)
+    assert out.isfinite().all()
+    q256 = torch.randn(1, 256, 4, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim 256"):
+        flashflow.flash_attn_func(q256, q256, q256)
+
+
+@pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv"])
+def test_layouts(gpu, layout):
+    b, s, h, d = 2, 777, 8, 128
+    if layout == "sdpa-transposed":
+        q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+        expect = ag.GLUON
+    elif layout == "fused-qkv":
+        qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
+        q, k, v = qkv.unbind(2)
+        expect = ag.GLUON
+    else:   # one KV head broadcast over all: stride 0 along heads, no row view
+        q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, s, 1, d, device="cuda", dtype=torch.bfloat16).expand(b, s, h, d) for _ in range(2))
+        expect = attn_ops.PORTABLE
+    assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=d ** -0.5) == expect
+    for causal in (False, True):
+        out = flashflow.flash_attn_func(q, k, v, causal=causal)
+        assert gpu.rel(out, _exact(q, k, v, causal)) < gpu.tol
+
+
+def test_sdpa_entry_and_backward(gpu):
+    b, s, h, d = 1, 515, 4, 128
+    q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flashflow.scaled_dot_product_attention(q, k, v, is_causal=True)
+    qd, kd, vd = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
+    ref = _exact(qd, kd, vd, True).transpose(1, 2)
+    assert gpu.rel(out, ref) < gpu.tol
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    ref.backward(dout.double())
+    for t, r in ((q, qd), (k, kd), (v, vd)):
+        assert gpu.rel(t.grad, r.grad.transpose(1, 2)) < gpu.tol
+
+
+def test_graph_replays_and_compile(gpu):
+    b, s, h, d = 1, 1024, 8, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    worst = gpu.worst_over_replays(lambda: flashflow.flash_attn_func(q, k, v), q,
+                                   lambda x: _exact(x, k, v, False), replays=20, new_input_every=5)
+    assert worst < gpu.tol
+    compiled = torch.compile(lambda q, k, v: flashflow.flash_attn_func(q, k, v, causal=True), fullgraph=True)
+    assert gpu.rel(compiled(q, k, v), _exact(q, k, v, True)) < gpu.tol
+
+
+def test_persistent_split_causal_is_refused_before_launch():
+    q = torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(q, float("nan"))
+    with pytest.raises(ValueError, match="persistent"):
+        ag.gluon_forward(q, q, q, softmax_scale=0.1, window_right=0, out=out,
+                         config=C(128, 128, 4, 2, True, True, True, True))
+    torch.cuda.synchronize()
+    assert out.isnan().all()

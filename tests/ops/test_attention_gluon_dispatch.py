@@ -1,0 +1,142 @@
+"""Which attention forward kernel takes a call: the Gluon kernel's rule (flashflow.ops.attention_gluon)
+seen on the CPU with the GPU family stood in for, its override by FLASHFLOW_ATTENTION_KERNEL, its
+config table and launch rule. The kernel itself runs only on a Hopper GPU
+(tests/gpu/test_gpu_attention_gluon.py)."""
+import pytest
+import torch
+
+import flashflow
+from flashflow.ops import attention as attn_ops
+from flashflow.ops import attention_gluon as ag
+from flashflow.reference import attention_naive
+from flashflow.reference.metrics import rel_l2
+from flashflow.tuning.attention_gluon import CONFIGS, GluonAttentionConfig, check_launch, gluon_attention_config
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """CPU tensors taken for an sm90 GPU's by the Gluon kernel's rule (nothing launches)."""
+    monkeypatch.setattr(ag, "interpreting", lambda: False)
+    monkeypatch.setattr(ag, "on_gpu", lambda device: True)
+    monkeypatch.setattr(ag, "gpu_family", lambda device: "sm90")
+
+
+def _qkv(d=128, dtype=torch.bfloat16, b=2, s=300, h=4, hk=4):
+    return (torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, hk, d, dtype=dtype),
+            torch.randn(b, s, hk, d, dtype=dtype))
+
+
+def test_takes_the_hot_calls(hopper):
+    q, k, v = _qkv()
+    assert ag.unsupported_reason(q, k, v) is None
+    assert ag.unsupported_reason(q, k, v, window_right=0) is None                  # causal
+    assert ag.unsupported_reason(*_qkv(dtype=torch.float16)) is None
+    assert ag.unsupported_reason(*_qkv(hk=2)) is None                                # GQA
+    sdpa = [torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    assert ag.unsupported_reason(*sdpa) is None                                      # SDPA's layout
+    fused = torch.randn(2, 300, 3, 4, 128, dtype=torch.bfloat16).unbind(2)
+    assert ag.unsupported_reason(*fused) is None                                     # one q/k/v buffer
+    assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=0.1) == ag.GLUON
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("fp32", "dtype"), ("d64", "portable kernel measured faster"), ("d256", "no Gluon config"),
+    ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
+    ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
+    ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
+])
+def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
+    q, k, v = _qkv()
+    kw = {}
+    if case == "fp32":
+        q, k, v = _qkv(dtype=torch.float32)
+    elif case in ("d64", "d256", "d96"):
+        q, k, v = _qkv(d=int(case[1:]))
+    elif case == "varlen":
+        kw["cu_seqlens_q"] = torch.tensor([0, 300], dtype=torch.int32)
+    elif case == "bias":
+        kw["bias"] = torch.zeros(300, 300)
+    elif case == "softcap":
+        kw["softcap"] = 30.0
+    elif case == "window":
+        kw.update(window_left=16, window_right=0)
+    elif case == "config":
+        kw["config"] = attn_ops.pick_config(q, causal=False)
+    elif case == "empty":
+        q, k, v = _qkv(s=0)
+    elif case == "out-strided":
+        kw["out"] = torch.empty(2, 300, 4, 256, dtype=torch.bfloat16)[..., ::2]
+    elif case == "last-stride":
+        q = torch.randn(2, 300, 4, 256, dtype=torch.bfloat16)[..., ::2]
+    elif case == "misaligned":
+        q = torch.randn(2 * 300 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 128)
+    elif case == "expanded":
+        k = torch.randn(2, 300, 1, 128, dtype=torch.bfloat16).expand(2, 300, 4, 128)
+    elif case == "k-v-differ":
+        v = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2)
+    got = ag.unsupported_reason(q, k, v, **kw)
+    assert got is not None and reason in got, got
+    assert not ag.supports(q, k, v, **kw)
+
+
+def test_not_on_the_interpreter_or_another_family(monkeypatch):
+    q, k, v = _qkv()
+    assert "CUDA" in ag.unsupported_reason(q, k, v)
+    monkeypatch.setattr(ag, "interpreting", lambda: False)
+    monkeypatch.setattr(ag, "on_gpu", lambda device: True)
+    monkeypatch.setattr(ag, "gpu_family", lambda device: "sm80")
+    assert "sm80" in ag.unsupported_reason(q, k, v)
+
+
+def test_the_override(hopper, monkeypatch):
+    q, k, v = _qkv()
+    q64 = _qkv(d=64)
+    monkeypatch.setenv(ag.KERNEL_ENV, "portable")
+    assert not ag.supports(q, k, v)
+    monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
+    assert ag.supports(q, k, v) and ag.supports(*q64)      # forced: the config's auto off too
+    with pytest.raises(ValueError, match="FLASHFLOW_ATTENTION_KERNEL=gluon.*softcap"):
+        ag.supports(q, k, v, softcap=5.0)
+    monkeypatch.setenv(ag.KERNEL_ENV, "fastest")
+    with pytest.raises(ValueError, match="FLASHFLOW_ATTENTION_KERNEL must be one of auto, gluon, portable"):
+        ag.supports(q, k, v)
+    monkeypatch.setenv(ag.KERNEL_ENV, " AUTO ")
+    assert ag.supports(q, k, v)
+
+
+def test_the_interpreter_runs_the_portable_kernel(monkeypatch):
+    """On the CPU the portable kernel takes every call, whatever the override asks short of
+    forcing the Gluon kernel (which then names why it cannot)."""
+    q, k, v = (t.float() for t in _qkv(b=1, s=37, h=2, hk=2, d=32))
+    ref = attention_naive(q.double(), k.double(), v.double())
+    for choice in ("auto", "portable"):
+        monkeypatch.setenv(ag.KERNEL_ENV, choice)
+        assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=0.1) == attn_ops.PORTABLE
+        assert rel_l2(flashflow.flash_attn_func(q, k, v), ref) < 1e-5
+    monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
+    with pytest.raises(ValueError, match="not on a CUDA device"):
+        flashflow.flash_attn_func(q, k, v)
+
+
+def test_config_table_and_rules():
+    assert CONFIGS.problems() == []
+    hot = gluon_attention_config(128, False, "sm90")
+    assert hot.auto and hot.split_warpgroups and hot.pingpong and hot.persistent
+    causal = gluon_attention_config(128, True, "sm90")
+    assert causal.auto and not causal.persistent
+    assert not gluon_attention_config(64, False, "sm90").auto
+    check_launch(hot, causal=False)
+    check_launch(causal, causal=True)
+    with pytest.raises(ValueError, match="persistent with split_warpgroups"):
+        check_launch(hot, causal=True)
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2), "64 rows a warpgroup"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, split_warpgroups=True), "needs warp_specialize"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, persistent=True), "needs warp_specialize"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, pingpong=True), "needs split_warpgroups"),
+])
+def test_config_refuses_what_the_kernel_cannot_be(fields, match):
+    with pytest.raises(ValueError, match=match):
+        GluonAttentionConfig(**fields)
