@@ -4,8 +4,9 @@ it takes, its config and its launch.
 :func:`flashflow.ops.attention.attention_forward` runs the first registered forward kernel that
 supports a call; this one registers ahead of the portable Triton kernel. It takes a call
 (:func:`supports`) on an sm90 GPU, in bf16 or fp16, at a head_dim with a shipped config whose
-``auto`` is on (``tuning/attention_gluon.json``: head_dim 128 today; at 64 the portable kernel
-measured faster), dense (no varlen), with no additive bias, softcap or window other than causal,
+``auto`` is on and whose ``min_seqlen_k`` the keys reach (``tuning/attention_gluon.json``:
+head_dim 128 from 2048 keys without a causal mask, any length with one; at 64 and below 2048
+keys the portable kernel measured faster), dense (no varlen), with no additive bias, softcap or window other than causal,
 and q/k/v describable by host TMA descriptors (16-byte aligned bases and strides, unit last
 stride, a 2-D row view: :func:`flashflow.ops.common.rows_view`; k and v alike). A key-padding
 mask and an LSE are taken. Everything else runs on the portable kernel.
@@ -63,6 +64,8 @@ def unsupported_reason(q, k, v, *, bias=None, cu_seqlens_q=None, softcap=0.0, wi
         return "a window other than causal"
     if config is not None:
         return "a portable config was given"
+    if q.numel() == 0 or k.shape[1] == 0:
+        return "an empty call"
     causal = window_right is not None
     try:
         cfg = gluon_attention_config(q.shape[-1], causal, family)
@@ -70,8 +73,8 @@ def unsupported_reason(q, k, v, *, bias=None, cu_seqlens_q=None, softcap=0.0, wi
         return f"head_dim {q.shape[-1]} (no Gluon config)"
     if not (cfg.auto or forced):
         return f"head_dim {q.shape[-1]}{' causal' if causal else ''}: the portable kernel measured faster"
-    if q.numel() == 0 or k.shape[1] == 0:
-        return "an empty call"
+    if k.shape[1] < cfg.min_seqlen_k and not forced:
+        return f"fewer than {cfg.min_seqlen_k} keys: the portable kernel measured faster"
     if out is not None and out.stride(-1) != 1:
         return "out without unit last stride"
     es = q.element_size()

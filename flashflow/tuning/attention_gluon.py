@@ -22,6 +22,7 @@ class GluonAttentionConfig(Config):
     pingpong: bool = False           # the two partitions take turns issuing their MMAs
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
+    min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 
     def __post_init__(self):
         rows = 32 * self.num_warps if self.split_warpgroups else 16 * self.num_warps

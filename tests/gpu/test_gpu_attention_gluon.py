@@ -118,12 +118,14 @@ def test_non_finite_inputs_as_the_portable_kernel(which):
 
 
 def test_dispatch_and_its_override(monkeypatch):
-    q, k, v = (torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, 2048, 4, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     kw = dict(softmax_scale=128 ** -0.5)
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == ag.GLUON
     assert attn_ops.forward_kernel_name(q, k, v, window_right=0, **kw) == ag.GLUON
     q64 = q[..., :64].contiguous()
     assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == attn_ops.PORTABLE   # auto off at d64
+    short = q[:, :1024]
+    assert attn_ops.forward_kernel_name(short, short, short, **kw) == attn_ops.PORTABLE   # min_seqlen_k
     monkeypatch.setenv(ag.KERNEL_ENV, "portable")
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == attn_ops.PORTABLE
     monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
@@ -137,7 +139,7 @@ def test_dispatch_and_its_override(monkeypatch):
 
 @pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv"])
 def test_layouts(gpu, layout):
-    b, s, h, d = 2, 777, 8, 128
+    b, s, h, d = 2, 2049, 8, 128
     if layout == "sdpa-transposed":
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
         expect = ag.GLUON
@@ -156,7 +158,7 @@ def test_layouts(gpu, layout):
 
 
 def test_sdpa_entry_and_backward(gpu):
-    b, s, h, d = 1, 515, 4, 128
+    b, s, h, d = 1, 2051, 4, 128
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     out = flashflow.scaled_dot_product_attention(q, k, v, is_causal=True)
     qd, kd, vd = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
@@ -170,8 +172,9 @@ def test_sdpa_entry_and_backward(gpu):
 
 
 def test_graph_replays_and_compile(gpu):
-    b, s, h, d = 1, 1024, 8, 128
+    b, s, h, d = 1, 2048, 8, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=d ** -0.5) == ag.GLUON
     worst = gpu.worst_over_replays(lambda: flashflow.flash_attn_func(q, k, v), q,
                                    lambda x: _exact(x, k, v, False), replays=20, new_input_every=5)
     assert worst < gpu.tol

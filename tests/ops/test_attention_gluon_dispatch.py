@@ -21,7 +21,7 @@ def hopper(monkeypatch):
     monkeypatch.setattr(ag, "gpu_family", lambda device: "sm90")
 
 
-def _qkv(d=128, dtype=torch.bfloat16, b=2, s=300, h=4, hk=4):
+def _qkv(d=128, dtype=torch.bfloat16, b=2, s=2100, h=4, hk=4):
     return (torch.randn(b, s, h, d, dtype=dtype), torch.randn(b, s, hk, d, dtype=dtype),
             torch.randn(b, s, hk, d, dtype=dtype))
 
@@ -32,9 +32,10 @@ def test_takes_the_hot_calls(hopper):
     assert ag.unsupported_reason(q, k, v, window_right=0) is None                  # causal
     assert ag.unsupported_reason(*_qkv(dtype=torch.float16)) is None
     assert ag.unsupported_reason(*_qkv(hk=2)) is None                                # GQA
-    sdpa = [torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    assert ag.unsupported_reason(*_qkv(s=1000), window_right=0) is None              # causal: any length
+    sdpa = [torch.randn(2, 4, 2100, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
     assert ag.unsupported_reason(*sdpa) is None                                      # SDPA's layout
-    fused = torch.randn(2, 300, 3, 4, 128, dtype=torch.bfloat16).unbind(2)
+    fused = torch.randn(2, 2100, 3, 4, 128, dtype=torch.bfloat16).unbind(2)
     assert ag.unsupported_reason(*fused) is None                                     # one q/k/v buffer
     assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=0.1) == ag.GLUON
 
@@ -44,6 +45,7 @@ def test_takes_the_hot_calls(hopper):
     ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
     ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
     ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
+    ("short", "fewer than 2048 keys"),
 ])
 def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     q, k, v = _qkv()
@@ -53,9 +55,9 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     elif case in ("d64", "d256", "d96"):
         q, k, v = _qkv(d=int(case[1:]))
     elif case == "varlen":
-        kw["cu_seqlens_q"] = torch.tensor([0, 300], dtype=torch.int32)
+        kw["cu_seqlens_q"] = torch.tensor([0, 2100], dtype=torch.int32)
     elif case == "bias":
-        kw["bias"] = torch.zeros(300, 300)
+        kw["bias"] = torch.zeros(2100, 2100)
     elif case == "softcap":
         kw["softcap"] = 30.0
     elif case == "window":
@@ -64,16 +66,18 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
         kw["config"] = attn_ops.pick_config(q, causal=False)
     elif case == "empty":
         q, k, v = _qkv(s=0)
+    elif case == "short":
+        q, k, v = _qkv(s=1000)
     elif case == "out-strided":
-        kw["out"] = torch.empty(2, 300, 4, 256, dtype=torch.bfloat16)[..., ::2]
+        kw["out"] = torch.empty(2, 2100, 4, 256, dtype=torch.bfloat16)[..., ::2]
     elif case == "last-stride":
-        q = torch.randn(2, 300, 4, 256, dtype=torch.bfloat16)[..., ::2]
+        q = torch.randn(2, 2100, 4, 256, dtype=torch.bfloat16)[..., ::2]
     elif case == "misaligned":
-        q = torch.randn(2 * 300 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 300, 4, 128)
+        q = torch.randn(2 * 2100 * 4 * 128 + 1, dtype=torch.bfloat16)[1:].view(2, 2100, 4, 128)
     elif case == "expanded":
-        k = torch.randn(2, 300, 1, 128, dtype=torch.bfloat16).expand(2, 300, 4, 128)
+        k = torch.randn(2, 2100, 1, 128, dtype=torch.bfloat16).expand(2, 2100, 4, 128)
     elif case == "k-v-differ":
-        v = torch.randn(2, 4, 300, 128, dtype=torch.bfloat16).transpose(1, 2)
+        v = torch.randn(2, 4, 2100, 128, dtype=torch.bfloat16).transpose(1, 2)
     got = ag.unsupported_reason(q, k, v, **kw)
     assert got is not None and reason in got, got
     assert not ag.supports(q, k, v, **kw)
@@ -95,6 +99,7 @@ def test_the_override(hopper, monkeypatch):
     assert not ag.supports(q, k, v)
     monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
     assert ag.supports(q, k, v) and ag.supports(*q64)      # forced: the config's auto off too
+    assert ag.supports(*_qkv(s=100))                       # and short sequences
     with pytest.raises(ValueError, match="FLASHFLOW_ATTENTION_KERNEL=gluon.*softcap"):
         ag.supports(q, k, v, softcap=5.0)
     monkeypatch.setenv(ag.KERNEL_ENV, "fastest")
