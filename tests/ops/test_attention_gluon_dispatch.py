@@ -126,14 +126,15 @@ def test_the_interpreter_runs_the_portable_kernel(monkeypatch):
 def test_config_table_and_rules():
     assert CONFIGS.problems() == []
     hot = gluon_attention_config(128, False, "sm90")
-    assert hot.auto and hot.split_warpgroups and hot.pingpong and hot.persistent
+    assert hot.auto and hot.split_warpgroups and hot.pingpong and hot.min_seqlen_k == 2048
     causal = gluon_attention_config(128, True, "sm90")
-    assert causal.auto and not causal.persistent
+    assert causal.auto and causal.min_seqlen_k == 0
     assert not gluon_attention_config(64, False, "sm90").auto
-    check_launch(hot, causal=False)
-    check_launch(causal, causal=True)
+    for cfg in (hot, causal, GluonAttentionConfig(128, 128, 8, 2, True, persistent=True)):
+        check_launch(cfg, causal=False)
+        check_launch(cfg, causal=True)
     with pytest.raises(ValueError, match="persistent with split_warpgroups"):
-        check_launch(hot, causal=True)
+        check_launch(hot.replace(persistent=True), causal=False)
 
 
 @pytest.mark.parametrize("fields, match", [

@@ -96,8 +96,6 @@ def gluon_info_cases(family: str | None) -> list[InfoCase]:
     for entry in GLUON_CONFIGS.shipped_entries("sm90"):
         cfg = GLUON_CONFIGS.from_entry(entry)
         for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
-            if causal and cfg.persistent and cfg.split_warpgroups:
-                continue
             label = f"gluon d{entry['head_dim']}{' causal' if causal else ''}{'' if cfg.auto else ' (forced only)'}"
             cases.append(InfoCase("attention", label,
                                   lambda device, cfg=cfg, d=entry["head_dim"], causal=causal:
