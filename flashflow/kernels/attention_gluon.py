@@ -43,52 +43,26 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LN2_G: gl.constexpr = gl.constexpr(0.6931471805599453)
+from flashflow.kernels.mask import key_allowed
+from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax, online_softmax_scaled
 
 
-# ----------------------------------------------------------------------------- softmax
+# ----------------------------------------------------------------------------- scores
 
 
 @gluon.jit
-def _allowed(offs_m, offs_n, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL: gl.constexpr,
-             KEY_PADDING: gl.constexpr):
-    """Keys row ``offs_m`` may see among ``offs_n`` (mask.py's rule: in the sequence, at or
-    left of the bottom-right diagonal with ``CAUSAL``, flagged True in the key-padding row
-    ``kpm`` over its first ``mask_keys`` keys)."""
-    allowed = gl.expand_dims(offs_n < seqlen_k, 0)
-    if CAUSAL:
-        allowed = allowed & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(offs_m + diag_offset, 1))
+def _masked_scores(qk, qk_scale_log2, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys,
+                   CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Base-2 scores of one key block, -inf where row ``offs_m`` may not see the key (mask.py's
+    rule: in the sequence, at or left of the bottom-right diagonal with ``CAUSAL``), or where the
+    key-padding row ``kpm`` flags it False (its first ``mask_keys`` keys)."""
+    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    allowed = key_allowed(gl.expand_dims(offs_n < seqlen_k, 0), gl.expand_dims(offs_n, 0),
+                          gl.expand_dims(offs_m + diag_offset, 1), 0, 0, False, CAUSAL)
     if KEY_PADDING:
         keep = gl.load(kpm + offs_n, mask=offs_n < mask_keys, other=1)
         allowed = allowed & gl.expand_dims(keep != 0, 0)
-    return allowed
-
-
-@gluon.jit
-def _softmax_masked(qk, m_i, l_i, qk_scale_log2, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys,
-                    CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
-                    s_layout: gl.constexpr):
-    """softmax.py's ``online_softmax`` of one masked key block: ``(p, alpha, l, m)``."""
-    offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    s = qk * qk_scale_log2
-    s = gl.where(_allowed(offs_m, offs_n, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING), s,
-                 float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, 1))
-    m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - gl.expand_dims(m_shift, 1))
-    alpha = gl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, l_i, m_new
-
-
-@gluon.jit
-def _softmax_full(qk, m_i, l_i, qk_scale_log2):
-    """softmax.py's ``online_softmax_scaled``: no key masked, the scale folded into one FMA."""
-    m_new = gl.maximum(m_i, gl.max(qk, 1) * qk_scale_log2)
-    p = gl.exp2(qk * qk_scale_log2 - gl.expand_dims(m_new, 1))
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, 1)
-    return p, alpha, l_i, m_new
+    return gl.where(allowed, qk * qk_scale_log2, float("-inf"))
 
 
 @gluon.jit
@@ -204,8 +178,9 @@ def _masked_blocks(g, lo, hi, acc, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_ba
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
             mbarrier.arrive(k_free.index(stage))
-        p, alpha, l_i, m_i = _softmax_masked(qk, m_i, l_i, qk_scale_log2, offs_m, j * BLOCK_N, seqlen_k,
-                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+        p, alpha, l_i, m_i = online_softmax(_masked_scores(qk, qk_scale_log2, offs_m, j * BLOCK_N, seqlen_k,
+                                                           diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING,
+                                                           BLOCK_N, s_layout), m_i, l_i)
         mbarrier.wait(v_bar.index(stage), phase)
         if (j + 1) * BLOCK_N > seqlen_k:
             _zero_v_tail(v_smem.index(stage), seqlen_k - j * BLOCK_N, BLOCK_N, HEAD_DIM, num_warps)
@@ -261,7 +236,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             gl.thread_barrier()
             if full_lo + NUM_STAGES < n_blocks:
                 _load_kv(k_desc, k_smem, k_bar, k_row0 + (full_lo + NUM_STAGES) * BLOCK_N, k_col, stage)
-        p, alpha, l_i, m_i = _softmax_full(qk, m_i, l_i, qk_scale_log2)
+        p, alpha, l_i, m_i = online_softmax_scaled(qk, m_i, l_i, qk_scale_log2)
         for j in range(full_lo + 1, full_hi):
             stage = (g + j) % NUM_STAGES
             phase = ((g + j) // NUM_STAGES) & 1
@@ -279,7 +254,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             if PRODUCER:
                 mbarrier.arrive(k_free.index(stage))
             # the softmax of block j under block j−1's P·V
-            p, alpha, l_i, m_i = _softmax_full(qk, m_i, l_i, qk_scale_log2)
+            p, alpha, l_i, m_i = online_softmax_scaled(qk, m_i, l_i, qk_scale_log2)
             acc = warpgroup_mma_wait(0, deps=[acc])
             if PRODUCER:
                 mbarrier.arrive(v_free.index(prev))
@@ -324,9 +299,7 @@ def _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob,
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     offs_m = m_start + gl.arange(0, BLOCK_M, layout=row_o)
     l_o = gl.convert_layout(l_i, row_o)
-    empty = l_o == 0.0
-    l_safe = gl.where(empty, 1.0, l_o)
-    out = (acc / gl.expand_dims(l_safe, 1)).to(O.dtype.element_ty)
+    out = normalize(acc, l_o).to(O.dtype.element_ty)
     o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     if COALESCE:
         st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1],
@@ -341,8 +314,7 @@ def _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob,
         o_ptrs = o_base + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0)
         gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < seqlen_q, 1))
     if RETURN_LSE:
-        m_o = gl.convert_layout(m_i, row_o)
-        lse = gl.where(empty, float("-inf"), (m_o + gl.log2(l_safe)) * LN2_G)
+        lse = log_sum_exp(gl.convert_layout(m_i, row_o), l_o)
         gl.store(LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_m, lse,
                  mask=offs_m < seqlen_q)
 

@@ -18,8 +18,8 @@ TUNING = Path(flashflow.tuning.__file__).parent
 
 def test_specs_are_declared_once_in_order_with_unique_names():
     names = [s.name for s in SPECS]
-    assert names == ["attention", "attention-bwd", "attention-fp8", "decode", "mlp", "norm", "quant", "fp8-linear",
-                     "decode-layer"]
+    assert names == ["attention", "attention-gluon", "attention-bwd", "attention-fp8", "decode", "mlp", "norm", "quant",
+                     "fp8-linear", "decode-layer"]
     assert len(set(names)) == len(names) and all(isinstance(s, OpSpec) for s in SPECS)
     assert list(BY_NAME) == names
     with pytest.raises(ValueError, match="no op 'conv'.*attention"):

@@ -36,7 +36,7 @@ def test_help_shows_defaults_and_every_op(capsys):
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())   # argparse wraps lines at the terminal width
     assert "(default: 3)" in out and "(default: bench/results)" in out
-    assert "{attention,attention-bwd,attention-fp8,decode,mlp}" in out
+    assert "{attention,attention-gluon,attention-bwd,attention-fp8,decode,mlp}" in out
 
 
 def test_vary_values_are_typed_and_fields_checked():

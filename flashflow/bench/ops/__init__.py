@@ -5,12 +5,12 @@
 """
 from __future__ import annotations
 
-from flashflow.bench.ops import (attention, attention_bwd, attention_fp8, decode, decode_layer, fp8_linear, mlp, norm,
-                                 quant)
+from flashflow.bench.ops import (attention, attention_bwd, attention_fp8, attention_gluon, decode, decode_layer,
+                                 fp8_linear, mlp, norm, quant)
 from flashflow.bench.spec import OpSpec
 
-SPECS: tuple[OpSpec, ...] = tuple(m.SPEC for m in (attention, attention_bwd, attention_fp8, decode, mlp, norm,
-                                                     quant, fp8_linear, decode_layer))
+SPECS: tuple[OpSpec, ...] = tuple(m.SPEC for m in (attention, attention_gluon, attention_bwd, attention_fp8, decode,
+                                                     mlp, norm, quant, fp8_linear, decode_layer))
 BY_NAME: dict[str, OpSpec] = {s.name: s for s in SPECS}
 TUNABLE: dict[str, OpSpec] = {s.name: s for s in SPECS if s.tunable}
 

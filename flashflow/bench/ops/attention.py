@@ -64,49 +64,8 @@ def config_columns(entry: dict, causal, variant) -> dict:
             "bias": bool(entry.get("bias")), "variant": variant, **config_from_entry(entry).as_dict()}
 
 
-def _gluon_forward(device: str, cfg, head_dim: int, causal: bool) -> None:
-    """The Gluon forward (Hopper) at one of its configs, launched as the dispatcher launches it."""
-    import torch
-
-    from flashflow.ops.attention_gluon import gluon_forward
-
-    q, k, v = (torch.empty(BATCH, SEQLEN, HEADS, head_dim, device=device, dtype=torch.bfloat16)
-               for _ in range(3))
-    gluon_forward(q, k, v, softmax_scale=head_dim ** -0.5, window_right=0 if causal else None, heavy_first=causal,
-                  return_lse=False, config=cfg)
-
-
-def gluon_roles(cfg) -> str:
-    """Registers per warp role of a Gluon config (the kernel's ``warp_specialize`` budgets; the
-    cubin's figure is what a thread starts with before the partitions move registers)."""
-    if not cfg.warp_specialize:
-        return f"{cfg.num_warps} MMA warps, no load warp"
-    if cfg.split_warpgroups:
-        return "2 MMA partitions x 4 warps at 240 registers, 1 load warp at 24"
-    return f"{cfg.num_warps} MMA warps, 1 load warp at 24 registers"
-
-
-def gluon_info_cases(family: str | None) -> list[InfoCase]:
-    """The Gluon forward at each entry of ``attention_gluon.json`` (Hopper only)."""
-    from flashflow.tuning.attention_gluon import CONFIGS as GLUON_CONFIGS
-
-    if family not in (None, "sm90"):
-        return []
-    cases = []
-    for entry in GLUON_CONFIGS.shipped_entries("sm90"):
-        cfg = GLUON_CONFIGS.from_entry(entry)
-        for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
-            label = f"gluon d{entry['head_dim']}{' causal' if causal else ''}{'' if cfg.auto else ' (forced only)'}"
-            cases.append(InfoCase("attention", label,
-                                  lambda device, cfg=cfg, d=entry["head_dim"], causal=causal:
-                                  _gluon_forward(device, cfg, d, causal),
-                                  {"family": "sm90", "head_dim": entry["head_dim"], "causal": causal,
-                                   "roles": gluon_roles(cfg), **cfg.as_dict()}))
-    return cases
-
-
 def info_cases(family: str | None) -> list[InfoCase]:
-    cases = gluon_info_cases(family)
+    cases = []
     for entry in shipped_configs(family):
         for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
             bias = bool(entry.get("bias"))
