@@ -56,6 +56,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
+
 LOG2_E4M3_MAX: gl.constexpr = gl.constexpr(8.807354922057604)   # log2(448)
 INT_AS_FLOAT_OFFSET: gl.constexpr = gl.constexpr(12582912.0)     # 1.5 · 2^23
 _INT_AS_FLOAT_BITS: gl.constexpr = gl.constexpr(0x4B400000)
@@ -141,18 +143,6 @@ def _issue_pv(acc, alpha, p, vt_buf, BLOCK_N: gl.constexpr, KEYS_PERMUTED: gl.co
 
 
 @gluon.jit
-def _load_k(k_desc, k_smem, k_bar, row, stage):
-    mbarrier.expect(k_bar.index(stage), k_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [row, 0], k_bar.index(stage), k_smem.index(stage))
-
-
-@gluon.jit
-def _load_v(v_desc, v_smem, v_bar, row, col, stage):
-    mbarrier.expect(v_bar.index(stage), v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(v_desc, [row, col], v_bar.index(stage), v_smem.index(stage))
-
-
-@gluon.jit
 def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_free, v_free, k_row0, v_row0, n_blocks,
               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """The load warp of the warp-specialized kernel: every K and Vᵀ block into its ring, each
@@ -163,23 +153,9 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_free, v_free, k_ro
         # pass p − 1; the first pass goes straight through (parity 1 of a fresh barrier)
         free_phase = ((j // NUM_STAGES) & 1) ^ 1
         mbarrier.wait(k_free.index(stage), free_phase)
-        _load_k(k_desc, k_smem, k_bar, k_row0 + j * BLOCK_N, stage)
+        load_block(k_desc, k_smem, k_bar, k_row0 + j * BLOCK_N, 0, stage)
         mbarrier.wait(v_free.index(stage), free_phase)
-        _load_v(v_desc, v_smem, v_bar, v_row0, j * BLOCK_N, stage)
-
-
-@gluon.jit
-def _take_turn(turn, k, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """Wait for warpgroup ``WG``'s ``k``-th turn to issue MMAs: warpgroup 0 goes first (parity 1
-    of a fresh barrier passes at once), then each waits for the other's pass."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 if WG == 0 else 0))
-
-
-@gluon.jit
-def _pass_turn(turn, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG))
+        load_block(v_desc, v_smem, v_bar, v_row0, j * BLOCK_N, stage)
 
 
 @gluon.jit
@@ -189,7 +165,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
               QK_FP8: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
               WG: gl.constexpr, num_warps: gl.constexpr):
     """The MMA and softmax warps: returns ``(acc, l, m)`` over every key of the tile's head.
-    ``PINGPONG``: warpgroup ``WG`` of two takes its turn (``_take_turn`` / ``_pass_turn``) around
+    ``PINGPONG``: warpgroup ``WG`` of two takes its turn (``hopper.take_turn`` / ``pass_turn``) around
     each issue of its MMAs; both run the same number of turns."""
     k_width: gl.constexpr = 32 // 8
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -217,15 +193,15 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
     if n_full > 0:
         # block 0: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
         mbarrier.wait(k_bar.index(0), 0)
-        _take_turn(turn, 0, PINGPONG, WG)
+        take_turn(turn, 0, PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        _pass_turn(turn, PINGPONG, WG)
+        pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
             mbarrier.arrive(k_free.index(0))
         elif NUM_STAGES < n_blocks:
             gl.thread_barrier()
-            _load_k(k_desc, k_smem, k_bar, k_row0 + NUM_STAGES * BLOCK_N, 0)
+            load_block(k_desc, k_smem, k_bar, k_row0 + NUM_STAGES * BLOCK_N, 0, 0)
         row_scale, offset = _row_scale(q_scale, KS, QK_FP8)
         p, alpha, l_i, m_i = _softmax_step(_scores(qk, QK_FP8), m_i, l_i, row_scale, offset, 0, seqlen_k,
                                             BLOCK_N, False, s_layout)
@@ -237,11 +213,11 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
             # S_j = Q · K_jᵀ on the tensor cores ...
             mbarrier.wait(k_bar.index(stage), phase)
             mbarrier.wait(v_bar.index(prev), prev_phase)
-            _take_turn(turn, j, PINGPONG, WG)
+            take_turn(turn, j, PINGPONG, WG)
             qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             # ... then block j−1's P·V into the rescaled accumulator
             acc = _issue_pv(acc, alpha, p, v_smem.index(prev), BLOCK_N, KEYS_PERMUTED, p_layout)
-            _pass_turn(turn, PINGPONG, WG)
+            pass_turn(turn, PINGPONG, WG)
             qk = warpgroup_mma_wait(1, deps=[qk])
             if PRODUCER:
                 mbarrier.arrive(k_free.index(stage))
@@ -256,22 +232,22 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
                 # every warp is past its reads of both buffers: refill them
                 gl.thread_barrier()
                 if j + NUM_STAGES < n_blocks:
-                    _load_k(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, stage)
+                    load_block(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, 0, stage)
                 if j - 1 + NUM_STAGES < n_blocks:
-                    _load_v(v_desc, v_smem, v_bar, v_row0, (j - 1 + NUM_STAGES) * BLOCK_N, prev)
+                    load_block(v_desc, v_smem, v_bar, v_row0, (j - 1 + NUM_STAGES) * BLOCK_N, prev)
         # the last full block's P·V
         last = n_full - 1
         stage = last % NUM_STAGES
         mbarrier.wait(v_bar.index(stage), (last // NUM_STAGES) & 1)
-        _take_turn(turn, n_full, PINGPONG, WG)
+        take_turn(turn, n_full, PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage), BLOCK_N, KEYS_PERMUTED, p_layout)
-        _pass_turn(turn, PINGPONG, WG)
+        pass_turn(turn, PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
             mbarrier.arrive(v_free.index(stage))
         elif last + NUM_STAGES < n_blocks:
             gl.thread_barrier()
-            _load_v(v_desc, v_smem, v_bar, v_row0, (last + NUM_STAGES) * BLOCK_N, stage)
+            load_block(v_desc, v_smem, v_bar, v_row0, (last + NUM_STAGES) * BLOCK_N, stage)
 
     if n_full < n_blocks:
         # the ragged last block: keys past seqlen_k masked
@@ -280,17 +256,17 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
         mbarrier.wait(k_bar.index(stage), phase)
         # turns taken so far: none without a full block, else one per full block and one more
         n_turns = gl.where(n_full > 0, n_full + 1, 0)
-        _take_turn(turn, n_turns, PINGPONG, WG)
+        take_turn(turn, n_turns, PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        _pass_turn(turn, PINGPONG, WG)
+        pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         row_scale, offset = _row_scale(q_scale, KS + n_full, QK_FP8)
         p, alpha, l_i, m_i = _softmax_step(_scores(qk, QK_FP8), m_i, l_i, row_scale, offset, n_full * BLOCK_N,
                                             seqlen_k, BLOCK_N, True, s_layout)
         mbarrier.wait(v_bar.index(stage), phase)
-        _take_turn(turn, n_turns + 1, PINGPONG, WG)
+        take_turn(turn, n_turns + 1, PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage), BLOCK_N, KEYS_PERMUTED, p_layout)
-        _pass_turn(turn, PINGPONG, WG)
+        pass_turn(turn, PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
     return acc, l_i, m_i
 
@@ -315,17 +291,7 @@ def _store_out(acc, l_i, m_i, O, LSE, VS, QC, batch, head, bhk, q_row, m_start, 
     out = (acc / gl.expand_dims(l_safe, 1) * gl.expand_dims(v_scale, 0)).to(O.dtype.element_ty)
     o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
     rows = offs_m < seqlen_q
-    if COALESCE:
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1],
-                                                   [1, 0])
-        out = gl.convert_layout(out, st_layout)
-        st_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-        st_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-        o_ptrs = o_base + gl.expand_dims(st_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(st_d, 0)
-        gl.store(o_ptrs, out, mask=gl.expand_dims(st_m < seqlen_q, 1))
-    else:
-        o_ptrs = o_base + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0)
-        gl.store(o_ptrs, out, mask=gl.expand_dims(rows, 1))
+    store_rows(out, o_base, m_start, seqlen_q, stride_os, BLOCK_M, HEAD_DIM, COALESCE, num_warps)
     if RETURN_LSE:
         # l sums 448-scaled probabilities; -inf for a row with no key stays -inf
         m_o = gl.convert_layout(m_i, row_o)
@@ -436,8 +402,8 @@ def attention_fp8_fwd_gluon_kernel(
         else:
             for s in gl.static_range(NUM_STAGES):
                 if s < n_blocks:
-                    _load_k(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, s)
-                    _load_v(v_desc, v_smem, v_bar, v_row0, s * BLOCK_N, s)
+                    load_block(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, 0, s)
+                    load_block(v_desc, v_smem, v_bar, v_row0, s * BLOCK_N, s)
             acc, l_i, m_i = _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc,
                                       v_desc, QS, ks, q_row, m_start, k_row0, v_row0, seqlen_k,
                                       BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, QK_FP8, KEYS_PERMUTED, False, False, 0,

@@ -43,6 +43,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
+
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax, online_softmax_scaled
 
@@ -78,12 +80,6 @@ def _issue_pv(acc, alpha, p, v_buf, p_layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_kv(desc, smem, bar, row, col, stage):
-    mbarrier.expect(bar.index(stage), desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc, [row, col], bar.index(stage), smem.index(stage))
-
-
-@gluon.jit
 def _refill(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_row0, k_col, j, n_blocks,
             BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     """Without a load warp (one tile a CTA): block ``j + NUM_STAGES``'s K and V into the
@@ -91,8 +87,8 @@ def _refill(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_row0, k_col, j, n_bl
     gl.thread_barrier()
     if j + NUM_STAGES < n_blocks:
         stage = j % NUM_STAGES
-        _load_kv(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
-        _load_kv(v_desc, v_smem, v_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+        load_block(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+        load_block(v_desc, v_smem, v_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
 
 
 @gluon.jit
@@ -123,9 +119,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
             stage = (g + j) % NUM_STAGES
             free_phase = (((g + j) // NUM_STAGES) & 1) ^ 1
             mbarrier.wait(k_free.index(stage), free_phase)
-            _load_kv(k_desc, k_smem, k_bar, k_row0 + j * BLOCK_N, k_col, stage)
+            load_block(k_desc, k_smem, k_bar, k_row0 + j * BLOCK_N, k_col, stage)
             mbarrier.wait(v_free.index(stage), free_phase)
-            _load_kv(v_desc, v_smem, v_bar, k_row0 + j * BLOCK_N, k_col, stage)
+            load_block(v_desc, v_smem, v_bar, k_row0 + j * BLOCK_N, k_col, stage)
         g += n_blocks
         it += 1
 
@@ -143,20 +139,6 @@ def _zero_v_tail(v_buf, n_valid, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, 
 
 
 # ----------------------------------------------------------------------------- consumer
-
-
-@gluon.jit
-def _take_turn(turn, k, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """Wait for warpgroup ``WG``'s ``k``-th turn to issue MMAs: warpgroup 0 goes first (parity 1
-    of a fresh barrier passes at once), then each waits for the other's pass."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 if WG == 0 else 0))
-
-
-@gluon.jit
-def _pass_turn(turn, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG))
 
 
 @gluon.jit
@@ -226,16 +208,16 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
         # block full_lo: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
         stage = (g + full_lo) % NUM_STAGES
         mbarrier.wait(k_bar.index(stage), ((g + full_lo) // NUM_STAGES) & 1)
-        _take_turn(turn, t0, PINGPONG, WG)
+        take_turn(turn, t0, PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        _pass_turn(turn, PINGPONG, WG)
+        pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
             mbarrier.arrive(k_free.index(stage))
         else:
             gl.thread_barrier()
             if full_lo + NUM_STAGES < n_blocks:
-                _load_kv(k_desc, k_smem, k_bar, k_row0 + (full_lo + NUM_STAGES) * BLOCK_N, k_col, stage)
+                load_block(k_desc, k_smem, k_bar, k_row0 + (full_lo + NUM_STAGES) * BLOCK_N, k_col, stage)
         p, alpha, l_i, m_i = online_softmax_scaled(qk, m_i, l_i, qk_scale_log2)
         for j in range(full_lo + 1, full_hi):
             stage = (g + j) % NUM_STAGES
@@ -245,11 +227,11 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             # S_j = Q · K_jᵀ on the tensor cores ...
             mbarrier.wait(k_bar.index(stage), phase)
             mbarrier.wait(v_bar.index(prev), prev_phase)
-            _take_turn(turn, t0 + j - full_lo, PINGPONG, WG)
+            take_turn(turn, t0 + j - full_lo, PINGPONG, WG)
             qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             # ... then block j−1's P·V into the rescaled accumulator
             acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
-            _pass_turn(turn, PINGPONG, WG)
+            pass_turn(turn, PINGPONG, WG)
             qk = warpgroup_mma_wait(1, deps=[qk])
             if PRODUCER:
                 mbarrier.arrive(k_free.index(stage))
@@ -262,23 +244,23 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
                 # every warp is past its reads of both buffers: refill them
                 gl.thread_barrier()
                 if j + NUM_STAGES < n_blocks:
-                    _load_kv(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+                    load_block(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
                 if j - 1 + NUM_STAGES < n_blocks:
-                    _load_kv(v_desc, v_smem, v_bar, k_row0 + (j - 1 + NUM_STAGES) * BLOCK_N, k_col, prev)
+                    load_block(v_desc, v_smem, v_bar, k_row0 + (j - 1 + NUM_STAGES) * BLOCK_N, k_col, prev)
         # the last unmasked block's P·V
         last = full_hi - 1
         stage = (g + last) % NUM_STAGES
         mbarrier.wait(v_bar.index(stage), ((g + last) // NUM_STAGES) & 1)
-        _take_turn(turn, t0 + full_hi - full_lo, PINGPONG, WG)
+        take_turn(turn, t0 + full_hi - full_lo, PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage), p_layout)
-        _pass_turn(turn, PINGPONG, WG)
+        pass_turn(turn, PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
             mbarrier.arrive(v_free.index(stage))
         else:
             gl.thread_barrier()
             if last + NUM_STAGES < n_blocks:
-                _load_kv(v_desc, v_smem, v_bar, k_row0 + (last + NUM_STAGES) * BLOCK_N, k_col, stage)
+                load_block(v_desc, v_smem, v_bar, k_row0 + (last + NUM_STAGES) * BLOCK_N, k_col, stage)
     # the masked suffix: the causal diagonal, a ragged last block
     acc, m_i, l_i = _masked_blocks(g, gl.maximum(full_hi, full_lo), n_blocks, acc, m_i, l_i, q_smem, k_smem, v_smem,
                                    k_bar, v_bar, k_free, v_free, k_desc, v_desc, k_row0, k_col, n_blocks,
@@ -301,18 +283,7 @@ def _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob,
     l_o = gl.convert_layout(l_i, row_o)
     out = normalize(acc, l_o).to(O.dtype.element_ty)
     o_base = O + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh
-    if COALESCE:
-        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // HEAD_DIM, HEAD_DIM // 8], [num_warps, 1],
-                                                   [1, 0])
-        out = gl.convert_layout(out, st_layout)
-        st_m = m_start + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, st_layout))
-        st_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, st_layout))
-        o_ptrs = o_base + gl.expand_dims(st_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(st_d, 0)
-        gl.store(o_ptrs, out, mask=gl.expand_dims(st_m < seqlen_q, 1))
-    else:
-        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = o_base + gl.expand_dims(offs_m.to(gl.int64) * stride_os, 1) + gl.expand_dims(offs_d, 0)
-        gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < seqlen_q, 1))
+    store_rows(out, o_base, m_start, seqlen_q, stride_os, BLOCK_M, HEAD_DIM, COALESCE, num_warps)
     if RETURN_LSE:
         lse = log_sum_exp(gl.convert_layout(m_i, row_o), l_o)
         gl.store(LSE + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_m, lse,
@@ -491,8 +462,8 @@ def attention_fwd_gluon_kernel(
                                         q_bar.index(0), q_smem.index(0))
         for s in gl.static_range(NUM_STAGES):
             if s < n_blocks:
-                _load_kv(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, k_col, s)
-                _load_kv(v_desc, v_smem, v_bar, k_row0 + s * BLOCK_N, k_col, s)
+                load_block(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, k_col, s)
+                load_block(v_desc, v_smem, v_bar, k_row0 + s * BLOCK_N, k_col, s)
         acc, l_i, m_i = _consumer(q_smem.index(0), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(0), 0,
                                   turn, 0, 0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
                                   qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING,
