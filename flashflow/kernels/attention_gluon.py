@@ -33,6 +33,23 @@ are masked in the scores and, in the block where that happens, V's rows past the
 zeroed in shared memory before P·V (a 0 · NaN there would reach the output); query rows there
 are never stored.
 
+``PERSISTENT`` (with ``WARP_SPECIALIZE``): a CTA walks tiles ``program_id, + num_programs, ...``
+with two Q buffers, its load warp running into the next tile. With ``SPLIT_WARPGROUPS`` it
+faults on the GPU (tuning.attention_gluon.check_launch refuses it); one partition runs.
+
+Budget per warp role (the shipped head_dim-128 tile: 128 rows, 128-key blocks, 2 stages):
+
+* MMA partitions, 2 × 4 warps, 240 registers a thread (``warp_specialize``'s budget; the cubin
+  reports the 168 a thread starts with): the accumulator (64 fp32), the scores (64 fp32), P
+  (32 packed bf16 pairs), the row state;
+* load warp, 1 warp, 24 registers;
+* shared memory: Q 32 KB, K and V rings 2 × 2 × 32 KB, the mbarriers: 160 KB (164,248 bytes
+  with the compiler's scratch), one CTA an SM.
+
+Per 128-key block a thread of an MMA warpgroup issues 468 instructions in the pipelined loop
+(ptxas, sm90): 16 ``HGMMA.64x128x16``, 66 ``MUFU.EX2``, 66 ``FFMA``, 68 ``FMNMX``, 68 ``FADD``,
+66 ``FMUL``, 32 ``F2FP`` and the barriers and addresses (docs/hopper.md).
+
 Cost per (batch, head): FLOPs ``4·Sq·Sk·d`` (about half with causal), at the 16-bit tensor-core
 rate; bytes ``2·(Sq + 2·Sk)·d`` at two bytes an element (K and V read once per query tile,
 mostly from L2) plus the output.
@@ -44,7 +61,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
-
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax, online_softmax_scaled
 
