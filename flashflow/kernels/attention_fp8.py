@@ -44,6 +44,7 @@ import triton.language as tl
 from flashflow.kernels.mask import key_allowed, key_blocks, split_range
 from flashflow.kernels.quant import round_e4m3
 from flashflow.kernels.softmax import log_sum_exp, normalize, shift_of
+from flashflow.kernels.tile_order import attention_tile
 
 LOG2_E4M3_MAX: tl.constexpr = tl.constexpr(8.807354922057604)   # log2(448)
 # An int32 ``x`` with |x| < 2^22 plus the bits of 1.5 · 2^23 is the fp32 ``1.5 · 2^23 + x``
@@ -135,11 +136,7 @@ def attention_fp8_fwd_kernel(
     ``KEY_PADDING``, ``KEY_PADDING_MASK (b, ≥ mask_keys)`` holds a bool per key (False: hidden)
     over the first ``mask_keys`` keys, ``stride_key_padding_mask`` apart per batch."""
     tile = tl.program_id(0)
-    pid_m = tile % num_m_blocks
-    head = (tile // num_m_blocks) % heads
-    batch = tile // (num_m_blocks * heads)
-    if CAUSAL:
-        pid_m = num_m_blocks - 1 - pid_m
+    pid_m, head, batch = attention_tile(tile, num_m_blocks, heads, CAUSAL)   # causal: heaviest first
     kv_head = head // (heads // kv_heads)
     m_start = pid_m * BLOCK_M
     offs_m = m_start + tl.arange(0, BLOCK_M)

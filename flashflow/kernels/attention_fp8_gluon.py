@@ -57,6 +57,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
+from flashflow.kernels.tile_order import attention_tile
 
 LOG2_E4M3_MAX: gl.constexpr = gl.constexpr(8.807354922057604)   # log2(448)
 INT_AS_FLOAT_OFFSET: gl.constexpr = gl.constexpr(12582912.0)     # 1.5 · 2^23
@@ -341,9 +342,7 @@ def attention_fp8_fwd_gluon_kernel(
     else:
         gl.static_assert(BLOCK_M == 16 * num_warps, "one warpgroup per 64 query rows")
     tile = gl.program_id(0)
-    pid_m = tile % num_m_blocks
-    head = (tile // num_m_blocks) % heads
-    batch = tile // (num_m_blocks * heads)
+    pid_m, head, batch = attention_tile(tile, num_m_blocks, heads, False)
     kv_head = head // (heads // kv_heads)
     m_start = pid_m * BLOCK_M
     q_row = (batch * heads + head) * sq_pad

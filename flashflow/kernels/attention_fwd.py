@@ -52,6 +52,7 @@ import triton.language as tl
 from flashflow.kernels.mask import key_allowed, key_blocks, masked_prefix, split_range, rows_mask
 from flashflow.kernels.softmax import (LOG2E_C, log_sum_exp, merge_partials, normalize, online_softmax,
                                        online_softmax_scaled, softcap_scores)
+from flashflow.kernels.tile_order import attention_tile
 
 
 @triton.jit
@@ -177,11 +178,7 @@ def attention_fwd_kernel(
         piece = tl.maximum(pid - num_full, 0)
         tile = tl.where(is_piece, num_full + piece // TAIL_SPLITS, pid)
         split = piece % TAIL_SPLITS
-    pid_m = tile % num_m_blocks
-    head = (tile // num_m_blocks) % heads
-    batch = tile // (num_m_blocks * heads)
-    if HEAVY_FIRST:
-        pid_m = num_m_blocks - 1 - pid_m
+    pid_m, head, batch = attention_tile(tile, num_m_blocks, heads, HEAVY_FIRST)
     kv_head = head // kv_group
 
     if IS_VARLEN:
@@ -317,9 +314,7 @@ def attention_merge_kernel(
     """
     t = tl.program_id(0)
     tile = first_tile + t
-    pid_m = tile % num_m_blocks
-    head = (tile // num_m_blocks) % heads
-    batch = tile // (num_m_blocks * heads)
+    pid_m, head, batch = attention_tile(tile, num_m_blocks, heads, False)   # the split tiles are plain ones
     offs_r = tl.program_id(1) * MERGE_ROWS + tl.arange(0, MERGE_ROWS)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     acc, l_tot, m_tot = merge_partials(WS_ACC, WS_ML, t, offs_r, offs_d, offs_r, BLOCK_M, HEAD_DIM_PAD,

@@ -63,6 +63,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax, online_softmax_scaled
+from flashflow.kernels.tile_order import attention_tile
 
 
 # ----------------------------------------------------------------------------- scores
@@ -308,13 +309,8 @@ def _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob,
 
 @gluon.jit
 def _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST: gl.constexpr, BLOCK_M: gl.constexpr):
-    """``(m_start, head, batch, kv_head)`` of a tile: m-block fastest, then head, then batch (the
-    tiles that run together share K/V in L2); the m-blocks reversed with ``HEAVY_FIRST``."""
-    pid_m = tile % num_m_blocks
-    head = (tile // num_m_blocks) % heads
-    batch = tile // (num_m_blocks * heads)
-    if HEAVY_FIRST:
-        pid_m = num_m_blocks - 1 - pid_m
+    """``(m_start, head, batch, kv_head)`` of a tile (tile_order.py's ``attention_tile``)."""
+    pid_m, head, batch = attention_tile(tile, num_m_blocks, heads, HEAVY_FIRST)
     return pid_m * BLOCK_M, head, batch, head // kv_group
 
 

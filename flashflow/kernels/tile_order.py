@@ -1,4 +1,5 @@
-"""The persistent FFN kernel's ticket order: which tile ticket ``t`` runs, defined once.
+"""Tile orders, defined once: the attention kernels' tile map (:func:`attention_tile`) and the
+persistent FFN kernel's ticket order (which tile ticket ``t`` runs).
 
 ``ticket_to_tile`` is the kernel's map (``@triton.jit``, called by
 :func:`flashflow.kernels.mlp.mlp_persistent_kernel` for every ticket). :func:`issue_order` runs
@@ -49,6 +50,21 @@ DEFAULT_GROUP_ROWS = 8
 ORDER_CODE = {"sequential": SEQUENTIAL, "rowblock": MULTIROW, "multirow": MULTIROW, "halfrow": HALFROW,
               "seqsplit": SEQSPLIT}
 SPLIT_ORDERS = ("halfrow", "seqsplit")   # GEMM1 tiles run as two K-halves with fp32 partials
+
+
+@triton.jit
+def attention_tile(tile, num_m_blocks, heads, HEAVY_FIRST: tl.constexpr):
+    """``(pid_m, head, batch)`` of the attention forward's tile ``tile`` (every attention
+    kernel's, prefill and FP8, portable and Gluon): m-block fastest, then head, then batch, so
+    the tiles that run together share K/V in L2. ``HEAVY_FIRST`` (causal): the m-blocks last to
+    first, those near the end of the sequence see the most keys, so the short ones fill the
+    last wave."""
+    pid_m = tile % num_m_blocks
+    head = (tile // num_m_blocks) % heads
+    batch = tile // (num_m_blocks * heads)
+    if HEAVY_FIRST:
+        pid_m = num_m_blocks - 1 - pid_m
+    return pid_m, head, batch
 
 
 @triton.jit
