@@ -135,7 +135,7 @@ def test_dispatch_and_its_override(monkeypatch):
         flashflow.flash_attn_func(q256, q256, q256)
 
 
-@pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv"])
+@pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv", "last-stride-2"])
 def test_layouts(gpu, layout):
     b, s, h, d = 2, 2049, 8, 128
     if layout == "sdpa-transposed":
@@ -145,6 +145,9 @@ def test_layouts(gpu, layout):
         qkv = torch.randn(b, s, 3, h, d, device="cuda", dtype=torch.bfloat16)
         q, k, v = qkv.unbind(2)
         expect = ag.GLUON
+    elif layout == "last-stride-2":   # every other element: TMA cannot read it, the portable kernel copies
+        q, k, v = (torch.randn(b, s, h, 2 * d, device="cuda", dtype=torch.bfloat16)[..., ::2] for _ in range(3))
+        expect = attn_ops.PORTABLE
     else:   # one KV head broadcast over all: stride 0 along heads, no row view
         q = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, s, 1, d, device="cuda", dtype=torch.bfloat16).expand(b, s, h, d) for _ in range(2))
@@ -167,6 +170,40 @@ def test_sdpa_entry_and_backward(gpu):
     ref.backward(dout.double())
     for t, r in ((q, qd), (k, kd), (v, vd)):
         assert gpu.rel(t.grad, r.grad.transpose(1, 2)) < gpu.tol
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_peaked_attention_against_float64(gpu, causal):
+    """Scores four times larger than unit-variance inputs give: a few keys carry each row, so a
+    wrong key attended shows (near-uniform attention hides it)."""
+    b, s, h, hk, d = 2, 2100, 8, 2, 128
+    q = 4 * torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kpm = torch.rand(b, 256, device="cuda") > 0.3
+    assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=d ** -0.5) == ag.GLUON
+    out = flashflow.flash_attn_func(q, k, v, causal=causal, key_padding_mask=kpm)
+    assert gpu.rel(out, _exact(q, k, v, causal, kpm)) < gpu.tol
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which, bad):
+    """A NaN or inf in q, k or v: the output and the three gradients (the portable backward,
+    from the Gluon forward's LSE) hold non-finite values exactly where the portable forward's
+    path puts them."""
+    b, s, h, d = 1, 2048, 4, 128
+    base = [torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    base["qkv".index(which)][0, 700, 1, 5] = float(bad)
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for choice in ("gluon", "portable"):
+        monkeypatch.setenv(ag.KERNEL_ENV, choice)
+        q, k, v = (t.clone().requires_grad_() for t in base)
+        out = flashflow.flash_attn_func(q, k, v, causal=True)
+        out.backward(dout)
+        results[choice] = [out.detach(), q.grad, k.grad, v.grad]
+    for got, ref in zip(results["gluon"], results["portable"]):
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
 
 
 def test_graph_replays_and_compile(gpu):
