@@ -54,6 +54,8 @@ Cost per (batch, head): FLOPs ``4·Sq·Sk·d`` (about half with causal), at the 
 rate; bytes ``2·(Sq + 2·Sk)·d`` at two bytes an element (K and V read once per query tile,
 mostly from L2) plus the output.
 """
+import functools
+
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
@@ -500,9 +502,14 @@ def gl_dtype(dtype):
     return {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
 
 
+@functools.lru_cache(maxsize=None)
+def _smem_layout(block: tuple, dtype):
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype(dtype))
+
+
 def descriptor(t, view, block):
-    """A host TMA descriptor over ``view = (rows, cols, row_stride)`` of ``t``'s storage."""
+    """A host TMA descriptor over ``view = (rows, cols, row_stride)`` of ``t``'s storage (the
+    shared-memory layout worked out once per block shape and dtype)."""
     rows, cols, row_stride = view
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl_dtype(t.dtype))
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block, layout)
+    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block, _smem_layout(tuple(block), t.dtype))
 
