@@ -20,8 +20,9 @@ same inputs. Rows:
   128, batch 1) on their own: q, k, v there and the output back through NCCL and through peer
   memory (each copy mode), q, k, v to head slices in 16 bits and in 8 bits (what FP8 attention
   could send once its quantization ran before the exchange), the output back, and the small
-  all-reduce of K's sums and V's channel maxima that quantizing before the exchange would add;
-  each issued eagerly and captured in a CUDA graph.
+  all-reduce of K's sums and V's channel maxima, and the block's whole FP8 attention through peer
+  memory with q, k, v quantized on their way out and in 16 bits, beside the attention alone
+  (this rank's heads over the whole sequence); each issued eagerly and captured in a CUDA graph.
 - ``prefill``: causal GQA attention over a long sequence (``flash_attn_func`` on one GPU against
   :func:`flashflow.distributed.ulysses_attention` and :func:`~flashflow.distributed.ring_attention`,
   contiguous and zigzag), each rank's slice of the output against the one-GPU output.
@@ -61,9 +62,9 @@ GRAPH_CALLS = 10   # the exchange part: calls captured in one CUDA graph
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
 def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None, linear="exact",
-       exchange=None, peer_groups=None, peer_copy=None):
+       exchange=None, peer_groups=None, peer_copy=None, quantized=None):
     return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups,
-                linear=linear, exchange=exchange, peer_groups=peer_groups, peer_copy=peer_copy)
+                linear=linear, exchange=exchange, peer_groups=peer_groups, peer_copy=peer_copy, quantized=quantized)
 
 
 U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
@@ -89,6 +90,10 @@ STEP_PROVIDERS = {
     "flashflow-fp8+ulysses2+graph (peer 2 head groups)": _p("fp8", U2, graph=True, peer_groups=2),
     "flashflow-fp8+ulysses2+graph (peer 3 head groups)": _p("fp8", U2, graph=True, peer_groups=3),
     "flashflow-fp8+ulysses2+graph (peer kernel copies)": _p("fp8", U2, graph=True, peer_copy="kernel"),
+    # FP8 attention through peer memory moves q, k, v in 16 bits and quantizes after the exchange
+    # (distributed.attention.QUANTIZED_EXCHANGE off) instead of quantizing on the way out
+    "flashflow-fp8+ulysses2 (16-bit exchange)": _p("fp8", U2, quantized=False),
+    "flashflow-fp8+ulysses2+graph (16-bit exchange)": _p("fp8", U2, graph=True, quantized=False),
     # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
     "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph": _p("fp8", U2, graph=True, linear="fp8"),
@@ -101,6 +106,8 @@ STEP_PROVIDERS = {
                                                                      peer_groups=3),
     "flashflow-fp8-linear+ulysses2+graph (parallel first)": _p("fp8", U2, order="parallel-first", graph=True,
                                                               linear="fp8"),
+    "flashflow-fp8-linear+ulysses2+graph (16-bit exchange)": _p("fp8", U2, graph=True, linear="fp8",
+                                                                quantized=False),
 }
 # cfg part: provider -> (flashflow's attention mode or None, "cfg" / context-parallel degrees / None: one GPU)
 CFG_PROVIDERS = {   # the context-parallel ones last: whatever their hooks leave cannot reach the others
@@ -274,6 +281,7 @@ def _step_rows(rank, blocks, quick, save):
     from flashflow.reference.metrics import cosine, rel_l2
 
     head_groups, peer_groups = dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS
+    quantized = dist_attention.QUANTIZED_EXCHANGE
 
     dtype = torch.bfloat16
     model = qi.build_model(blocks, "cuda", dtype)
@@ -295,6 +303,8 @@ def _step_rows(rank, blocks, quick, save):
                 dist_attention.HEAD_GROUPS = how["head_groups"]
             if how["peer_groups"] is not None:
                 dist_attention.PEER_HEAD_GROUPS = how["peer_groups"]
+            if how["quantized"] is not None:
+                dist_attention.QUANTIZED_EXCHANGE = how["quantized"]
             saved_env = {name: os.environ.get(name) for name in (EXCHANGE_ENV, PEER_COPY_ENV)}
             for name, value in ((EXCHANGE_ENV, how["exchange"]), (PEER_COPY_ENV, how["peer_copy"])):
                 if value is not None:
@@ -321,6 +331,7 @@ def _step_rows(rank, blocks, quick, save):
                 torch.cuda.synchronize()
             finally:
                 dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS = head_groups, peer_groups
+                dist_attention.QUANTIZED_EXCHANGE = quantized
                 for name, value in saved_env.items():
                     if value is None:
                         os.environ.pop(name, None)
@@ -450,8 +461,11 @@ def _exchange_rows(rank, world):
     import torch
     import torch.distributed as dist
 
+    from flashflow.distributed import attention as dist_attention
+    from flashflow.distributed import context_attention
     from flashflow.distributed.exchange import heads_to_seq, seq_to_heads
     from flashflow.distributed.peer import REMOTE_COPIES, peer_ulysses
+    from flashflow.ops.attention_fp8 import flash_attn_fp8_func
 
     p = EXCHANGE
     local = p["seqlen"] // world
@@ -463,6 +477,19 @@ def _exchange_rows(rank, world):
                       dtype=torch.bfloat16, generator=g)
     stats = torch.randn((p["batch"], p["heads"], 2 * p["head_dim"]), device="cuda", dtype=torch.float32, generator=g)
     peer = peer_ulysses(None, q.device, "peer")
+
+    whole_heads = [torch.randn((p["batch"], p["seqlen"], p["heads"] // world, p["head_dim"]), device="cuda",
+                               dtype=torch.bfloat16, generator=g) for _ in range(3)]
+
+    def fp8_attention(quantized):
+        def call():
+            saved = dist_attention.QUANTIZED_EXCHANGE, dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS
+            dist_attention.QUANTIZED_EXCHANGE, dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS = quantized, 0
+            try:
+                return context_attention(q, k, v, dist.group.WORLD, None, attention="fp8", exchange="peer")
+            finally:
+                dist_attention.QUANTIZED_EXCHANGE, dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS = saved
+        return call
 
     def nccl_pair():
         seq_to_heads([q, k, v], None, world)
@@ -484,6 +511,13 @@ def _exchange_rows(rank, world):
         "q, k, v in 8 bits (seq_to_heads)": (lambda: seq_to_heads([q8, k8, v8], None, world), 3 * q.numel()),
         "output in 16 bits (heads_to_seq)": (lambda: heads_to_seq(out, None, world), out.numel() * 2),
         "K sums and V maxima (all_reduce)": (lambda: dist.all_reduce(stats), stats.numel() * 4),
+        # the whole FP8 attention of the block, exchanges included, and its attention alone
+        "FP8 attention, q, k, v quantized on their way out (peer memory)": (
+            fp8_attention(True), 3 * q.numel() + 2 * out.numel()),
+        "FP8 attention, q, k, v in 16 bits, quantized after the exchange (peer memory)": (
+            fp8_attention(False), (3 * q.numel() + out.numel()) * 2),
+        "FP8 attention of this rank's heads over the whole sequence, no exchange": (
+            lambda: flash_attn_fp8_func(*whole_heads), 0),
     }
     results = {}
     for name, (fn, nbytes) in cases.items():

@@ -196,17 +196,34 @@ def quantize_rows_kernel(
 
 
 @triton.jit
+def in_rank(ptr, PEER_BYTES, g, WORLD: tl.constexpr):
+    """``ptr`` (an address in this rank's buffers) moved to the same place in the buffers kept for
+    rank ``g``: ``PEER_BYTES[g]`` is their address minus this rank's, in bytes, a multiple of 16.
+    One rank (``WORLD`` 1): ``ptr`` itself, nothing read."""
+    if WORLD == 1:
+        return ptr
+    else:
+        # a multiple of 16 bytes (the caller's rule): the stores keep their full width
+        delta = tl.multiple_of(tl.load(PEER_BYTES + g), 16)
+        return ptr + delta // (ptr.dtype.element_ty.primitive_bitwidth // 8)
+
+
+@triton.jit
 def attention_kv_stats_kernel(
     K, V, KSUM, VMAX,
-    seqlen_k, kv_heads, chunk,
+    seqlen_k, kv_heads, chunk, slots, slot0,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """Per (batch, kv head) and chunk of ``chunk`` keys: the fp32 sum of K over the chunk's keys
     and the max of |V|, per channel, a non-finite value counted as 0 (the quantize kernel marks
     it; the finite rest keeps its mean and scale). Grid (batch · kv_heads, chunks); partial results
-    ``KSUM/VMAX[(b·kv_heads + h)·chunks + c, :]``, reduced by the quantize kernel (a fixed
-    order: the same inputs give the same bits).
+    ``KSUM/VMAX[(b·kv_heads + h)·slots + slot0 + c, :]``, reduced by the quantize kernel (a fixed
+    order: the same inputs give the same bits). One process: ``slots`` = chunks, ``slot0`` = 0.
+
+    Sequence-parallel (each rank holding ``seqlen_k`` keys of the sequence): rank ``r``'s chunks
+    take slots ``[slot0, slot0 + chunks)`` of ``slots``; once every rank's are copied into every
+    rank's buffer, every rank reduces all of them in the same order.
 
     Bytes: K and V read once (2·Sk·Hk·D elements), 2·chunks·Hk·D floats written."""
     bh = tl.program_id(0)
@@ -229,9 +246,46 @@ def attention_kv_stats_kernel(
         v = tl.abs(v.to(tl.float32))
         ksum += tl.sum(tl.where(is_finite(k), k, 0.0), 0)
         vmax = tl.maximum(vmax, tl.max(tl.where(v < float("inf"), v, 0.0), 0))
-    n_chunks = tl.num_programs(1)
-    tl.store(KSUM + (bh * n_chunks + c) * HEAD_DIM + offs_d, ksum)
-    tl.store(VMAX + (bh * n_chunks + c) * HEAD_DIM + offs_d, vmax)
+    at = (bh.to(tl.int64) * slots + slot0 + c) * HEAD_DIM + offs_d
+    tl.store(KSUM + at, ksum)
+    tl.store(VMAX + at, vmax)
+
+
+@triton.jit
+def attention_k_edge_stats_kernel(
+    K, KEY_PADDING_MASK, EDGE_MAX, EDGE_MIN,
+    row_lo, seqlen_local, kv_heads, bh_count, rank, mask_keys,
+    stride_kb, stride_ks, stride_kh, stride_key_padding_mask,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, KEY_PADDING: tl.constexpr,
+):
+    """Sequence-parallel K statistics of the two key blocks at the ends of this rank's slice
+    (global keys ``[row_lo, row_lo + seqlen_local)``): block ``row_lo // BLOCK_S`` (end 0) and block
+    ``(row_lo + seqlen_local − 1) // BLOCK_S`` (end 1), which may hold keys of other ranks too.
+    Per (batch, kv head) and end, the per-channel max and min of the rank's keys in the block (a
+    key the key-padding mask hides: its non-finite values as 0; a NaN kept), written at ``[rank,
+    end, b·kv_heads + h]`` of ``EDGE_MAX``/``EDGE_MIN`` ``(world, 2, batch·kv_heads, D)`` (then
+    copied into every rank's buffer). The quantize kernel merges the parts of a shared block into the scale one
+    process would give it: ``max|k − k̄|`` over the block is ``max(max k − k̄, k̄ − min k)`` per
+    channel, exactly (fp32 subtraction is monotonic). Grid (batch · kv_heads, 2)."""
+    bh = tl.program_id(0)
+    end = tl.program_id(1)
+    b = bh // kv_heads
+    h = bh % kv_heads
+    blk = (row_lo + end * (seqlen_local - 1)) // BLOCK_S
+    offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S) - row_lo   # the block's rows, local indices
+    rows = (offs_s >= 0) & (offs_s < seqlen_local)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
+                + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=rows[:, None], other=0.0)
+    k = k.to(tl.float32)
+    if KEY_PADDING:
+        k = _hidden_as_zero(k, KEY_PADDING_MASK + b.to(tl.int64) * stride_key_padding_mask,
+                            tl.where(rows, offs_s, mask_keys), mask_keys)
+    kmax = tl.reduce(tl.where(rows[:, None], k, float("-inf")), 0, _maximum_keep_nan)
+    kmin = -tl.reduce(tl.where(rows[:, None], -k, float("-inf")), 0, _maximum_keep_nan)
+    at = ((rank * 2 + end) * bh_count + bh).to(tl.int64) * HEAD_DIM + offs_d
+    tl.store(EDGE_MAX + at, kmax)
+    tl.store(EDGE_MIN + at, kmin)
 
 
 @triton.jit
@@ -256,19 +310,56 @@ def _hidden_as_zero(x, KEY_PADDING_MASK, offs_s, mask_keys):
 
 
 @triton.jit
+def _minimum_keep_nan(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _shared_block_amax(EDGE_MAX, EDGE_MIN, blk, kmean, bh, bh_count, seqlen_local, offs_d,
+                       HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, WORLD: tl.constexpr):
+    """``max |k − k̄|`` over key block ``blk`` from the parts every rank holding some of its keys
+    wrote (:func:`attention_k_edge_stats_kernel`; rank ``r`` holds keys ``[r·seqlen_local,
+    (r+1)·seqlen_local)``), merged in rank order: the same bits on every rank, NaN if a part
+    holds one."""
+    hi = tl.full([HEAD_DIM], float("-inf"), tl.float32)
+    lo = tl.full([HEAD_DIM], float("inf"), tl.float32)
+    for r in tl.static_range(WORLD):
+        for end in tl.static_range(2):
+            if (r * seqlen_local + end * (seqlen_local - 1)) // BLOCK_S == blk:
+                at = ((r * 2 + end) * bh_count + bh).to(tl.int64) * HEAD_DIM + offs_d
+                hi = _maximum_keep_nan(hi, tl.load(EDGE_MAX + at))
+                lo = _minimum_keep_nan(lo, tl.load(EDGE_MIN + at))
+    return tl.reduce(_maximum_keep_nan(hi - kmean, kmean - lo), 0, _maximum_keep_nan)
+
+
+@triton.jit
+def _store_own(ptr, values, own, whole, WORLD: tl.constexpr):
+    """Store the tile's rows this rank owns (``own``, broadcasting against ``values``); a tile
+    that is ``whole``ly this rank's (always, for one process) without a mask: full-width stores."""
+    if WORLD == 1:
+        tl.store(ptr, values)
+    elif whole:
+        tl.store(ptr, values)
+    else:
+        tl.store(ptr, values, mask=own)
+
+
+@triton.jit
 def attention_quantize_kernel(
-    Q, K, V, Q8, QS, QC, K8, KS, VT8, VS, KSUM, VMAX, KEY_PADDING_MASK,
+    Q, K, V, Q8, QS, QC, K8, KS, VT8, VS, KSUM, VMAX, KEY_PADDING_MASK, EDGE_MAX, EDGE_MIN, PEER_BYTES,
     seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
+    row_lo, row_hi, heads_out, kv_heads_out, dest0,
     stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_key_padding_mask, qk_scale_log2, softmax_scale,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, QK_FP8: tl.constexpr, SMOOTH_K: tl.constexpr,
     LSE_CORRECTION: tl.constexpr, CHUNKS_PAD: tl.constexpr, KEY_PADDING: tl.constexpr,
-    EMULATE_FP8: tl.constexpr,
+    EMULATE_FP8: tl.constexpr, WORLD: tl.constexpr,
 ):
     """Q, K and V of an attention call to 8 bits, padded to whole blocks, in one launch.
 
     Grid (blocks of ``BLOCK_S`` tokens, heads + 2·kv_heads, batch): the second axis picks a Q
-    head, a K head or a V head. Outputs (``pad`` rows are written as zeros):
+    head, a K head or a V head (sequence-parallel: of destination ranks from ``dest0`` on, any
+    number of whole ranks). Outputs (``pad`` rows are written as zeros):
 
     * ``Q8 (b, h, sq_pad, D)``: ``q · softmax_scale · log2 e`` per token over ``QS (b, h, sq_pad)``
       (INT8, or e4m3 with ``QK_FP8``); with ``LSE_CORRECTION`` also ``QC (b, h, sq_pad)`` =
@@ -284,20 +375,39 @@ def attention_quantize_kernel(
     the key-padding mask over the first ``mask_keys`` keys; a non-finite K or V value at a key it
     hides is taken as 0. ``EMULATE_FP8``: under Triton's interpreter (its fp32 → e4m3 conversion loses NaN).
 
+    Sequence-parallel (Ulysses, ``WORLD`` > 1): this rank holds tokens ``[row_lo, row_hi)`` of
+    the sequence (q and k alike, all heads) and writes them into the buffers kept for the rank
+    that attends each head (head ``h`` for rank ``h // heads_out`` as its head ``h % heads_out``,
+    through :func:`in_rank`), at their rows of buffers whose shapes are the attention's on the
+    whole sequence (``heads_out`` / ``kv_heads_out`` heads). Program 0 of axis 0 is block
+    ``row_lo // BLOCK_S``; the last rank also writes the padding. ``KSUM``/``VMAX`` hold every
+    rank's partial statistics (``chunks`` slots a head), so K's mean and V's scale are the whole
+    sequence's; a key block shared with another rank gets its scale from ``EDGE_MAX``/``EDGE_MIN``
+    (:func:`_shared_block_amax`), the value one process would give it. One process: ``row_lo`` 0,
+    ``row_hi`` ≥ both lengths, ``heads_out``/``kv_heads_out`` the heads.
+
     Bytes: Q, K, V read once and written once at one byte an element, plus the scales.
     """
-    blk = tl.program_id(0)
-    which = tl.program_id(1)
+    blk = tl.program_id(0) + row_lo // BLOCK_S
+    # axis 1: the heads of destination ranks dest0, dest0 + 1, ...: each heads_out Q heads, then
+    # kv_heads_out K heads, then as many V heads (one process: every head, dest0 0)
+    per_rank = heads_out + 2 * kv_heads_out
+    dest = dest0 + tl.program_id(1) // per_rank
+    which = tl.program_id(1) % per_rank
     b = tl.program_id(2)
-    offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)
+    offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)   # rows of the whole sequence
+    local = offs_s - row_lo                            # rows of this rank's tensors
     offs_d = tl.arange(0, HEAD_DIM)
-    if which < heads:
-        h = which
-        if blk * BLOCK_S >= sq_pad:
+    if which < heads_out:
+        h = dest * heads_out + which
+        write_hi = tl.where(row_hi >= seqlen_q, sq_pad, row_hi)
+        if blk * BLOCK_S >= write_hi:
             return
-        rows = (offs_s < seqlen_q)[:, None]
+        rows = ((offs_s >= row_lo) & (offs_s < tl.minimum(row_hi, seqlen_q)))[:, None]
+        own = (offs_s >= row_lo) & (offs_s < write_hi)
+        whole = (blk * BLOCK_S >= row_lo) & (blk * BLOCK_S + BLOCK_S <= write_hi)
         q = tl.load(Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                    + offs_s[:, None].to(tl.int64) * stride_qs + offs_d[None, :], mask=rows, other=0.0)
+                    + local[:, None].to(tl.int64) * stride_qs + offs_d[None, :], mask=rows, other=0.0)
         q = q.to(tl.float32)
         qs = q * qk_scale_log2
         # a token holding a non-finite value: its amax is NaN or inf, its scale NaN (its 8-bit
@@ -305,48 +415,67 @@ def attention_quantize_kernel(
         amax = amax_keep_nan(qs, 1)[:, None]
         values, scale = quantize(qs, amax, QK_FP8)
         scale = mark_non_finite(scale, amax)
-        row = (b * heads + h).to(tl.int64) * sq_pad + offs_s
-        tl.store(Q8 + row[:, None] * HEAD_DIM + offs_d[None, :], values.to(Q8.dtype.element_ty))
-        tl.store(QS + row, tl.reshape(scale, [BLOCK_S]))
+        row = (b * heads_out + h % heads_out).to(tl.int64) * sq_pad + offs_s
+        g = h // heads_out
+        _store_own(in_rank(Q8, PEER_BYTES, g, WORLD) + row[:, None] * HEAD_DIM + offs_d[None, :],
+                   values.to(Q8.dtype.element_ty), own[:, None], whole, WORLD)
+        _store_own(in_rank(QS, PEER_BYTES, g, WORLD) + row, tl.reshape(scale, [BLOCK_S]), own, whole, WORLD)
         if LSE_CORRECTION:
             kv_head = h // (heads // kv_heads)
             kmean, _ = _kv_head_stats(KSUM, VMAX, b * kv_heads + kv_head, chunks, seqlen_k, offs_d, HEAD_DIM,
                                       CHUNKS_PAD)
-            tl.store(QC + row, tl.sum(q * kmean[None, :], 1) * softmax_scale)
+            _store_own(in_rank(QC, PEER_BYTES, g, WORLD) + row, tl.sum(q * kmean[None, :], 1) * softmax_scale,
+                       own, whole, WORLD)
     else:
-        h = (which - heads) % kv_heads
-        is_k = which < heads + kv_heads
-        if blk * BLOCK_S >= sk_pad:
+        h = dest * kv_heads_out + (which - heads_out) % kv_heads_out
+        is_k = which < heads_out + kv_heads_out
+        write_hi = tl.where(row_hi >= seqlen_k, sk_pad, row_hi)
+        if blk * BLOCK_S >= write_hi:
             return
-        rows = (offs_s < seqlen_k)[:, None]
+        valid = (offs_s >= row_lo) & (offs_s < tl.minimum(row_hi, seqlen_k))
+        rows = valid[:, None]
+        # where the key-padding mask is read: the rows of this rank's tensors, none elsewhere
+        mask_rows = tl.where(valid, local, mask_keys)
         kmean, vmax = _kv_head_stats(KSUM, VMAX, b * kv_heads + h, chunks, seqlen_k, offs_d, HEAD_DIM, CHUNKS_PAD)
-        bh = (b * kv_heads + h).to(tl.int64)
+        bh = (b * kv_heads_out + h % kv_heads_out).to(tl.int64)
+        g = h // kv_heads_out
+        own = (offs_s >= row_lo) & (offs_s < write_hi)
+        whole = (blk * BLOCK_S >= row_lo) & (blk * BLOCK_S + BLOCK_S <= write_hi)
         key_padding_mask = KEY_PADDING_MASK + b.to(tl.int64) * stride_key_padding_mask
         # the blocks of the key-padding mask's prefix: past it, no key is hidden, no work
-        hides = blk * BLOCK_S < mask_keys
+        hides = blk * BLOCK_S < row_lo + mask_keys
         if is_k:
             k = tl.load(K + b.to(tl.int64) * stride_kb + h.to(tl.int64) * stride_kh
-                        + offs_s[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=rows, other=0.0)
+                        + local[:, None].to(tl.int64) * stride_ks + offs_d[None, :], mask=rows, other=0.0)
             k = k.to(tl.float32)
             if KEY_PADDING:
                 if hides:
-                    k = _hidden_as_zero(k, key_padding_mask, offs_s, mask_keys)
+                    k = _hidden_as_zero(k, key_padding_mask, mask_rows, mask_keys)
             if SMOOTH_K:
                 k = tl.where(rows, k - kmean[None, :], 0.0)
             # a block holding a non-finite value: a NaN or inf amax, a NaN scale
             k_amax = amax_keep_nan(amax_keep_nan(k, 1), 0)
+            if WORLD > 1:
+                if (blk * BLOCK_S < row_lo) | (tl.minimum(blk * BLOCK_S + BLOCK_S, seqlen_k) > row_hi):
+                    # a block shared with another rank: the scale of all its keys
+                    shift = kmean
+                    if not SMOOTH_K:
+                        shift = tl.zeros_like(kmean)
+                    k_amax = _shared_block_amax(EDGE_MAX, EDGE_MIN, blk, shift,
+                                                b * kv_heads + h, tl.num_programs(2) * kv_heads, row_hi - row_lo,
+                                                offs_d, HEAD_DIM, BLOCK_S, WORLD)
             k_values, k_scale = quantize(k, k_amax, QK_FP8)
             k_scale = mark_non_finite(k_scale, k_amax)
-            tl.store(K8 + (bh * sk_pad + offs_s)[:, None] * HEAD_DIM + offs_d[None, :],
-                     k_values.to(K8.dtype.element_ty))
-            tl.store(KS + bh * (sk_pad // BLOCK_S) + blk, k_scale)
+            _store_own(in_rank(K8, PEER_BYTES, g, WORLD) + (bh * sk_pad + offs_s)[:, None] * HEAD_DIM
+                       + offs_d[None, :], k_values.to(K8.dtype.element_ty), own[:, None], whole, WORLD)
+            tl.store(in_rank(KS, PEER_BYTES, g, WORLD) + bh * (sk_pad // BLOCK_S) + blk, k_scale)
         else:
             v = tl.load(V + b.to(tl.int64) * stride_vb + h.to(tl.int64) * stride_vh
-                        + offs_s[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=rows, other=0.0)
+                        + local[:, None].to(tl.int64) * stride_vs + offs_d[None, :], mask=rows, other=0.0)
             v = v.to(tl.float32)
             if KEY_PADDING:
                 if hides:
-                    v = _hidden_as_zero(v, key_padding_mask, offs_s, mask_keys)
+                    v = _hidden_as_zero(v, key_padding_mask, mask_rows, mask_keys)
             # a non-finite value becomes NaN (inf too) and stays NaN on the grid: e4m3's NaN. Its
             # select takes the place of the saturation: |v| <= amax, the channel's finite max
             v = tl.where(is_finite(v), v, float("nan"))
@@ -362,6 +491,7 @@ def attention_quantize_kernel(
                 # |v| <= amax: the hardware's rounding (nearest even) never saturates here
                 bits = (v * (E4M3_MAX / v_amax)).to(tl.float8e4nv, fp_downcast_rounding="rtne").to(
                     tl.int8, bitcast=True)
-            tl.store(VT8 + (bh * HEAD_DIM + offs_d)[None, :] * sk_pad + offs_s[:, None], bits)
-            if blk == 0:
-                tl.store(VS + bh * HEAD_DIM + offs_d, tl.reshape(v_scale, [HEAD_DIM]))
+            _store_own(in_rank(VT8, PEER_BYTES, g, WORLD) + (bh * HEAD_DIM + offs_d)[None, :] * sk_pad
+                       + offs_s[:, None], bits, own[:, None], whole, WORLD)
+            if tl.program_id(0) == 0:
+                tl.store(in_rank(VS, PEER_BYTES, g, WORLD) + bh * HEAD_DIM + offs_d, tl.reshape(v_scale, [HEAD_DIM]))

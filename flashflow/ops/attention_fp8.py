@@ -23,7 +23,7 @@ import torch
 
 from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
 from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
-from flashflow.kernels.quant import attention_kv_stats_kernel, attention_quantize_kernel
+from flashflow.kernels.quant import attention_k_edge_stats_kernel, attention_kv_stats_kernel, attention_quantize_kernel
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import (Launcher, call_key, contiguous_strides, op_or_direct, tensor_descriptor,
                                   unit_last_stride)
@@ -86,6 +86,12 @@ def _check_inputs(q, k, v, qk_format, key_padding_mask):
         check_key_padding_mask(key_padding_mask, batch, k.shape[1], q.device)
 
 
+def stats_chunks(heads: int, device) -> int:
+    """Partial statistics per (batch, kv head) of the quantize pass: enough chunks of keys for
+    about four waves of programs over ``heads`` (batch · kv heads)."""
+    return min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(device), heads)))
+
+
 def _config(head_dim: int, causal: bool, device) -> AttentionFp8Config:
     return attention_fp8_config(head_dim, causal, gpu_family(device))
 
@@ -117,7 +123,8 @@ class _Fp8Plan:
     # the quantize pass's buffers: 8-bit tensors first, then the float32 scales and statistics
     BUFFERS = ("q8", "k8", "vt8", "q_scale", "q_corr", "k_scale", "v_scale", "ksum", "vmax")
 
-    def __init__(self, q, k, v, key_padding_mask, block_m, block_n, qk_format, lse_correction, smooth_k=True):
+    def __init__(self, q, k, v, key_padding_mask, block_m, block_n, qk_format, lse_correction, smooth_k=True,
+                 device=None):
         batch, seqlen_q, heads, head_dim = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
         q_block = max(block_m, block_n)   # powers of two: a multiple of both
@@ -125,7 +132,7 @@ class _Fp8Plan:
         sk_pad = self.sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
         qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
         # statistics: enough chunks of keys per (batch, kv head) for about four waves of programs
-        per_head = min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(q.device), batch * kv_heads)))
+        per_head = stats_chunks(batch * kv_heads, device or q.device)
         chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS) * _STATS_ROWS
         chunks = cdiv(max(seqlen_k, 1), chunk)
         n_q, n_k = batch * heads * sq_pad * head_dim, batch * kv_heads * sk_pad * head_dim
@@ -147,7 +154,7 @@ class _Fp8Plan:
         mask_keys = 0 if key_padding_mask is None else key_padding_mask.shape[1]
         self.mask_keys = mask_keys
         self.stats_grid = (batch * kv_heads, chunks, 1)
-        self.stats_ints = (seqlen_k, kv_heads, chunk, *k.stride()[:3], *v.stride()[:3])
+        self.stats_ints = (seqlen_k, kv_heads, chunk, chunks, 0, *k.stride()[:3], *v.stride()[:3])
         self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4)
         self.quant_grid = (max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)
         mask_stride = 0
@@ -155,11 +162,12 @@ class _Fp8Plan:
             mask_stride = key_padding_mask.stride(0) if key_padding_mask.stride(-1) == 1 else mask_keys
         self.mask_stride = mask_stride
         self.quant_ints = (seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
+                           0, max(seqlen_q, seqlen_k), heads, kv_heads, 0,
                            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], mask_stride)
         self.quant_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
             LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), KEY_PADDING=mask_keys > 0,
-            EMULATE_FP8=interpreting(), num_warps=4)
+            EMULATE_FP8=interpreting(), WORLD=1, num_warps=4)
 
     def quantize(self, key, q, k, v, key_padding_mask, softmax_scale) -> dict:
         """The quantize pass: the buffers by name (flat views of one allocation)."""
@@ -171,7 +179,7 @@ class _Fp8Plan:
             mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
         _QUANTIZE(key, self.quant_grid, (
             q, k, v, bufs["q8"], bufs["q_scale"], bufs["q_corr"], bufs["k8"], bufs["k_scale"],
-            bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum"], bufs["vmax"], mask, *self.quant_ints,
+            bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum"], bufs["vmax"], mask, q, q, q, *self.quant_ints,
             softmax_scale * LOG2E, softmax_scale), self.quant_constexprs)
         return bufs
 
@@ -179,7 +187,7 @@ class _Fp8Plan:
 class _Fp8ForwardPlan(_Fp8Plan):
     """:class:`_Fp8Plan` plus the attention kernel's launch."""
 
-    def __init__(self, q, k, v, key_padding_mask, causal, return_lse, qk_format, cfg):
+    def __init__(self, q, k, v, key_padding_mask, causal, return_lse, qk_format, cfg, device=None):
         batch, seqlen_q, heads, head_dim = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
         self.lse_shape = (batch, heads, seqlen_q) if return_lse else (1,)
@@ -187,7 +195,7 @@ class _Fp8ForwardPlan(_Fp8Plan):
         self.no_keys = seqlen_k == 0
         if self.empty or self.no_keys:   # nothing is launched
             return
-        super().__init__(q, k, v, key_padding_mask, cfg.BLOCK_M, cfg.BLOCK_N, qk_format, return_lse)
+        super().__init__(q, k, v, key_padding_mask, cfg.BLOCK_M, cfg.BLOCK_N, qk_format, return_lse, device=device)
         sq_pad, sk_pad = self.sq_pad, self.sk_pad
         self.descs = (([batch * heads * sq_pad, head_dim], [head_dim, 1], [cfg.BLOCK_M, head_dim]),
                       ([batch * kv_heads * sk_pad, head_dim], [head_dim, 1], [cfg.BLOCK_N, head_dim]),
@@ -206,6 +214,7 @@ class _Fp8ForwardPlan(_Fp8Plan):
 
 
 _STATS = Launcher(attention_kv_stats_kernel)
+_EDGES = Launcher(attention_k_edge_stats_kernel)
 _QUANTIZE = Launcher(attention_quantize_kernel)
 _FORWARD = Launcher(attention_fp8_fwd_kernel)
 _PLANS: dict = {}
@@ -242,13 +251,18 @@ def attention_fp8_forward(q, k, v, key_padding_mask, softmax_scale: float, causa
         return out, lse
     launch_key = key if key is not None and key[-1] else None
     bufs = plan.quantize(launch_key, q, k, v, key_padding_mask, softmax_scale)
+    _attend_quantized(launch_key, plan, bufs, key_padding_mask, out, lse)
+    return out, lse
+
+
+def _attend_quantized(launch_key, plan: _Fp8ForwardPlan, bufs: dict, key_padding_mask, out, lse) -> None:
+    """The attention kernel on the quantize pass's buffers ``bufs`` (by name)."""
     descs = tuple(tensor_descriptor(bufs[name], *spec) for name, spec in zip(("q8", "k8", "vt8"), plan.descs))
-    mask = q
+    mask = out
     if plan.mask_keys:
         mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
     _FORWARD(launch_key, plan.grid, (*descs, bufs["q_scale"], bufs["k_scale"], bufs["v_scale"], bufs["q_corr"], out, lse,
                                      mask, *plan.ints), plan.constexprs)
-    return out, lse
 
 
 _attention_fp8_op = torch.library.custom_op("flashflow::attention_fp8_fwd", mutates_args=())(_attention_fp8_impl)
@@ -363,3 +377,203 @@ def attention_fp8_gluon_forward(q, k, v, softmax_scale: float, block_m: int = 64
                                head_dim, block_m=block_m, block_n=block_n, num_warps=num_warps,
                                num_stages=num_stages, keys_permuted=True)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# sequence-parallel (Ulysses): the exchange inside the quantize pass
+# --------------------------------------------------------------------------------------------
+
+
+class UlyssesFp8Plan:
+    """The FP8 forward of one Ulysses call that quantizes before the exchange: each rank quantizes
+    its slice of the sequence, every head, into the layout the attending rank's kernel reads (the
+    whole sequence's buffers, its rows of them), and only the 8-bit values and their scales cross
+    between GPUs: q, k and v at one byte an element instead of two, and no copy or quantize pass
+    on the receiving side.
+
+    Every rank of the group holds one buffer of :attr:`nbytes` with the same layout (the buffers
+    every rank can write: :mod:`flashflow.distributed.peer`): the attention kernel's inputs
+    (:class:`_Fp8Plan`'s regions, the whole sequence, this rank's heads), the gathered statistics,
+    and one staging copy of the inputs' regions for each other rank. The caller runs, with a
+    barrier of the group after the copies of each of the first two steps:
+
+    1. :meth:`statistics` — this rank's partial K sums and V maxima (every head, its keys) and the
+       K extremes of the key blocks at its slice's two ends, then :meth:`statistics_pieces`
+       copied into every other rank's buffer;
+    2. :meth:`quantize` — the attention kernel's 8-bit inputs and scales
+       (:func:`flashflow.kernels.quant.attention_quantize_kernel`), from the whole sequence's
+       statistics: the same K mean, V scales and key-block scales on every rank, those of one
+       process over the whole sequence (K's mean up to the order of its sum). This rank's heads
+       land in its own regions, rank ``g``'s in the staging copy kept for ``g`` (the kernel's
+       ``PEER_BYTES``: :meth:`destination_bytes`), then :meth:`pieces` copied into rank ``g``'s;
+    3. :meth:`attend` — this rank's heads over the whole sequence, ``(batch, world·seqlen_local,
+       heads / world, head_dim)``, and the LSE with ``return_lse``.
+
+    Shapes: q ``(batch, seqlen_local, heads, head_dim)``, k and v ``(batch, seqlen_local,
+    kv_heads, head_dim)`` (one length: self-attention), head_dim unit-stride, heads and kv_heads
+    multiples of the world; ``key_padding_mask`` this rank's ``(batch, P)`` over its first ``P``
+    keys and ``recv_mask`` every rank's masks over the whole sequence
+    (:func:`flashflow.distributed.exchange.expand_masks`), or both None. The plan keeps no tensor.
+    """
+
+    # the regions of the attention kernel's inputs a rank writes into another's
+    SENT = ("q8", "q_scale", "q_corr", "k8", "k_scale", "vt8", "v_scale")
+
+    def __init__(self, q, k, v, key_padding_mask, recv_mask, world: int, rank: int, qk_format: str = "int8",
+                 return_lse: bool = False, config: Optional[AttentionFp8Config] = None):
+        batch, seqlen_local, heads, head_dim = q.shape
+        kv_heads = k.shape[2]
+        seqlen = world * seqlen_local
+        device = q.device
+        cfg = config or _config(head_dim, False, device)
+        self.world, self.rank, self.return_lse = world, rank, return_lse
+
+        def whole(h):
+            return torch.empty((batch, seqlen, h, head_dim), dtype=q.dtype, device="meta")
+
+        h, hk = heads // world, kv_heads // world
+        recv = self.recv = _Fp8ForwardPlan(whole(h), whole(hk), whole(hk), recv_mask, False, return_lse, qk_format,
+                                           cfg, device=device)
+        self.out_shape, self.dtype = (batch, seqlen, h, head_dim), q.dtype
+        # this rank's partial statistics: its chunks take slots [rank·chunks, (rank+1)·chunks)
+        per_head = stats_chunks(batch * kv_heads, device)
+        chunk = cdiv(cdiv(max(seqlen_local, 1), per_head), _STATS_ROWS) * _STATS_ROWS
+        chunks = self.chunks = cdiv(max(seqlen_local, 1), chunk)
+        slots = world * chunks
+        stats = batch * kv_heads * slots * head_dim
+        edges = world * 2 * batch * kv_heads * head_dim
+        self.slices, at = [], cdiv(recv.nbytes, 256) * 256
+        for n in (stats, stats, edges, edges):   # ksum, vmax of every rank; K block ends' max, min
+            self.slices.append((at, at + 4 * n))
+            at = cdiv(at + 4 * n, 256) * 256
+        # a staging copy of the input regions for each other rank, in rank order
+        self.staging = [at + i * cdiv(recv.nbytes, 256) * 256 for i in range(world - 1)]
+        self.nbytes = at + (world - 1) * cdiv(recv.nbytes, 256) * 256
+        mask_keys = 0 if key_padding_mask is None else key_padding_mask.shape[1]
+        mask_stride = 0
+        if mask_keys:
+            mask_stride = key_padding_mask.stride(0) if key_padding_mask.stride(-1) == 1 else mask_keys
+        self.mask_keys = mask_keys
+        row_lo = rank * seqlen_local
+        row_hi = row_lo + seqlen_local
+        block_s = self.block_s = cfg.BLOCK_N
+        self.stats_grid = (batch * kv_heads, chunks, 1)
+        self.stats_ints = (seqlen_local, kv_heads, chunk, slots, rank * chunks, *k.stride()[:3], *v.stride()[:3])
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4)
+        self.edge_grid = (batch * kv_heads, 2, 1)
+        self.edge_ints = (row_lo, seqlen_local, kv_heads, batch * kv_heads, rank, mask_keys, *k.stride()[:3],
+                          mask_stride)
+        self.edge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, KEY_PADDING=mask_keys > 0, num_warps=4)
+        # the rows this rank writes: its slice, and the padding past the sequence for the last rank
+        self.q_rows = (row_lo, recv.sq_pad if row_hi >= seqlen else row_hi)
+        self.k_rows = (row_lo, recv.sk_pad if row_hi >= seqlen else row_hi)
+        self.quant_blocks = cdiv(max(self.q_rows[1], self.k_rows[1]), block_s) - row_lo // block_s
+        self.batch, self.heads_per_rank = batch, (h, hk)
+        self.quant_ints = (seqlen, seqlen, recv.sq_pad, recv.sk_pad, heads, kv_heads, slots, mask_keys,
+                           row_lo, row_hi, h, hk)
+        self.quant_strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], mask_stride)
+        self.quant_constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_S=block_s, QK_FP8=qk_format == "fp8", SMOOTH_K=True, LSE_CORRECTION=return_lse,
+            CHUNKS_PAD=next_pow2(slots), KEY_PADDING=mask_keys > 0, EMULATE_FP8=interpreting(), WORLD=world,
+            num_warps=4)
+        self.shapes = dict(q8=(batch * h, recv.sq_pad * head_dim), q_scale=(batch * h, recv.sq_pad),
+                           q_corr=(batch * h, recv.sq_pad), k8=(batch * hk, recv.sk_pad * head_dim),
+                           k_scale=(batch * hk, recv.sk_pad // block_s), vt8=(batch * hk * head_dim, recv.sk_pad),
+                           v_scale=(1, batch * hk * head_dim))
+        self.head_dim = head_dim
+        self.stats_rows = (batch * kv_heads, slots * head_dim)
+
+    def destination_bytes(self) -> list[int]:
+        """The quantize kernel's ``PEER_BYTES``: where the inputs for rank ``g`` go, as an offset
+        from this rank's own regions (0 for this rank, a staging copy for every other)."""
+        others = [g for g in range(self.world) if g != self.rank]
+        return [0 if g == self.rank else self.staging[others.index(g)] for g in range(self.world)]
+
+    def views(self, buffer: torch.Tensor) -> dict:
+        """The regions of a rank's buffer (uint8, at least :attr:`nbytes`) by name: the attention
+        kernel's inputs (:class:`_Fp8Plan`'s names) and the gathered statistics."""
+        bufs = {name: buffer[a:b].view(dtype) for name, (a, b, dtype) in zip(self.recv.BUFFERS, self.recv.slices)}
+        for name, (a, b) in zip(("ksum_all", "vmax_all", "edge_max", "edge_min"), self.slices):
+            bufs[name] = buffer[a:b].view(torch.float32)
+        return bufs
+
+    def statistics_pieces(self, src: dict, dst: dict) -> list:
+        """``(dst, src)`` views: this rank's statistics in its buffer (``src``, :meth:`views`) and
+        where they go in another rank's (``dst``): rows of one contiguous run each."""
+        rows, width = self.stats_rows
+        d, run = self.head_dim, self.chunks * self.head_dim
+        at = slice(self.rank * run, (self.rank + 1) * run)
+        edges = 2 * rows * d
+        pairs = [(dst[n].view(rows, width)[:, at], src[n].view(rows, width)[:, at]) for n in ("ksum_all", "vmax_all")]
+        pairs += [(dst[n].view(self.world, edges)[self.rank:self.rank + 1], src[n].view(self.world, edges)
+                   [self.rank:self.rank + 1]) for n in ("edge_max", "edge_min")]
+        return pairs
+
+    def pieces(self, staging: torch.Tensor, dst: dict) -> list:
+        """``(dst, src)`` views: what this rank wrote for another rank into its staging copy
+        (``staging``, uint8 from :meth:`destination_bytes`'s offset) and where it goes in that rank's
+        buffer (``dst``, :meth:`views`): the rows of this rank's slice of every region (a shared
+        key block's scale from both ranks that hold it: the same value), rows of one run each."""
+        src = {name: staging[a - self.recv.slices[0][0]:b - self.recv.slices[0][0]].view(dtype)
+               for name, (a, b, dtype) in zip(self.recv.BUFFERS, self.recv.slices)}
+        (q0, q1), (k0, k1) = self.q_rows, self.k_rows
+        d, bs = self.head_dim, self.block_s
+        cols = dict(q8=slice(q0 * d, q1 * d), q_scale=slice(q0, q1), q_corr=slice(q0, q1), k8=slice(k0 * d, k1 * d),
+                    k_scale=slice(k0 // bs, cdiv(k1, bs)), vt8=slice(k0, k1), v_scale=slice(None))
+        names = [n for n in self.SENT if n != "q_corr" or self.return_lse]
+        return [(dst[n].view(self.shapes[n])[:, cols[n]], src[n].view(self.shapes[n])[:, cols[n]]) for n in names]
+
+    @staticmethod
+    def _mask(key_padding_mask, like):
+        if key_padding_mask is None:
+            return like
+        return key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+
+    def statistics(self, key, bufs: dict, k, v, key_padding_mask) -> None:
+        _STATS(key, self.stats_grid, (k, v, bufs["ksum_all"], bufs["vmax_all"], *self.stats_ints),
+               self.stats_constexprs)
+        _EDGES(key, self.edge_grid, (k, self._mask(key_padding_mask, k), bufs["edge_max"], bufs["edge_min"],
+                                     *self.edge_ints), self.edge_constexprs)
+
+    def quantize(self, key, bufs: dict, destination_bytes: torch.Tensor, q, k, v, key_padding_mask,
+                 softmax_scale: float, first: int = 0, count: Optional[int] = None) -> None:
+        """The quantize pass for the heads of destination ranks ``first`` to ``first + count − 1``
+        (all by default)."""
+        count = self.world - first if count is None else count
+        h, hk = self.heads_per_rank
+        _QUANTIZE(None if key is None else key + (first, count), (self.quant_blocks, count * (h + 2 * hk), self.batch), (
+            q, k, v, bufs["q8"], bufs["q_scale"], bufs["q_corr"], bufs["k8"], bufs["k_scale"],
+            bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum_all"], bufs["vmax_all"],
+            self._mask(key_padding_mask, q), bufs["edge_max"], bufs["edge_min"], destination_bytes,
+            *self.quant_ints, first, *self.quant_strides, softmax_scale * LOG2E, softmax_scale), self.quant_constexprs)
+
+    def attend(self, key, bufs: dict, recv_mask, out=None):
+        """``(out, lse)``: this rank's heads over the whole sequence from its buffer."""
+        if out is None:
+            out = bufs["q8"].new_empty(self.out_shape, dtype=self.dtype)
+        lse = out.new_empty(self.recv.lse_shape, dtype=torch.float32)
+        _attend_quantized(key, self.recv, bufs, recv_mask, out, lse)
+        return out, lse
+
+    def attend_rows(self, key, bufs: dict, recv_mask, source: int, out) -> None:
+        """This rank's heads for the queries of rank ``source``'s slice alone, into ``out``
+        ``(batch, seqlen_local, heads / world, head_dim)`` (any strides, head_dim unit-stride):
+        the attention kernel on the rows ``[source·seqlen_local, (source+1)·seqlen_local)`` of its
+        inputs (descriptors and scales from that row on). Without ``return_lse``."""
+        if self.return_lse:
+            raise ValueError("attend_rows runs without the LSE: make the plan with return_lse=False")
+        recv, (batch, seqlen, h, d) = self.recv, self.out_shape
+        rows = seqlen // self.world
+        row0 = source * rows
+        (qs, qstr, qblock), kd, vd = recv.descs
+        descs = (tensor_descriptor(bufs["q8"][row0 * d:], [qs[0] - row0, qs[1]], qstr, qblock),
+                 tensor_descriptor(bufs["k8"], *kd), tensor_descriptor(bufs["vt8"], *vd))
+        block_m = recv.constexprs["BLOCK_M"]
+        m_blocks = cdiv(rows, block_m)
+        mask = out
+        if recv.mask_keys:
+            mask = recv_mask if recv_mask.stride(-1) == 1 else recv_mask.contiguous()
+        ints = (*out.stride()[:3], *recv.ints[3:6], rows, *recv.ints[7:12], m_blocks, recv.ints[13])
+        _FORWARD(None if key is None else key + ("rows", source), (m_blocks * h * batch, 1, 1),
+                 (*descs, bufs["q_scale"][row0:], bufs["k_scale"], bufs["v_scale"], bufs["q_corr"], out, out, mask,
+                  *ints), recv.constexprs)

@@ -99,6 +99,10 @@ def _attention(rank, world, report):
     from flashflow.reference import attention_naive, full_key_padding_mask
     from flashflow.reference.metrics import rel_l2
 
+    from flashflow.distributed import attention as dist_attention
+
+    # the 16-bit exchange here (its bits are NCCL's); the quantized one: _fp8_quantized_exchange
+    dist_attention.QUANTIZED_EXCHANGE = False
     peer = peer_ulysses(None, torch.device("cuda", rank), "peer")
     group = dist.group.WORLD
     b, s, h, d = 1, 1500, 8, 128
@@ -161,9 +165,87 @@ def _attention(rank, world, report):
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), attention
         assert got.isnan().any(), attention
     report.append("nan/inf: same pattern as nccl")
+    dist_attention.QUANTIZED_EXCHANGE = True
 
 
-CASES = (_exchanges, _attention)
+def _fp8_quantized_exchange(rank, world, report):
+    """FP8 attention whose exchange is the quantize pass (PeerUlysses.attend_fp8): each rank's
+    slice of the output is one process's FP8 attention over the whole sequence (K's mean summed in
+    another order: close, not the same bits), in every input layout, with a mask, with NaN/inf,
+    and under CUDA graph replays; 1500 tokens a rank, so a 128-key block straddles the ranks."""
+    import torch.distributed as dist
+
+    from flashflow.distributed import attention as dist_attention
+    from flashflow.distributed import context_attention
+    from flashflow.distributed.exchange import expand_masks
+    from flashflow.distributed.peer import peer_ulysses
+    from flashflow.ops.attention_fp8 import flash_attn_fp8_func
+    from flashflow.reference import attention_naive
+    from flashflow.reference.metrics import rel_l2
+
+    assert dist_attention.QUANTIZED_EXCHANGE
+    min_tokens, dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS = dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS, 0
+    peer = peer_ulysses(None, torch.device("cuda", rank), "peer")
+    peer._fp8_plans.clear()
+    group = dist.group.WORLD
+    b, s, h, d = 1, 1500, 8, 128
+    rows = slice(rank * s, (rank + 1) * s)
+    mask = torch.ones(b, 40, dtype=torch.bool, device="cuda")
+    mask[:, 33:] = False
+    for layout in ("contiguous", "transposed", "fused", "expanded", "strided"):
+        for m in (None, mask):
+            whole = _draw((b, s * world, h, d), 11, layout)   # the same on every rank
+            if layout != "expanded":
+                whole[1][..., 5] += 3.0                        # an offset channel in K
+            local = [t[:, rows] for t in whole]
+            full = expand_masks([m] * world, s) if m is not None else None
+            want = flash_attn_fp8_func(*whole, key_padding_mask=full)[:, rows]
+            _poison(peer)
+            got = context_attention(*local, group, None, attention="fp8", key_padding_mask=m, exchange="peer")
+            ref = attention_naive(*(t.double() for t in whole), key_padding_mask=full)[:, rows]
+            err, want_err = rel_l2(got, ref), rel_l2(want, ref)
+            assert not got.isnan().any(), (layout, m is not None)
+            assert err < 0.05 and err < 1.2 * want_err + 1e-3, (layout, m is not None, err, want_err)
+            assert (got.float() - want.float()).abs().max() < 0.05, (layout, m is not None)
+    assert peer._fp8_plans, "the quantized exchange did not run"
+    report.append("quantized exchange == one-process fp8 over the whole sequence, 5 layouts, with and without a mask")
+
+    # NaN / inf in rank 0's keys, one of them in the block shared with rank 1 (keys 1408-1535)
+    whole = _draw((b, s * world, h, d), 12, "contiguous")
+    whole[1][0, 5, 3, 7] = float("nan")
+    whole[1][0, 1450, 6, 0] = float("inf")
+    want = flash_attn_fp8_func(*whole)[:, rows]
+    _poison(peer)
+    got = context_attention(*(t[:, rows] for t in whole), group, None, attention="fp8", exchange="peer")
+    assert torch.equal(got.isnan(), want.isnan()) and got.isnan().any()
+    report.append("quantized exchange: nan/inf pattern == one process")
+
+    # CUDA graph: captured on static inputs, replayed with new values == eager
+    static = [t[:, rows].clone() for t in _draw((b, s * world, h, d), 13, "contiguous")]
+
+    def call():
+        return context_attention(*static, group, None, attention="fp8", exchange="peer")
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for it in range(4):
+        for t in static:
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        want = call()
+        assert torch.equal(out, want), ("graph replay", it)
+    report.append("quantized exchange: 4 graph replays with new inputs == eager")
+    dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS = min_tokens
+
+
+CASES = (_exchanges, _attention, _fp8_quantized_exchange)
 
 
 def _worker(rank, world, port, out_dir):
