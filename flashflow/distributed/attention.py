@@ -338,7 +338,7 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     if peer is not None:
         groups = _fit_groups(PEER_HEAD_GROUPS if head_groups is None else head_groups, q, k, u_world)
         mask = expand_masks(gather_masks(key_padding_mask, ulysses_group, u_world), q.shape[1])
-        if attention == "fp8" and groups == 1 and QUANTIZED_EXCHANGE and q.numel() \
+        if attention == "fp8" and groups == 1 and QUANTIZED_EXCHANGE and q.numel() and k.shape[1] == q.shape[1] \
                 and q.shape[1] >= QUANTIZED_EXCHANGE_MIN_TOKENS:
             # q, k, v cross at one byte an element, quantized on their way out (UlyssesFp8Plan)
             out = peer.attend_fp8(q, k, v, key_padding_mask, mask, scale)

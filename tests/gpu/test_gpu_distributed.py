@@ -55,6 +55,20 @@ def _draw(shape, seed, layout, dtype=torch.bfloat16):
     return tuple(torch.randn(shape, device="cuda", dtype=dtype, generator=g) for _ in range(3))
 
 
+def _capture(call):
+    """``(graph, out)``: ``call`` warmed up twice on a side stream, then captured."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return graph, out
+
+
 def _exchanges(rank, world, report):
     """PeerUlysses.attend around an attention that records the views it gets and returns a given
     output: the views equal NCCL's seq_to_heads, the result NCCL's heads_to_seq, for 1 and 2 head
@@ -136,15 +150,7 @@ def _attention(rank, world, report):
     def call():
         return context_attention(*static, group, None, attention="fp8", exchange="peer", head_groups=2)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = _capture(call)
     for it in range(4):
         for t in static:
             t.copy_(torch.randn_like(t))
@@ -226,15 +232,7 @@ def _fp8_quantized_exchange(rank, world, report):
     def call():
         return context_attention(*static, group, None, attention="fp8", exchange="peer")
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = _capture(call)
     for it in range(4):
         for t in static:
             t.copy_(torch.randn_like(t))
