@@ -316,7 +316,8 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     (outside), as diffusers' ``ContextParallelConfig(ulysses_degree, ring_degree)`` lays ranks out:
     the flattened rank ``ring_rank·U + ulysses_rank`` holds the sequence slice of that index. Either
     group may be None (degree 1). Forward only (the diffusion processor's path); the caller checks
-    its inputs.
+    its inputs, beyond the one rule every path needs: q, k and v of one ``(batch, seqlen_local)``
+    (a ``ValueError`` otherwise).
 
     ``exchange`` (default: ``FLASHFLOW_ULYSSES_EXCHANGE``, else ``"auto"``) picks how Ulysses alone
     moves q, k, v and the output: ``"peer"`` writes them straight into the other GPUs' memory
@@ -328,6 +329,9 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     and KV heads runs as 1): each group's transfer of q, k, v runs under the previous group's
     attention, and its output's under the next one's."""
     mode = exchange_mode(exchange)
+    if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k, v must share (batch, seqlen_local) (each rank holds the same slice of queries and "
+                         f"keys), got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     scale = softmax_scale_or_default(softmax_scale, q.shape[-1])
     u_world = dist.get_world_size(ulysses_group) if ulysses_group is not None else 1
     r_world = dist.get_world_size(ring_group) if ring_group is not None else 1
@@ -338,7 +342,7 @@ def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=No
     if peer is not None:
         groups = _fit_groups(PEER_HEAD_GROUPS if head_groups is None else head_groups, q, k, u_world)
         mask = expand_masks(gather_masks(key_padding_mask, ulysses_group, u_world), q.shape[1])
-        if attention == "fp8" and groups == 1 and QUANTIZED_EXCHANGE and q.numel() and k.shape[1] == q.shape[1] \
+        if attention == "fp8" and groups == 1 and QUANTIZED_EXCHANGE and q.numel() \
                 and q.shape[1] >= QUANTIZED_EXCHANGE_MIN_TOKENS:
             # q, k, v cross at one byte an element, quantized on their way out (UlyssesFp8Plan)
             out = peer.attend_fp8(q, k, v, key_padding_mask, mask, scale)

@@ -614,6 +614,60 @@ def context_attention_exchange_choice(rank, world):
     assert "FLASHFLOW_ULYSSES_EXCHANGE must be one of" in env_refusal, env_refusal
 
 
+@case(2)
+def context_attention_quantized_exchange_rule(rank, world):
+    """Which Ulysses calls take the 8-bit exchange (PeerUlysses.attend_fp8): FP8 attention through
+    peer memory, one head group, at least QUANTIZED_EXCHANGE_MIN_TOKENS tokens a rank,
+    QUANTIZED_EXCHANGE on; every other call the 16-bit one. K shorter than q is refused before
+    anything is sent. The peer path is stood
+    in for (it needs NCCL and CUDA): a stand-in that records the call and declines it, so gloo's
+    all-to-all answers, and the answer is checked too."""
+    from flashflow.distributed import attention as dist_attention
+
+    calls = []
+
+    class StandIn:
+        def attend_fp8(self, q, k, v, *args, **kwargs):
+            calls.append(("8-bit", q.shape[1], k.shape[1]))
+
+        def attend(self, tensors, attend, groups=1):
+            calls.append(("16-bit", groups))
+
+    saved = dist_attention.peer_ulysses, dist_attention.QUANTIZED_EXCHANGE, dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS
+    dist_attention.peer_ulysses = lambda group, device, mode: StandIn()
+    try:
+        b, s_local, h, d = 1, 6, 2 * world, 64
+        q, k, v, _, _ = draw(23, b, s_local * world, h, h, d, torch.bfloat16)
+        local = [local_slice(t, rank, world) for t in (q, k, v)]
+        group = dist.group.WORLD
+        dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS = s_local
+        expect = []
+        for attention, groups, min_tokens, on, want in (
+                ("fp8", None, s_local, True, "8-bit"),
+                ("exact", None, s_local, True, "16-bit"),
+                ("fp8", 2, s_local, True, "16-bit"),
+                ("fp8", None, s_local + 1, True, "16-bit"),
+                ("fp8", None, s_local, False, "16-bit")):
+            dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS, dist_attention.QUANTIZED_EXCHANGE = min_tokens, on
+            before = len(calls)
+            out = context_attention(*local, group, None, attention=attention, head_groups=groups, exchange="auto")
+            kinds = [c[0] for c in calls[before:]]
+            expect.append((attention, groups, min_tokens, on, kinds))
+            assert kinds[0] == want and (want == "16-bit" or kinds[1:] == ["16-bit"]), expect[-1]
+            assert out.shape == local[0].shape and not out.isnan().any()
+        try:
+            context_attention(local[0], local[1][:, 1:], local[2][:, 1:], group, None, attention="fp8")
+            refusal = "not refused"
+        except ValueError as e:
+            refusal = str(e)
+        assert "must share (batch, seqlen_local)" in refusal and len(calls) == before + 1, refusal
+        got = gather_whole(context_attention(*local, group, None, attention="fp8"), world)
+        assert rel_l2(got, attention_naive(q.double(), k.double(), v.double())) < 0.05
+    finally:
+        dist_attention.peer_ulysses, dist_attention.QUANTIZED_EXCHANGE, \
+            dist_attention.QUANTIZED_EXCHANGE_MIN_TOKENS = saved
+
+
 # ---------------------------------------------------------------------------------------------
 # 4 ranks: the cases registered for (2, 4) above, and context_attention over a 2 × 2 mesh
 # ---------------------------------------------------------------------------------------------
