@@ -92,6 +92,16 @@ def stats_chunks(heads: int, device) -> int:
     return min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(device), heads)))
 
 
+def _mask_stride(key_padding_mask) -> int:
+    """The batch stride the kernels read a key-padding mask with: its own, or its width where it
+    is copied to unit stride first (:func:`unit_last_stride`); 0 without a mask."""
+    if key_padding_mask is None or not key_padding_mask.shape[1]:
+        return 0
+    if key_padding_mask.stride(-1) == 1:
+        return key_padding_mask.stride(0)
+    return key_padding_mask.shape[1]
+
+
 def _config(head_dim: int, causal: bool, device) -> AttentionFp8Config:
     return attention_fp8_config(head_dim, causal, gpu_family(device))
 
@@ -157,9 +167,7 @@ class _Fp8Plan:
         self.stats_ints = (seqlen_k, kv_heads, chunk, chunks, 0, *k.stride()[:3], *v.stride()[:3])
         self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4)
         self.quant_grid = (max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)
-        mask_stride = 0
-        if mask_keys:
-            mask_stride = key_padding_mask.stride(0) if key_padding_mask.stride(-1) == 1 else mask_keys
+        mask_stride = _mask_stride(key_padding_mask)
         self.mask_stride = mask_stride
         self.quant_ints = (seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
                            0, max(seqlen_q, seqlen_k), heads, kv_heads, 0,
@@ -176,7 +184,7 @@ class _Fp8Plan:
         _STATS(key, self.stats_grid, (k, v, bufs["ksum"], bufs["vmax"], *self.stats_ints), self.stats_constexprs)
         mask = q
         if self.mask_keys:
-            mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+            mask = unit_last_stride(key_padding_mask)
         _QUANTIZE(key, self.quant_grid, (
             q, k, v, bufs["q8"], bufs["q_scale"], bufs["q_corr"], bufs["k8"], bufs["k_scale"],
             bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum"], bufs["vmax"], mask, q, q, q, *self.quant_ints,
@@ -260,7 +268,7 @@ def _attend_quantized(launch_key, plan: _Fp8ForwardPlan, bufs: dict, key_padding
     descs = tuple(tensor_descriptor(bufs[name], *spec) for name, spec in zip(("q8", "k8", "vt8"), plan.descs))
     mask = out
     if plan.mask_keys:
-        mask = key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+        mask = unit_last_stride(key_padding_mask)
     _FORWARD(launch_key, plan.grid, (*descs, bufs["q_scale"], bufs["k_scale"], bufs["v_scale"], bufs["q_corr"], out, lse,
                                      mask, *plan.ints), plan.constexprs)
 
@@ -450,9 +458,7 @@ class UlyssesFp8Plan:
         self.staging = [at + i * cdiv(recv.nbytes, 256) * 256 for i in range(world - 1)]
         self.nbytes = at + (world - 1) * cdiv(recv.nbytes, 256) * 256
         mask_keys = 0 if key_padding_mask is None else key_padding_mask.shape[1]
-        mask_stride = 0
-        if mask_keys:
-            mask_stride = key_padding_mask.stride(0) if key_padding_mask.stride(-1) == 1 else mask_keys
+        mask_stride = _mask_stride(key_padding_mask)
         self.mask_keys = mask_keys
         row_lo = rank * seqlen_local
         row_hi = row_lo + seqlen_local
@@ -527,7 +533,7 @@ class UlyssesFp8Plan:
     def _mask(key_padding_mask, like):
         if key_padding_mask is None:
             return like
-        return key_padding_mask if key_padding_mask.stride(-1) == 1 else key_padding_mask.contiguous()
+        return unit_last_stride(key_padding_mask)
 
     def statistics(self, key, bufs: dict, k, v, key_padding_mask) -> None:
         _STATS(key, self.stats_grid, (k, v, bufs["ksum_all"], bufs["vmax_all"], *self.stats_ints),
@@ -572,7 +578,7 @@ class UlyssesFp8Plan:
         m_blocks = cdiv(rows, block_m)
         mask = out
         if recv.mask_keys:
-            mask = recv_mask if recv_mask.stride(-1) == 1 else recv_mask.contiguous()
+            mask = unit_last_stride(recv_mask)
         ints = (*out.stride()[:3], *recv.ints[3:6], rows, *recv.ints[7:12], m_blocks, recv.ints[13])
         _FORWARD(None if key is None else key + ("rows", source), (m_blocks * h * batch, 1, 1),
                  (*descs, bufs["q_scale"][row0:], bufs["k_scale"], bufs["v_scale"], bufs["q_corr"], out, out, mask,
