@@ -21,6 +21,11 @@ attention of call ``n`` has read that slot; and it writes a peer's output region
 output of call ``n`` out of the region. Every rank must make the same calls in the same order,
 each rank's calls on one CUDA stream, as every rank of a Ulysses group running a model does.
 
+:meth:`PeerUlysses.attend_fp8` sends q, k and v in 8 bits: the statistics and quantize kernels,
+and the attention kernel for the other ranks' queries, store into the peers' buffers themselves
+(no copy runs), with a barrier after each of the three; the ordering argument above holds for
+each region (statistics, inputs, output).
+
 The views attention gets are :func:`~flashflow.distributed.exchange.seq_to_heads`'s: the same
 layout, the same bits. Where the group is not NCCL over CUDA devices, or symmetric memory cannot
 be set up, callers keep the NCCL / gloo path (:func:`peer_ulysses` returns None).
@@ -389,25 +394,6 @@ class PeerUlysses:
             push_heads_to_seq(out, back, world, [g for g in range(world) if g != rank], self._engine.copy)
         push_heads_to_seq(out, back, world, [rank])
 
-    def _send_async(self, pairs, mode: str) -> None:
-        """Copy each ``(dst, src)`` of ``pairs`` (``dst`` in other ranks' buffers) after the work
-        issued so far: by kernels on the caller's stream, or by the copy engines on the side
-        stream; :meth:`_join` makes the caller's stream wait for them. (Each copy cut into four
-        pieces on four side streams measured the same: 0.778 against 0.776 ms an Edit block's FP8
-        attention, 2 × H200.)"""
-        if mode == "kernel":
-            for dst, src in pairs:
-                _copy(dst, src)
-            return
-        self._side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._side):
-            for dst, src in pairs:
-                self._engine.copy(dst, src)
-
-    def _join(self, mode: str) -> None:
-        if mode != "kernel":
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
-
     def attend_fp8(self, q, k, v, key_padding_mask, recv_mask, softmax_scale: float, qk_format: str = "int8"):
         """Ulysses FP8 attention that quantizes before the exchange
         (:class:`flashflow.ops.attention_fp8.UlyssesFp8Plan`). q, k, v ``(batch, seqlen_local,
@@ -415,15 +401,18 @@ class PeerUlysses:
         rank's ``(batch, P)`` and ``recv_mask`` the whole sequence's
         (:func:`~flashflow.distributed.exchange.expand_masks`), or both None. Returns this rank's
         slice of the output, or None when nothing was sent (the buffer cannot hold the call: the
-        caller takes another path). In order:
+        caller takes another path).
 
-        1. this rank's statistics, copied into every rank's buffer; barrier;
-        2. the quantize pass for the other ranks' heads (into staging copies), their copies into
-           those ranks' buffers running under the quantize pass for this rank's heads; barrier;
-        3. attention of this rank's heads for the other ranks' queries first, each result's copy
-           into that rank's output region running under the next launch, then for this rank's
-           own queries, straight into the output; barrier; the other ranks' heads from this
-           rank's output region into the output.
+        The kernels store into the other ranks' buffers themselves (peer memory, NVLink), so no
+        copy engine or copy kernel runs and the copy mode (:meth:`copy_mode`) does not apply. In
+        order:
+
+        1. this rank's statistics into every rank's buffer; barrier;
+        2. the quantize pass, one launch: each head's 8-bit values and scales at this rank's rows
+           of the buffer of the rank that attends it; barrier;
+        3. attention of this rank's heads for the other ranks' queries, each into that rank's
+           output region, then for this rank's own queries, straight into the output; barrier;
+           the other ranks' heads from this rank's output region into the output.
         """
         world, rank = self.world, self.rank
         q, k, v = (unit_last_stride(t) for t in (q, k, v))   # the quantize pass reads head_dim unit-stride
@@ -441,51 +430,33 @@ class PeerUlysses:
         base = plan.nbytes
         if not self.ready_for(base + world * batch * seqlen * h * head_dim * q.element_size()):
             return None
-        mode = self._mode()
+        self.copy_mode()   # a wrong FLASHFLOW_PEER_COPY is refused here too
         key = layout + (self.nbytes,)
-        others = [g for g in range(world) if g != rank]
         views = self._cached.get(key)
         if views is None:
             buffers = [self._view(g, 0, (self.nbytes,), torch.uint8) for g in range(world)]
-            regions = [plan.views(b) for b in buffers]
-            dest = plan.destination_bytes()
-            stats_pairs = [pair for g in others for pair in plan.statistics_pieces(regions[rank], regions[g])]
-            input_pairs = [pair for g in others for pair in plan.pieces(buffers[rank][dest[g]:], regions[g])]
             # rank p's output region: (world, batch, seqlen_local, h, head_dim), source rank s's at [s]
             outs = [self._view(p, base, (world, batch, seqlen, h, head_dim), q.dtype) for p in range(world)]
-            dest_bytes = torch.tensor(dest, dtype=torch.int64, device=self.device)
+            dest_bytes = torch.tensor(plan.peer_bytes(buffers), dtype=torch.int64, device=self.device)
             if len(self._cached) >= 16:
                 self._cached.pop(next(iter(self._cached)))
-            views = self._cached[key] = (regions[rank], stats_pairs, input_pairs, outs, dest_bytes)
-        bufs, stats_pairs, input_pairs, outs_at, dest_bytes = views
+            views = self._cached[key] = (plan.views(buffers[rank]), outs, dest_bytes)
+        bufs, outs_at, dest_bytes = views
         # the launches' key (ops.common.Launcher): the layout fixes every argument's kind, pointers
         # aligned or not included; an unaligned call takes Triton's own path
         launch = ("ulysses",) + key if aligned16(q, k, v, key_padding_mask, recv_mask) else None
         self._begin(layout)
-        plan.statistics(launch, bufs, k, v, key_padding_mask)
-        self._send_async(stats_pairs, mode)
-        self._join(mode)
+        plan.statistics(launch, bufs, dest_bytes, k, v, key_padding_mask)
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        for first, count in ((rank + 1, world - rank - 1), (0, rank)):   # the other ranks' heads
-            if count:
-                plan.quantize(launch, bufs, dest_bytes, q, k, v, key_padding_mask, softmax_scale, first, count)
-        self._send_async(input_pairs, mode)
-        plan.quantize(launch, bufs, dest_bytes, q, k, v, key_padding_mask, softmax_scale, rank, 1)
-        self._join(mode)
+        plan.quantize(launch, bufs, dest_bytes, q, k, v, key_padding_mask, softmax_scale)
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
         out = q.new_empty((batch, seqlen, heads, head_dim))
-        keep = []   # what the side streams read, kept alive until they are joined
-        for p in others:   # the other ranks' queries first: their outputs travel under the next launch
-            rows = q.new_empty((batch, seqlen, h, head_dim))
-            plan.attend_rows(launch, bufs, recv_mask, p, rows)
-            keep.append(rows)
-            self._send_async([(outs_at[p][rank].view(batch * seqlen, -1), rows.view(batch * seqlen, -1))], mode)
-        plan.attend_rows(launch, bufs, recv_mask, rank, out[:, :, rank * h:(rank + 1) * h])
-        self._join(mode)
-        del keep
+        for p in [*range(rank + 1, world), *range(rank + 1)]:   # the other ranks' queries first, this rank's last
+            plan.attend_rows(launch, bufs, recv_mask, p, out[:, :, p * h:(p + 1) * h] if p == rank else outs_at[p][rank])
         self.handle.barrier(channel=0, timeout_ms=BARRIER_TIMEOUT_MS)
-        for p in others:
-            _copy(out[:, :, p * h:(p + 1) * h], outs_at[rank][p])
+        for p in range(world):
+            if p != rank:
+                _copy(out[:, :, p * h:(p + 1) * h], outs_at[rank][p])
         return out
 
 

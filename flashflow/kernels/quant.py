@@ -210,10 +210,10 @@ def in_rank(ptr, PEER_BYTES, g, WORLD: tl.constexpr):
 
 @triton.jit
 def attention_kv_stats_kernel(
-    K, V, KSUM, VMAX,
+    K, V, KSUM, VMAX, PEER_BYTES,
     seqlen_k, kv_heads, chunk, slots, slot0,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, WORLD: tl.constexpr,
 ):
     """Per (batch, kv head) and chunk of ``chunk`` keys: the fp32 sum of K over the chunk's keys
     and the max of |V|, per channel, a non-finite value counted as 0 (the quantize kernel marks
@@ -221,9 +221,10 @@ def attention_kv_stats_kernel(
     ``KSUM/VMAX[(b·kv_heads + h)·slots + slot0 + c, :]``, reduced by the quantize kernel (a fixed
     order: the same inputs give the same bits). One process: ``slots`` = chunks, ``slot0`` = 0.
 
-    Sequence-parallel (each rank holding ``seqlen_k`` keys of the sequence): rank ``r``'s chunks
-    take slots ``[slot0, slot0 + chunks)`` of ``slots``; once every rank's are copied into every
-    rank's buffer, every rank reduces all of them in the same order.
+    Sequence-parallel (each rank holding ``seqlen_k`` keys of the sequence, ``WORLD`` > 1): rank
+    ``r``'s chunks take slots ``[slot0, slot0 + chunks)`` of ``slots`` and are written into every
+    rank's buffer (:func:`in_rank`, ``PEER_BYTES``); once all have landed, every rank reduces all
+    of them in the same order. One process: ``PEER_BYTES`` is not read.
 
     Bytes: K and V read once (2·Sk·Hk·D elements), 2·chunks·Hk·D floats written."""
     bh = tl.program_id(0)
@@ -247,24 +248,25 @@ def attention_kv_stats_kernel(
         ksum += tl.sum(tl.where(is_finite(k), k, 0.0), 0)
         vmax = tl.maximum(vmax, tl.max(tl.where(v < float("inf"), v, 0.0), 0))
     at = (bh.to(tl.int64) * slots + slot0 + c) * HEAD_DIM + offs_d
-    tl.store(KSUM + at, ksum)
-    tl.store(VMAX + at, vmax)
+    for g in tl.static_range(WORLD):
+        tl.store(in_rank(KSUM, PEER_BYTES, g, WORLD) + at, ksum)
+        tl.store(in_rank(VMAX, PEER_BYTES, g, WORLD) + at, vmax)
 
 
 @triton.jit
 def attention_k_edge_stats_kernel(
-    K, KEY_PADDING_MASK, EDGE_MAX, EDGE_MIN,
+    K, KEY_PADDING_MASK, EDGE_MAX, EDGE_MIN, PEER_BYTES,
     row_lo, seqlen_local, kv_heads, bh_count, rank, mask_keys,
     stride_kb, stride_ks, stride_kh, stride_key_padding_mask,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, KEY_PADDING: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, KEY_PADDING: tl.constexpr, WORLD: tl.constexpr,
 ):
     """Sequence-parallel K statistics of the two key blocks at the ends of this rank's slice
     (global keys ``[row_lo, row_lo + seqlen_local)``): block ``row_lo // BLOCK_S`` (end 0) and block
     ``(row_lo + seqlen_local − 1) // BLOCK_S`` (end 1), which may hold keys of other ranks too.
     Per (batch, kv head) and end, the per-channel max and min of the rank's keys in the block (a
     key the key-padding mask hides: its non-finite values as 0; a NaN kept), written at ``[rank,
-    end, b·kv_heads + h]`` of ``EDGE_MAX``/``EDGE_MIN`` ``(world, 2, batch·kv_heads, D)`` (then
-    copied into every rank's buffer). The quantize kernel merges the parts of a shared block into the scale one
+    end, b·kv_heads + h]`` of ``EDGE_MAX``/``EDGE_MIN`` ``(world, 2, batch·kv_heads, D)`` in
+    every rank's buffer (``WORLD`` of them, :func:`in_rank`). The quantize kernel merges the parts of a shared block into the scale one
     process would give it: ``max|k − k̄|`` over the block is ``max(max k − k̄, k̄ − min k)`` per
     channel, exactly (fp32 subtraction is monotonic). Grid (batch · kv_heads, 2)."""
     bh = tl.program_id(0)
@@ -284,8 +286,9 @@ def attention_k_edge_stats_kernel(
     kmax = tl.reduce(tl.where(rows[:, None], k, float("-inf")), 0, _maximum_keep_nan)
     kmin = -tl.reduce(tl.where(rows[:, None], -k, float("-inf")), 0, _maximum_keep_nan)
     at = ((rank * 2 + end) * bh_count + bh).to(tl.int64) * HEAD_DIM + offs_d
-    tl.store(EDGE_MAX + at, kmax)
-    tl.store(EDGE_MIN + at, kmin)
+    for g in tl.static_range(WORLD):
+        tl.store(in_rank(EDGE_MAX, PEER_BYTES, g, WORLD) + at, kmax)
+        tl.store(in_rank(EDGE_MIN, PEER_BYTES, g, WORLD) + at, kmin)
 
 
 @triton.jit
@@ -390,10 +393,16 @@ def attention_quantize_kernel(
     """
     blk = tl.program_id(0) + row_lo // BLOCK_S
     # axis 1: the heads of destination ranks dest0, dest0 + 1, ...: each heads_out Q heads, then
-    # kv_heads_out K heads, then as many V heads (one process: every head, dest0 0)
-    per_rank = heads_out + 2 * kv_heads_out
-    dest = dest0 + tl.program_id(1) // per_rank
-    which = tl.program_id(1) % per_rank
+    # kv_heads_out K heads, then as many V heads (one process: every head, dest0 0). Several ranks:
+    # the destinations interleaved (head j of each in turn), so the programs storing into other
+    # GPUs' memory run among those storing into this one's
+    if WORLD == 1:
+        dest = dest0
+        which = tl.program_id(1)
+    else:
+        count = tl.num_programs(1) // (heads_out + 2 * kv_heads_out)
+        dest = dest0 + tl.program_id(1) % count
+        which = tl.program_id(1) // count
     b = tl.program_id(2)
     offs_s = blk * BLOCK_S + tl.arange(0, BLOCK_S)   # rows of the whole sequence
     local = offs_s - row_lo                            # rows of this rank's tensors

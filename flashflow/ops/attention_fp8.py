@@ -165,7 +165,7 @@ class _Fp8Plan:
         self.mask_keys = mask_keys
         self.stats_grid = (batch * kv_heads, chunks, 1)
         self.stats_ints = (seqlen_k, kv_heads, chunk, chunks, 0, *k.stride()[:3], *v.stride()[:3])
-        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4)
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, WORLD=1, num_warps=4)
         self.quant_grid = (max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)
         mask_stride = _mask_stride(key_padding_mask)
         self.mask_stride = mask_stride
@@ -181,7 +181,7 @@ class _Fp8Plan:
         """The quantize pass: the buffers by name (flat views of one allocation)."""
         raw = q.new_empty((self.nbytes,), dtype=torch.uint8)
         bufs = {name: raw[a:b].view(dtype) for name, (a, b, dtype) in zip(self.BUFFERS, self.slices)}
-        _STATS(key, self.stats_grid, (k, v, bufs["ksum"], bufs["vmax"], *self.stats_ints), self.stats_constexprs)
+        _STATS(key, self.stats_grid, (k, v, bufs["ksum"], bufs["vmax"], k, *self.stats_ints), self.stats_constexprs)
         mask = q
         if self.mask_keys:
             mask = unit_last_stride(key_padding_mask)
@@ -399,23 +399,24 @@ class UlyssesFp8Plan:
     between GPUs: q, k and v at one byte an element instead of two, and no copy or quantize pass
     on the receiving side.
 
-    Every rank of the group holds one buffer of :attr:`nbytes` with the same layout (the buffers
-    every rank can write: :mod:`flashflow.distributed.peer`): the attention kernel's inputs
-    (:class:`_Fp8Plan`'s regions, the whole sequence, this rank's heads), the gathered statistics,
-    and one staging copy of the inputs' regions for each other rank. The caller runs, with a
-    barrier of the group after the copies of each of the first two steps:
+    Every rank of the group holds one buffer of :attr:`nbytes` with the same layout, and every
+    rank's kernels can write into every rank's buffer (peer memory:
+    :mod:`flashflow.distributed.peer`): the attention kernel's inputs (:class:`_Fp8Plan`'s
+    regions, the whole sequence, this rank's heads) and the gathered statistics. The kernels
+    store into the other ranks' buffers themselves (``destination_bytes``, from
+    :meth:`peer_bytes`: rank ``g``'s buffer's address minus this rank's), so no copy runs between
+    the steps. The caller runs, with a barrier of the group after each of the first two steps:
 
     1. :meth:`statistics` — this rank's partial K sums and V maxima (every head, its keys) and the
-       K extremes of the key blocks at its slice's two ends, then :meth:`statistics_pieces`
-       copied into every other rank's buffer;
+       K extremes of the key blocks at its slice's two ends, into every rank's buffer;
     2. :meth:`quantize` — the attention kernel's 8-bit inputs and scales
        (:func:`flashflow.kernels.quant.attention_quantize_kernel`), from the whole sequence's
        statistics: the same K mean, V scales and key-block scales on every rank, those of one
-       process over the whole sequence (K's mean up to the order of its sum). This rank's heads
-       land in its own regions, rank ``g``'s in the staging copy kept for ``g`` (the kernel's
-       ``PEER_BYTES``: :meth:`destination_bytes`), then :meth:`pieces` copied into rank ``g``'s;
+       process over the whole sequence (K's mean up to the order of its sum). Rank ``g``'s heads
+       land at this rank's rows of rank ``g``'s regions;
     3. :meth:`attend` — this rank's heads over the whole sequence, ``(batch, world·seqlen_local,
-       heads / world, head_dim)``, and the LSE with ``return_lse``.
+       heads / world, head_dim)``, and the LSE with ``return_lse``; or :meth:`attend_rows`, one
+       source rank's queries at a time (its output may lie in another rank's memory).
 
     Shapes: q ``(batch, seqlen_local, heads, head_dim)``, k and v ``(batch, seqlen_local,
     kv_heads, head_dim)`` (one length: self-attention), head_dim unit-stride, heads and kv_heads
@@ -423,9 +424,6 @@ class UlyssesFp8Plan:
     keys and ``recv_mask`` every rank's masks over the whole sequence
     (:func:`flashflow.distributed.exchange.expand_masks`), or both None. The plan keeps no tensor.
     """
-
-    # the regions of the attention kernel's inputs a rank writes into another's
-    SENT = ("q8", "q_scale", "q_corr", "k8", "k_scale", "vt8", "v_scale")
 
     def __init__(self, q, k, v, key_padding_mask, recv_mask, world: int, rank: int, qk_format: str = "int8",
                  return_lse: bool = False, config: Optional[AttentionFp8Config] = None):
@@ -446,7 +444,7 @@ class UlyssesFp8Plan:
         # this rank's partial statistics: its chunks take slots [rank·chunks, (rank+1)·chunks)
         per_head = stats_chunks(batch * kv_heads, device)
         chunk = cdiv(cdiv(max(seqlen_local, 1), per_head), _STATS_ROWS) * _STATS_ROWS
-        chunks = self.chunks = cdiv(max(seqlen_local, 1), chunk)
+        chunks = cdiv(max(seqlen_local, 1), chunk)
         slots = world * chunks
         stats = batch * kv_heads * slots * head_dim
         edges = world * 2 * batch * kv_heads * head_dim
@@ -454,26 +452,25 @@ class UlyssesFp8Plan:
         for n in (stats, stats, edges, edges):   # ksum, vmax of every rank; K block ends' max, min
             self.slices.append((at, at + 4 * n))
             at = cdiv(at + 4 * n, 256) * 256
-        # a staging copy of the input regions for each other rank, in rank order
-        self.staging = [at + i * cdiv(recv.nbytes, 256) * 256 for i in range(world - 1)]
-        self.nbytes = at + (world - 1) * cdiv(recv.nbytes, 256) * 256
+        self.nbytes = at
         mask_keys = 0 if key_padding_mask is None else key_padding_mask.shape[1]
         mask_stride = _mask_stride(key_padding_mask)
         self.mask_keys = mask_keys
         row_lo = rank * seqlen_local
         row_hi = row_lo + seqlen_local
-        block_s = self.block_s = cfg.BLOCK_N
+        block_s = cfg.BLOCK_N
         self.stats_grid = (batch * kv_heads, chunks, 1)
         self.stats_ints = (seqlen_local, kv_heads, chunk, slots, rank * chunks, *k.stride()[:3], *v.stride()[:3])
-        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, num_warps=4)
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, WORLD=world, num_warps=4)
         self.edge_grid = (batch * kv_heads, 2, 1)
         self.edge_ints = (row_lo, seqlen_local, kv_heads, batch * kv_heads, rank, mask_keys, *k.stride()[:3],
                           mask_stride)
-        self.edge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, KEY_PADDING=mask_keys > 0, num_warps=4)
+        self.edge_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=block_s, KEY_PADDING=mask_keys > 0, WORLD=world,
+                                    num_warps=4)
         # the rows this rank writes: its slice, and the padding past the sequence for the last rank
-        self.q_rows = (row_lo, recv.sq_pad if row_hi >= seqlen else row_hi)
-        self.k_rows = (row_lo, recv.sk_pad if row_hi >= seqlen else row_hi)
-        self.quant_blocks = cdiv(max(self.q_rows[1], self.k_rows[1]), block_s) - row_lo // block_s
+        q_hi = recv.sq_pad if row_hi >= seqlen else row_hi
+        k_hi = recv.sk_pad if row_hi >= seqlen else row_hi
+        self.quant_blocks = cdiv(max(q_hi, k_hi), block_s) - row_lo // block_s
         self.batch, self.heads_per_rank = batch, (h, hk)
         self.quant_ints = (seqlen, seqlen, recv.sq_pad, recv.sk_pad, heads, kv_heads, slots, mask_keys,
                            row_lo, row_hi, h, hk)
@@ -482,18 +479,20 @@ class UlyssesFp8Plan:
             HEAD_DIM=head_dim, BLOCK_S=block_s, QK_FP8=qk_format == "fp8", SMOOTH_K=True, LSE_CORRECTION=return_lse,
             CHUNKS_PAD=next_pow2(slots), KEY_PADDING=mask_keys > 0, EMULATE_FP8=interpreting(), WORLD=world,
             num_warps=4)
-        self.shapes = dict(q8=(batch * h, recv.sq_pad * head_dim), q_scale=(batch * h, recv.sq_pad),
-                           q_corr=(batch * h, recv.sq_pad), k8=(batch * hk, recv.sk_pad * head_dim),
-                           k_scale=(batch * hk, recv.sk_pad // block_s), vt8=(batch * hk * head_dim, recv.sk_pad),
-                           v_scale=(1, batch * hk * head_dim))
-        self.head_dim = head_dim
-        self.stats_rows = (batch * kv_heads, slots * head_dim)
 
-    def destination_bytes(self) -> list[int]:
-        """The quantize kernel's ``PEER_BYTES``: where the inputs for rank ``g`` go, as an offset
-        from this rank's own regions (0 for this rank, a staging copy for every other)."""
-        others = [g for g in range(self.world) if g != self.rank]
-        return [0 if g == self.rank else self.staging[others.index(g)] for g in range(self.world)]
+    def peer_bytes(self, buffers) -> list[int]:
+        """The kernels' ``PEER_BYTES`` for this rank: ``buffers[g]`` (rank ``g``'s buffer as this
+        process maps it, at least :attr:`nbytes` bytes each) minus this rank's, in bytes. The
+        kernels keep their stores full width by taking each a multiple of 16: a ValueError where
+        one is not."""
+        if len(buffers) != self.world:
+            raise ValueError(f"buffers must hold one buffer a rank ({self.world}), got {len(buffers)}")
+        own = buffers[self.rank].data_ptr()
+        delta = [b.data_ptr() - own for b in buffers]
+        if any(d % 16 for d in delta) or any(b.numel() * b.element_size() < self.nbytes for b in buffers):
+            raise ValueError(f"buffers must each hold {self.nbytes} bytes at addresses 16 bytes apart, got "
+                             f"offsets {delta} and sizes {[b.numel() * b.element_size() for b in buffers]}")
+        return delta
 
     def views(self, buffer: torch.Tensor) -> dict:
         """The regions of a rank's buffer (uint8, at least :attr:`nbytes`) by name: the attention
@@ -503,48 +502,24 @@ class UlyssesFp8Plan:
             bufs[name] = buffer[a:b].view(torch.float32)
         return bufs
 
-    def statistics_pieces(self, src: dict, dst: dict) -> list:
-        """``(dst, src)`` views: this rank's statistics in its buffer (``src``, :meth:`views`) and
-        where they go in another rank's (``dst``): rows of one contiguous run each."""
-        rows, width = self.stats_rows
-        d, run = self.head_dim, self.chunks * self.head_dim
-        at = slice(self.rank * run, (self.rank + 1) * run)
-        edges = 2 * rows * d
-        pairs = [(dst[n].view(rows, width)[:, at], src[n].view(rows, width)[:, at]) for n in ("ksum_all", "vmax_all")]
-        pairs += [(dst[n].view(self.world, edges)[self.rank:self.rank + 1], src[n].view(self.world, edges)
-                   [self.rank:self.rank + 1]) for n in ("edge_max", "edge_min")]
-        return pairs
-
-    def pieces(self, staging: torch.Tensor, dst: dict) -> list:
-        """``(dst, src)`` views: what this rank wrote for another rank into its staging copy
-        (``staging``, uint8 from :meth:`destination_bytes`'s offset) and where it goes in that rank's
-        buffer (``dst``, :meth:`views`): the rows of this rank's slice of every region (a shared
-        key block's scale from both ranks that hold it: the same value), rows of one run each."""
-        src = {name: staging[a - self.recv.slices[0][0]:b - self.recv.slices[0][0]].view(dtype)
-               for name, (a, b, dtype) in zip(self.recv.BUFFERS, self.recv.slices)}
-        (q0, q1), (k0, k1) = self.q_rows, self.k_rows
-        d, bs = self.head_dim, self.block_s
-        cols = dict(q8=slice(q0 * d, q1 * d), q_scale=slice(q0, q1), q_corr=slice(q0, q1), k8=slice(k0 * d, k1 * d),
-                    k_scale=slice(k0 // bs, cdiv(k1, bs)), vt8=slice(k0, k1), v_scale=slice(None))
-        names = [n for n in self.SENT if n != "q_corr" or self.return_lse]
-        return [(dst[n].view(self.shapes[n])[:, cols[n]], src[n].view(self.shapes[n])[:, cols[n]]) for n in names]
-
     @staticmethod
     def _mask(key_padding_mask, like):
         if key_padding_mask is None:
             return like
         return unit_last_stride(key_padding_mask)
 
-    def statistics(self, key, bufs: dict, k, v, key_padding_mask) -> None:
-        _STATS(key, self.stats_grid, (k, v, bufs["ksum_all"], bufs["vmax_all"], *self.stats_ints),
+    def statistics(self, key, bufs: dict, destination_bytes: torch.Tensor, k, v, key_padding_mask) -> None:
+        """This rank's statistics into every rank's buffer (``destination_bytes``: :meth:`peer_bytes`
+        as an int64 tensor on the device)."""
+        _STATS(key, self.stats_grid, (k, v, bufs["ksum_all"], bufs["vmax_all"], destination_bytes, *self.stats_ints),
                self.stats_constexprs)
         _EDGES(key, self.edge_grid, (k, self._mask(key_padding_mask, k), bufs["edge_max"], bufs["edge_min"],
-                                     *self.edge_ints), self.edge_constexprs)
+                                     destination_bytes, *self.edge_ints), self.edge_constexprs)
 
     def quantize(self, key, bufs: dict, destination_bytes: torch.Tensor, q, k, v, key_padding_mask,
                  softmax_scale: float, first: int = 0, count: Optional[int] = None) -> None:
         """The quantize pass for the heads of destination ranks ``first`` to ``first + count − 1``
-        (all by default)."""
+        (all by default, in one launch), each into its rank's buffer."""
         count = self.world - first if count is None else count
         h, hk = self.heads_per_rank
         _QUANTIZE(None if key is None else key + (first, count), (self.quant_blocks, count * (h + 2 * hk), self.batch), (

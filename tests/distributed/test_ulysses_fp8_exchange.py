@@ -1,13 +1,11 @@
 """Ulysses FP8 attention with the exchange inside the quantize pass
 (flashflow.ops.attention_fp8.UlyssesFp8Plan), every rank simulated in one process.
 
-On GPUs each rank's kernels write into its own buffer (its heads) and staging copies (the other
-ranks'), and copies move those into the other ranks' buffers through peer memory; here every
-rank's buffer is a slice of one CPU tensor and the copies are plain copies. The ranks' launches
-run one phase after the other (every rank's statistics and their copies, then every rank's
-quantize pass and its copies, then every rank's attention): what the buffers hold once the
-barriers between phases have passed. Buffers start as 0xFF bytes
-(NaN as float32), so anything a rank misses shows.
+On GPUs each rank's kernels write into every rank's buffer (peer memory); here every rank's
+buffer is a slice of one CPU tensor and the kernels get the same offsets between them. The ranks'
+launches run one phase after the other (every rank's statistics, then every rank's quantize pass,
+then every rank's attention): what the buffers hold once the barriers between phases have passed.
+Buffers start as 0xFF bytes (NaN as float32), so anything a rank misses shows.
 
 What must hold: every rank's 8-bit inputs are one process's over the whole sequence (the same
 Q, V and scales; K up to the rounding of its mean, which is summed in another order), key blocks
@@ -41,9 +39,9 @@ def _inputs(b, s, h, hk, d, layout, gen):
     return q, k, v
 
 
-def _run_ranks(q, k, v, world, masks, qk_format="int8", return_lse=False):
-    """Every rank's (out, lse, buffer views), the ranks simulated one phase at a time, the copies
-    between buffers as plain copies."""
+def _run_ranks(q, k, v, world, masks, qk_format="int8", return_lse=False, per_destination=False):
+    """Every rank's (out, lse, buffer views), the ranks simulated one phase at a time.
+    ``per_destination``: one quantize launch a destination rank (this rank's last), not one in all."""
     s_local = q.shape[1] // world
     pieces = [tuple(t[:, r * s_local:(r + 1) * s_local] for t in (q, k, v)) for r in range(world)]
     recv_mask = expand_masks(masks, s_local)
@@ -53,22 +51,17 @@ def _run_ranks(q, k, v, world, masks, qk_format="int8", return_lse=False):
     memory = torch.full((world * n,), 0xFF, dtype=torch.uint8)
     raw = [memory[r * n:(r + 1) * n] for r in range(world)]
     bufs = [plans[r].views(raw[r]) for r in range(world)]
+    dest = [torch.tensor(plans[r].peer_bytes(raw), dtype=torch.int64) for r in range(world)]
+    assert dest[1].tolist()[:2] == [-n, 0]
     scale = q.shape[-1] ** -0.5
     for r in range(world):
-        plans[r].statistics(None, bufs[r], pieces[r][1], pieces[r][2], masks[r])
+        plans[r].statistics(None, bufs[r], dest[r], pieces[r][1], pieces[r][2], masks[r])
     for r in range(world):
-        for g in range(world):
-            if g != r:
-                for dst, src in plans[r].statistics_pieces(bufs[r], bufs[g]):
-                    dst.copy_(src)
-    for r in range(world):
-        dest = plans[r].destination_bytes()
-        for g in [*range(r + 1, world), *range(r + 1)]:   # one destination a launch, this rank's last
-            plans[r].quantize(None, bufs[r], torch.tensor(dest, dtype=torch.int64), *pieces[r], masks[r], scale, g, 1)
-        for g in range(world):
-            if g != r:
-                for dst, src in plans[r].pieces(raw[r][dest[g]:], bufs[g]):
-                    dst.copy_(src)
+        if per_destination:
+            for g in [*range(r + 1, world), *range(r + 1)]:
+                plans[r].quantize(None, bufs[r], dest[r], *pieces[r], masks[r], scale, g, 1)
+        else:
+            plans[r].quantize(None, bufs[r], dest[r], *pieces[r], masks[r], scale)
     results = [plans[r].attend(None, bufs[r], recv_mask) for r in range(world)]
     for r in range(world if not return_lse else 0):   # the same rows a source rank at a time: the same bits
         out = results[r][0]
@@ -100,7 +93,8 @@ def test_ranks_get_one_process_quantization_and_output(case):
         masks = [torch.rand(b, 3, generator=gen) > 0.4 for _ in range(world)]
         for m in masks:
             m[:, 0] = True
-    results, bufs, recv_mask = _run_ranks(q, k, v, world, masks)
+    # cases 1 and 3: one quantize launch a destination rank; the others one launch for all
+    results, bufs, recv_mask = _run_ranks(q, k, v, world, masks, per_destination=CASES.index(case) % 2 == 1)
     scale = d ** -0.5
     cfg = attention_fp8_config(d, False, "interpreter")
     whole = quantize_attention_inputs(q, k, v, scale, cfg.BLOCK_M, cfg.BLOCK_N, "int8",
@@ -154,3 +148,18 @@ def test_non_finite_values_mark_what_one_process_marks(where):
         out = results[r][0]
         assert torch.equal(out.isnan(), want[:, :, r:r + 1].isnan()), (where, r)
     assert want.isnan().any()
+
+
+def test_peer_bytes_refuses_what_the_kernels_cannot_store_into():
+    world, b, s_local, h, d = 2, 1, 21, 2, 64
+    q, k, v = _inputs(b, world * s_local, h, h, d, "contiguous", torch.Generator().manual_seed(3))
+    plan = UlyssesFp8Plan(q[:, :s_local], k[:, :s_local], v[:, :s_local], None, None, world, 0)
+    n = plan.nbytes
+    memory = torch.empty(3 * n + 64, dtype=torch.uint8)
+    assert plan.peer_bytes([memory[:n], memory[2 * n:3 * n]]) == [0, 2 * n]
+    with pytest.raises(ValueError, match="one buffer a rank"):
+        plan.peer_bytes([memory[:n]])
+    with pytest.raises(ValueError, match="16 bytes apart"):
+        plan.peer_bytes([memory[:n], memory[n + 8:2 * n + 8]])
+    with pytest.raises(ValueError, match=f"hold {n} bytes"):
+        plan.peer_bytes([memory[:n], memory[n:2 * n - 16]])
