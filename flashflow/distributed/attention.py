@@ -303,11 +303,11 @@ PEER_HEAD_GROUPS = 1
 # FP8 attention through peer memory (one head group) with at least QUANTIZED_EXCHANGE_MIN_TOKENS
 # tokens a rank: q, k, v quantized before the exchange and moved in 8 bits (PeerUlysses.attend_fp8),
 # instead of moved in 16 bits and quantized after it (False: always the latter, for measurements).
-# 2 × H200, a Qwen-Image step (6 blocks, CUDA graph), 8-bit against 16-bit: Edit (4224 tokens a
-# rank) 14.56 against 14.91 ms; 1024px (2176 a rank) 7.77 against 7.58 ms (its attention, cut into
-# two launches by query rows, is too short to hide the output's transfer and the extra barrier)
+# No floor: 2 × H200, a Qwen-Image step (6 blocks, CUDA graph), 8-bit against 16-bit: Edit (4224
+# tokens a rank) 14.42 against 15.09 ms; 1024px (2176 a rank) 7.33 against 7.63 ms
+# (bench/results/distributed-nvidia-h200-quantized-step.json)
 QUANTIZED_EXCHANGE = True
-QUANTIZED_EXCHANGE_MIN_TOKENS = 3072
+QUANTIZED_EXCHANGE_MIN_TOKENS = 0
 
 
 def context_attention(q, k, v, ulysses_group, ring_group, *, key_padding_mask=None, attention="exact",
