@@ -29,10 +29,14 @@ same inputs. Rows:
 
 Timing (``ranks``): every rank runs the same fixed number of calls (a collective inside a call
 keeps them in step; ``do_bench`` picks its own count per process and would not), rounds of calls
-between CUDA events, the median round per rank and the slowest rank's median.
+between CUDA events, the median round per rank and the slowest rank's median. Each host waits for
+its GPU at the end of a round, so the ranks start a round apart; the first exchange of the round
+absorbs that offset (a step profile showed 180 µs at its first barrier), and :data:`CALLS` calls
+back to back a round spread it as a pipeline's steps do.
 
-Environment: ``FLASHFLOW_DISTRIBUTED_PARTS`` (comma-separated, default every part) and
-``FLASHFLOW_DISTRIBUTED_PROVIDERS`` (a comma-separated subset of the step providers, default all).
+Environment: ``FLASHFLOW_DISTRIBUTED_PARTS`` (comma-separated, default every part),
+``FLASHFLOW_DISTRIBUTED_PROVIDERS`` (a comma-separated subset of the step providers, default all)
+and ``FLASHFLOW_DISTRIBUTED_CALLS`` (calls a round, default :data:`CALLS`).
 """
 from __future__ import annotations
 
@@ -53,7 +57,7 @@ PREFILL = dict(batch=1, seqlen=65536, heads=32, kv_heads=8, head_dim=128, causal
 PREFILL_QUICK = dict(batch=1, seqlen=16384, heads=32, kv_heads=8, head_dim=128, causal=True)
 # (name, images): text of 256 tokens, no mask
 STEP_SHAPES = (("qwen-image-edit-1024px", 2), ("qwen-image-1024px", 1))
-ROUNDS, CALLS, WARMUP = 7, 3, 3
+ROUNDS, CALLS, WARMUP = 7, 10, 3
 # the cfg part: (name, pipeline class); steps of a timed pipeline call, timed calls
 CFG_SHAPES = (("qwen-image-1024px", "QwenImagePipeline"), ("qwen-image-edit-1024px", "QwenImageEditPipeline"))
 CFG_STEPS, CFG_REPEATS = 12, 3
@@ -147,10 +151,18 @@ def _selected(providers: dict) -> dict:
     return {n: how for n, how in providers.items() if n in wanted}
 
 
+def _calls() -> int:
+    calls = os.environ.get("FLASHFLOW_DISTRIBUTED_CALLS", "")
+    if calls and not (calls.isdigit() and int(calls) > 0):
+        raise ValueError(f"FLASHFLOW_DISTRIBUTED_CALLS must be a positive integer, got {calls!r}")
+    return int(calls) if calls else CALLS
+
+
 def _time_rounds(fn, sync) -> float:
-    """Median ms per call over :data:`ROUNDS` rounds of :data:`CALLS` calls (CUDA events)."""
+    """Median ms per call over :data:`ROUNDS` rounds of :func:`_calls` calls (CUDA events)."""
     import torch
 
+    calls = _calls()
     for _ in range(WARMUP):
         fn()
     sync()
@@ -158,11 +170,11 @@ def _time_rounds(fn, sync) -> float:
     for _ in range(ROUNDS):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
-        per_round.append(start.elapsed_time(end) / CALLS)
+        per_round.append(start.elapsed_time(end) / calls)
     per_round.sort()
     return per_round[len(per_round) // 2]
 
@@ -645,7 +657,7 @@ def run(args) -> int:
     result = {
         "suite": SUITE, **env, "diffusers": diffusers.__version__, "world": WORLD, "blocks": args.blocks,
         "quick": args.quick, "providers": list(_selected(STEP_PROVIDERS)), "cfg_providers": list(CFG_PROVIDERS),
-        "timing": timing.record("rounds", of="warm", rounds=ROUNDS, calls=CALLS, warmup_calls=WARMUP,
+        "timing": timing.record("rounds", of="warm", rounds=ROUNDS, calls=_calls(), warmup_calls=WARMUP,
                                 ranks="every rank the same calls; the slowest rank's median round",
                                 cfg_part=f"CUDA events recorded at the end of each step (the pipeline's step-end "
                                          f"callback), the median interval over {CFG_REPEATS} calls of {CFG_STEPS} "

@@ -71,3 +71,16 @@ def test_provider_selection(monkeypatch):
     monkeypatch.setenv(ds.PROVIDERS_ENV, "diffusers,flashflow-fp9")
     with pytest.raises(ValueError, match="unknown providers \\['flashflow-fp9'\\]"):
         ds._selected(ds.STEP_PROVIDERS)
+
+
+def test_calls_a_round(monkeypatch):
+    from flashflow.bench import distributed_suite as ds
+
+    monkeypatch.delenv("FLASHFLOW_DISTRIBUTED_CALLS", raising=False)
+    assert ds._calls() == ds.CALLS
+    monkeypatch.setenv("FLASHFLOW_DISTRIBUTED_CALLS", "3")
+    assert ds._calls() == 3
+    for bad in ("0", "-2", "three"):
+        monkeypatch.setenv("FLASHFLOW_DISTRIBUTED_CALLS", bad)
+        with pytest.raises(ValueError, match="FLASHFLOW_DISTRIBUTED_CALLS must be a positive integer"):
+            ds._calls()
