@@ -35,13 +35,18 @@ all-to-all; a ring of K/V slices merged by their LSE; or both) with flashflow's 
 or FP8 (docs/diffusion.md, docs/distributed.md). ``ulysses_anything`` / ``ring_anything`` (uneven slices) and tensor
 parallelism are refused with a ``ValueError``. CFG parallel, the conditional and unconditional
 passes of a pipeline step on two ranks or two groups of ranks, is a pipeline-level switch:
-:func:`flashflow.integrations.cfg_parallel.enable_cfg_parallel`.
+:func:`flashflow.integrations.cfg_parallel.enable_cfg_parallel`. Under context parallelism the
+AdaLN modulations (``img_mod`` / ``txt_mod`` of every block, which depend on the timestep
+embedding alone) are computed once a call and shared out: each rank of the group runs whole
+modules in turn and one all-gather gives every rank all of them (:class:`_ModulationTable`), so
+their weights are read once over the group instead of once a rank.
 """
 from __future__ import annotations
 
 import types
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 try:
@@ -84,6 +89,8 @@ _ORIGINAL_LINEARS = "_flashflow_original_linears"
 
 # The original (processor, instance-level forward or None) of a block, kept on the block itself.
 _ORIGINAL = "_flashflow_original"
+# The transformer's _ModulationTable (and each block's reference to it), set by enable.
+_MODULATIONS = "_flashflow_modulations"
 
 # cuBLASLt's bias + GELU epilogue is the tanh approximation; CPU builds of this private op use the
 # erf GELU instead, hence CUDA only.
@@ -384,6 +391,69 @@ def _plain_attention_call(attn) -> bool:
                      or _module._global_backward_pre_hooks))
 
 
+class _ModulationTable:
+    """Every block's AdaLN modulation parameters for one call, shared out over diffusers'
+    context-parallel group (a forward hook of the transformer's ``time_text_embed``, which makes
+    ``temb``).
+
+    The modulations depend on ``temb`` alone, the same on every rank of the group, and each is a
+    GEMV that reads a ``6·dim × dim`` weight: run on every rank, the group reads every weight once
+    a rank. Here module ``i`` of the list ``[blocks[0].img_mod, blocks[0].txt_mod,
+    blocks[1].img_mod, ...]`` runs on rank ``i % world`` alone (whole modules: any kind of layer,
+    FP8 ones too, the same bits as on one GPU), into slot ``i // world`` of that rank's piece, and
+    one ``all_gather_into_tensor`` gives every rank all of them; each block then reads its two as
+    views of the gathered buffer. The table holds them for the ``temb`` it saw (the same tensor
+    object the model hands every block); a block called with any other ``temb``, outside context
+    parallelism, or with fewer modules than ranks, computes its own as before. Not under autograd
+    (the fused blocks refuse it)."""
+
+    def __init__(self, blocks):
+        self.blocks = list(blocks)
+        self.temb = None
+        self.views = {}
+        self.handle = None
+
+    def __call__(self, module, args, temb) -> None:
+        self.temb, self.views = None, {}
+        if not isinstance(temb, torch.Tensor) or torch.is_grad_enabled() or not self.blocks:
+            return
+        processor = self.blocks[0].attn.processor
+        if not isinstance(processor, FlashflowQwenAttnProcessor):
+            return
+        cp = _context_parallel(processor._given_parallel_config)
+        if cp is None or processor._refusal is not None:
+            return
+        group = cp._flattened_mesh.get_group()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        blocks = [b for b in self.blocks if _forward_is_ours(b)]
+        modules = [(b, name) for b in blocks for name in ("img_mod", "txt_mod")]
+        if world < 2 or len(modules) < world:
+            return
+        # txt_mod takes the first half of temb under zero_cond_t, as the block forward does
+        half = temb.chunk(2, dim=0)[0]
+        outs = [getattr(b, name)(half if name == "txt_mod" and b.zero_cond_t else temb)
+                for b, name in modules[rank::world]]
+        slot = temb.shape[0] * max(getattr(b, name)[-1].out_features for b, name in modules)
+        mine = outs[0].new_empty((-(-len(modules) // world), slot))
+        for i, out in enumerate(outs):
+            mine[i, :out.numel()].copy_(out.reshape(-1))
+        every = mine.new_empty((world * mine.shape[0], slot))   # rank-major (gloo takes this form only)
+        dist.all_gather_into_tensor(every, mine, group=group)
+        every = every.view(world, *mine.shape)
+        for i, (b, name) in enumerate(modules):
+            rows = half.shape[0] if name == "txt_mod" and b.zero_cond_t else temb.shape[0]
+            width = getattr(b, name)[-1].out_features
+            self.views[(id(b), name)] = every[i % world, i // world, :rows * width].view(rows, width)
+        self.temb = temb
+
+    def modulations(self, block, temb):
+        """``(img_mod(temb), txt_mod(temb))`` of ``block`` from this call's table, or None."""
+        if temb is not self.temb:
+            return None
+        img, txt = self.views.get((id(block), "img_mod")), self.views.get((id(block), "txt_mod"))
+        return None if img is None or txt is None else (img, txt)
+
+
 def _block_forward(
     self,
     hidden_states: torch.Tensor,
@@ -398,10 +468,15 @@ def _block_forward(
     if torch.is_grad_enabled():
         _refuse_autograd(self, "the block", skip=self.attn, hidden_states=hidden_states,
                          encoder_hidden_states=encoder_hidden_states, temb=temb)
-    img_mod_params = self.img_mod(temb)   # (B, 6·dim), or (2B, 6·dim) with zero_cond_t
-    if self.zero_cond_t:
-        temb = torch.chunk(temb, 2, dim=0)[0]
-    txt_mod_params = self.txt_mod(temb)
+    table = self.__dict__.get(_MODULATIONS)
+    shared = table.modulations(self, temb) if table is not None else None
+    if shared is not None:   # computed for this temb over the context-parallel group
+        img_mod_params, txt_mod_params = shared
+    else:
+        img_mod_params = self.img_mod(temb)   # (B, 6·dim), or (2B, 6·dim) with zero_cond_t
+        if self.zero_cond_t:
+            temb = torch.chunk(temb, 2, dim=0)[0]
+        txt_mod_params = self.txt_mod(temb)
     img_mod1, img_mod2 = img_mod_params.chunk(2, dim=-1)
     txt_mod1, txt_mod2 = txt_mod_params.chunk(2, dim=-1)
     img_shift1, img_scale1, img_gate1 = img_mod1.chunk(3, dim=-1)
@@ -785,6 +860,12 @@ def enable(transformer, attention: str = "exact", linear: str = "exact"):
             block.attn.set_processor(processor)
         if not _forward_is_ours(block):
             _set_inner_forward(block, types.MethodType(_block_forward, block))
+    embed = getattr(transformer, "time_text_embed", None)
+    if transformer.__dict__.get(_MODULATIONS) is None and isinstance(embed, nn.Module):
+        table = _ModulationTable(blocks)
+        table.handle = embed.register_forward_hook(table)
+        for owner in (transformer, *blocks):
+            owner.__dict__[_MODULATIONS] = table
     return transformer
 
 
@@ -798,6 +879,11 @@ def disable(transformer):
     blocks = _check_transformer(transformer)
     refused = [b.attn.processor._given_parallel_config for b in blocks
                if _processor_is_ours(b) and b.attn.processor._refusal is not None]
+    table = transformer.__dict__.pop(_MODULATIONS, None)
+    if table is not None:
+        table.handle.remove()
+        for block in blocks:
+            block.__dict__.pop(_MODULATIONS, None)
     for block in blocks:
         _to_exact_linears(block)
         original = block.__dict__.pop(_ORIGINAL, None)

@@ -710,10 +710,10 @@ def _context_parallel_worker(rank, world, init_method, cases):
     try:
         # diffusers 0.42.1 picks the rank's device as rank % torch.accelerator.device_count(): 0 here
         torch.accelerator.device_count = lambda: 1
-        for degrees, padded, attention, order, heads in cases:
+        for degrees, padded, attention, order, heads, *zero_cond_t in cases:
             dtype = torch.bfloat16 if attention == "fp8" else torch.float32
             config = HEAD_DIM_64 if attention == "fp8" else {}
-            model = _peaked_model(dtype, num_attention_heads=heads, **config)
+            model = _peaked_model(dtype, num_attention_heads=heads, zero_cond_t=bool(zero_cond_t), **config)
             kwargs = _cp_inputs(world, padded, dtype)
             want = run(model, kwargs)   # one process, diffusers' own processors
             if order == "enable-first":
@@ -723,8 +723,14 @@ def _context_parallel_worker(rank, world, init_method, cases):
                 model.enable_parallelism(config=diffusers.ContextParallelConfig(**degrees))
                 enable(model, attention=attention)
             assert is_enabled(model)
+            # every block's modulations come from the group's table (each rank ran half of them)
+            table = model.__dict__["_flashflow_modulations"]
+            shared, lookup = [], table.modulations
+            table.modulations = lambda block, temb: shared.append(lookup(block, temb) is not None) or lookup(block, temb)
             got = run(model, kwargs)
-            where = f"rank {rank}: {degrees} padded={padded} {attention} {order}"
+            where = f"rank {rank}: {degrees} padded={padded} {attention} {order} zero_cond_t={bool(zero_cond_t)}"
+            assert shared == [True] * len(model.transformer_blocks), (where, shared)
+            assert len(table.views) == 2 * len(model.transformer_blocks), where
             if attention == "fp8":
                 assert cosine(got, want) > 0.999, (where, cosine(got, want))
             else:
@@ -755,14 +761,16 @@ GLOO = pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available())
 @GLOO
 def test_context_parallel_on_two_ranks(tmp_path):
     """Two processes: Ulysses and ring, both orders of enable and enable_parallelism, with and
-    without a text mask, exact and FP8 attention: each rank's output equals the one-process
-    model's (peaked attention, so a rank attending its own half would show)."""
+    without a text mask, exact and FP8 attention, zero_cond_t: each rank's output equals the
+    one-process model's (peaked attention, so a rank attending its own half would show), every
+    block's AdaLN modulations taken from the group's table."""
     _spawn(2, tmp_path, [
         (dict(ulysses_degree=2), False, "exact", "enable-first", 2),
         (dict(ulysses_degree=2), True, "exact", "parallel-first", 4),   # 2 heads per rank: two head groups
         (dict(ring_degree=2), True, "exact", "enable-first", 2),
         (dict(ring_degree=2), False, "exact", "parallel-first", 2),
         (dict(ulysses_degree=2), True, "fp8", "parallel-first", 2),
+        (dict(ulysses_degree=2), False, "exact", "enable-first", 2, True),   # zero_cond_t: img_mod on two temb rows
     ])
 
 
