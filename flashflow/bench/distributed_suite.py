@@ -66,9 +66,10 @@ GRAPH_CALLS = 10   # the exchange part: calls captured in one CUDA graph
 # provider -> how it runs: flashflow's attention mode (None: diffusers' processors), the context-parallel degrees
 # (None: one GPU), the order of enable and enable_parallelism, CUDA graph replays, Ulysses head groups
 def _p(attention=None, degrees=None, order="enable-first", graph=False, head_groups=None, linear="exact",
-       exchange=None, peer_groups=None, peer_copy=None, quantized=None):
+       exchange=None, peer_groups=None, peer_copy=None, quantized=None, shared_modulations=None):
     return dict(attention=attention, degrees=degrees, order=order, graph=graph, head_groups=head_groups,
-                linear=linear, exchange=exchange, peer_groups=peer_groups, peer_copy=peer_copy, quantized=quantized)
+                linear=linear, exchange=exchange, peer_groups=peer_groups, peer_copy=peer_copy, quantized=quantized,
+                shared_modulations=shared_modulations)
 
 
 U2, R2 = dict(ulysses_degree=2), dict(ring_degree=2)
@@ -98,6 +99,8 @@ STEP_PROVIDERS = {
     # (distributed.attention.QUANTIZED_EXCHANGE off) instead of quantizing on the way out
     "flashflow-fp8+ulysses2 (16-bit exchange)": _p("fp8", U2, quantized=False),
     "flashflow-fp8+ulysses2+graph (16-bit exchange)": _p("fp8", U2, graph=True, quantized=False),
+    # every rank computes every block's AdaLN modulations (integrations.diffusers.SHARE_MODULATIONS off)
+    "flashflow-fp8+ulysses2+graph (modulations on every rank)": _p("fp8", U2, graph=True, shared_modulations=False),
     # FP8 linear layers too (enable(attention="fp8", linear="fp8")): the fastest one-GPU step
     "flashflow-fp8-linear+graph": _p("fp8", graph=True, linear="fp8"),
     "flashflow-fp8-linear+ulysses2+graph": _p("fp8", U2, graph=True, linear="fp8"),
@@ -293,7 +296,9 @@ def _step_rows(rank, blocks, quick, save):
     from flashflow.reference.metrics import cosine, rel_l2
 
     head_groups, peer_groups = dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS
-    quantized = dist_attention.QUANTIZED_EXCHANGE
+    from flashflow.integrations import diffusers as ff_diffusers
+
+    quantized, shared = dist_attention.QUANTIZED_EXCHANGE, ff_diffusers.SHARE_MODULATIONS
 
     dtype = torch.bfloat16
     model = qi.build_model(blocks, "cuda", dtype)
@@ -317,6 +322,8 @@ def _step_rows(rank, blocks, quick, save):
                 dist_attention.PEER_HEAD_GROUPS = how["peer_groups"]
             if how["quantized"] is not None:
                 dist_attention.QUANTIZED_EXCHANGE = how["quantized"]
+            if how["shared_modulations"] is not None:
+                ff_diffusers.SHARE_MODULATIONS = how["shared_modulations"]
             saved_env = {name: os.environ.get(name) for name in (EXCHANGE_ENV, PEER_COPY_ENV)}
             for name, value in ((EXCHANGE_ENV, how["exchange"]), (PEER_COPY_ENV, how["peer_copy"])):
                 if value is not None:
@@ -343,7 +350,7 @@ def _step_rows(rank, blocks, quick, save):
                 torch.cuda.synchronize()
             finally:
                 dist_attention.HEAD_GROUPS, dist_attention.PEER_HEAD_GROUPS = head_groups, peer_groups
-                dist_attention.QUANTIZED_EXCHANGE = quantized
+                dist_attention.QUANTIZED_EXCHANGE, ff_diffusers.SHARE_MODULATIONS = quantized, shared
                 for name, value in saved_env.items():
                     if value is None:
                         os.environ.pop(name, None)

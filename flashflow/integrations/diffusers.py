@@ -37,9 +37,10 @@ parallelism are refused with a ``ValueError``. CFG parallel, the conditional and
 passes of a pipeline step on two ranks or two groups of ranks, is a pipeline-level switch:
 :func:`flashflow.integrations.cfg_parallel.enable_cfg_parallel`. Under context parallelism the
 AdaLN modulations (``img_mod`` / ``txt_mod`` of every block, which depend on the timestep
-embedding alone) are computed once a call and shared out: each rank of the group runs whole
-modules in turn and one all-gather gives every rank all of them (:class:`_ModulationTable`), so
-their weights are read once over the group instead of once a rank.
+embedding alone) are computed once a call and shared out while a CUDA graph is captured: each
+rank of the group runs whole modules in turn and one all-gather gives every rank all of them
+(:class:`_ModulationTable`), so their weights are read once over the group instead of once a
+rank.
 """
 from __future__ import annotations
 
@@ -91,6 +92,10 @@ _ORIGINAL_LINEARS = "_flashflow_original_linears"
 _ORIGINAL = "_flashflow_original"
 # The transformer's _ModulationTable (and each block's reference to it), set by enable.
 _MODULATIONS = "_flashflow_modulations"
+# Under context parallelism, while a CUDA graph is captured, the blocks' AdaLN modulations are
+# shared out over the group (_ModulationTable); False: every rank computes all of them, for
+# measurements.
+SHARE_MODULATIONS = True
 
 # cuBLASLt's bias + GELU epilogue is the tanh approximation; CPU builds of this private op use the
 # erf GELU instead, hence CUDA only.
@@ -405,7 +410,11 @@ class _ModulationTable:
     views of the gathered buffer. The table holds them for the ``temb`` it saw (the same tensor
     object the model hands every block); a block called with any other ``temb``, outside context
     parallelism, or with fewer modules than ranks, computes its own as before. Not under autograd
-    (the fused blocks refuse it)."""
+    (the fused blocks refuse it).
+
+    Only while a CUDA graph is captured (or on the CPU, where the gloo tests run it): eagerly, a
+    two-GPU step is host-bound, and the extra collective measured slower (2 × H200, Edit, 6
+    blocks: 17.19 against 14.83–14.84 ms a step without it, ``bench/results/distributed-*.json``)."""
 
     def __init__(self, blocks):
         self.blocks = list(blocks)
@@ -415,7 +424,9 @@ class _ModulationTable:
 
     def __call__(self, module, args, temb) -> None:
         self.temb, self.views = None, {}
-        if not isinstance(temb, torch.Tensor) or torch.is_grad_enabled() or not self.blocks:
+        if not isinstance(temb, torch.Tensor) or torch.is_grad_enabled() or not self.blocks or not SHARE_MODULATIONS:
+            return
+        if temb.is_cuda and not torch.cuda.is_current_stream_capturing():
             return
         processor = self.blocks[0].attn.processor
         if not isinstance(processor, FlashflowQwenAttnProcessor):
