@@ -305,7 +305,7 @@ PEER_HEAD_GROUPS = 1
 # instead of moved in 16 bits and quantized after it (False: always the latter, for measurements).
 # No floor: 2 × H200, a Qwen-Image step (6 blocks, CUDA graph), 8-bit against 16-bit: Edit (4224
 # tokens a rank) 14.15 against 14.84 ms; 1024px (2176 a rank) 7.26 against 7.59 ms
-# (bench/results/distributed-nvidia-h200-quantized-step.json)
+# (bench/results/distributed-nvidia-h200-quantized-step-unshared.json)
 QUANTIZED_EXCHANGE = True
 QUANTIZED_EXCHANGE_MIN_TOKENS = 0
 

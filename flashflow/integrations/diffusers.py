@@ -412,9 +412,11 @@ class _ModulationTable:
     parallelism, or with fewer modules than ranks, computes its own as before. Not under autograd
     (the fused blocks refuse it).
 
-    Only while a CUDA graph is captured (or on the CPU, where the gloo tests run it): eagerly, a
-    two-GPU step is host-bound, and the extra collective measured slower (2 × H200, Edit, 6
-    blocks: 17.19 against 14.83–14.84 ms a step without it, ``bench/results/distributed-*.json``)."""
+    Only while a CUDA graph is captured (or on the CPU, where the gloo tests run it). 2 × H200,
+    Edit, 6 blocks: captured, 14.00 ms a step against 14.15 with every rank computing all of them
+    (``bench/results/distributed-nvidia-h200-quantized-step.json``); eagerly a two-GPU step is
+    host-bound and the extra collective measured 17.19 ms against 14.26 without it
+    (``...-quantized-step-anchors.json``, ``...-quantized-step.json``)."""
 
     def __init__(self, blocks):
         self.blocks = list(blocks)
