@@ -444,18 +444,16 @@ class _ModulationTable:
             return
         # txt_mod takes the first half of temb under zero_cond_t, as the block forward does
         half = temb.chunk(2, dim=0)[0]
-        outs = [getattr(b, name)(half if name == "txt_mod" and b.zero_cond_t else temb)
-                for b, name in modules[rank::world]]
-        slot = temb.shape[0] * max(getattr(b, name)[-1].out_features for b, name in modules)
-        mine = outs[0].new_empty((-(-len(modules) // world), slot))
+        inputs = [half if name == "txt_mod" and b.zero_cond_t else temb for b, name in modules]
+        outs = [getattr(b, name)(x) for (b, name), x in zip(modules[rank::world], inputs[rank::world])]
+        shapes = [(x.shape[0], getattr(b, name)[-1].out_features) for (b, name), x in zip(modules, inputs)]
+        mine = outs[0].new_empty((-(-len(modules) // world), max(r * w for r, w in shapes)))
         for i, out in enumerate(outs):
             mine[i, :out.numel()].copy_(out.reshape(-1))
-        every = mine.new_empty((world * mine.shape[0], slot))   # rank-major (gloo takes this form only)
+        every = mine.new_empty((world * mine.shape[0], mine.shape[1]))   # rank-major (gloo takes this form only)
         dist.all_gather_into_tensor(every, mine, group=group)
         every = every.view(world, *mine.shape)
-        for i, (b, name) in enumerate(modules):
-            rows = half.shape[0] if name == "txt_mod" and b.zero_cond_t else temb.shape[0]
-            width = getattr(b, name)[-1].out_features
+        for i, ((b, name), (rows, width)) in enumerate(zip(modules, shapes)):
             self.views[(id(b), name)] = every[i % world, i // world, :rows * width].view(rows, width)
         self.temb = temb
 
