@@ -64,7 +64,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
 from flashflow.kernels.mask import key_allowed
-from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax, online_softmax_scaled
+from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled
 from flashflow.kernels.tile_order import attention_tile
 
 
@@ -72,18 +72,19 @@ from flashflow.kernels.tile_order import attention_tile
 
 
 @gluon.jit
-def _masked_scores(qk, qk_scale_log2, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys,
-                   CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Base-2 scores of one key block, -inf where row ``offs_m`` may not see the key (mask.py's
+def _masked_scores(qk, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL: gl.constexpr,
+                   KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """One key block's raw scores, -inf where row ``offs_m`` may not see the key (mask.py's
     rule: in the sequence, at or left of the bottom-right diagonal with ``CAUSAL``), or where the
-    key-padding row ``kpm`` flags it False (its first ``mask_keys`` keys)."""
+    key-padding row ``kpm`` flags it False (its first ``mask_keys`` keys). Unscaled: the launcher's
+    scale is positive, so a masked score stays -inf once scaled."""
     offs_n = start_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     allowed = key_allowed(gl.expand_dims(offs_n < seqlen_k, 0), gl.expand_dims(offs_n, 0),
                           gl.expand_dims(offs_m + diag_offset, 1), 0, 0, False, CAUSAL)
     if KEY_PADDING:
         keep = gl.load(kpm + offs_n, mask=offs_n < mask_keys, other=1)
         allowed = allowed & gl.expand_dims(keep != 0, 0)
-    return gl.where(allowed, qk * qk_scale_log2, float("-inf"))
+    return gl.where(allowed, qk, float("-inf"))
 
 
 @gluon.jit
@@ -96,18 +97,6 @@ def _issue_pv(acc, alpha, p, v_buf, p_layout: gl.constexpr):
 
 
 # ----------------------------------------------------------------------------- loads
-
-
-@gluon.jit
-def _refill(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_row0, k_col, j, n_blocks,
-            BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """Without a load warp (one tile a CTA): block ``j + NUM_STAGES``'s K and V into the
-    buffers block ``j`` leaves, once every warp is past its reads of them."""
-    gl.thread_barrier()
-    if j + NUM_STAGES < n_blocks:
-        stage = j % NUM_STAGES
-        load_block(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
-        load_block(v_desc, v_smem, v_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
 
 
 @gluon.jit
@@ -161,37 +150,27 @@ def _zero_v_tail(v_buf, n_valid, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, 
 
 
 @gluon.jit
-def _masked_blocks(g, lo, hi, acc, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, k_desc, v_desc,
-                   k_row0, k_col, n_blocks, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys,
-                   CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, num_warps: gl.constexpr):
-    """Blocks ``[lo, hi)`` with their keys masked, one at a time (block j in ring position
-    ``g + j``)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc.type.layout, k_width=2)
-    qk_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-    for j in range(lo, hi):
-        stage = (g + j) % NUM_STAGES
-        phase = ((g + j) // NUM_STAGES) & 1
-        mbarrier.wait(k_bar.index(stage), phase)
-        qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        qk = warpgroup_mma_wait(0, deps=[qk])
-        if PRODUCER:
-            mbarrier.arrive(k_free.index(stage))
-        p, alpha, l_i, m_i = online_softmax(_masked_scores(qk, qk_scale_log2, offs_m, j * BLOCK_N, seqlen_k,
-                                                           diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING,
-                                                           BLOCK_N, s_layout), m_i, l_i)
-        mbarrier.wait(v_bar.index(stage), phase)
-        if (j + 1) * BLOCK_N > seqlen_k:
-            _zero_v_tail(v_smem.index(stage), seqlen_k - j * BLOCK_N, BLOCK_N, HEAD_DIM, num_warps)
-        acc = _issue_pv(acc, alpha, p, v_smem.index(stage), p_layout)
-        acc = warpgroup_mma_wait(0, deps=[acc])
-        if PRODUCER:
-            mbarrier.arrive(v_free.index(stage))
-        else:
-            _refill(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_row0, k_col, j, n_blocks, BLOCK_N, NUM_STAGES)
-    return acc, m_i, l_i
+def _block_softmax(qk, j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys,
+                   CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """The online softmax of block ``j``'s raw scores, the scale folded into one FMA a score.
+    Outside the tile's unmasked blocks ``[full_lo, full_hi)`` the mask (mask.py's rule and the
+    key-padding row) first sets the scores a row may not see to -inf, in a uniform branch: the
+    unmasked blocks run none of its instructions, only the per-row guard of a row with no key."""
+    if (j < full_lo) | (j >= full_hi):
+        qk = _masked_scores(qk, offs_m, j * BLOCK_N, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING,
+                            BLOCK_N, s_layout)
+    return online_softmax_scaled(qk, m_i, l_i, qk_scale_log2, True)
+
+
+@gluon.jit
+def _v_ready(v_smem, v_bar, stage, phase, j, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+             num_warps: gl.constexpr):
+    """Wait for block ``j``'s V buffer; in a block that runs past the sequence's end, zero V's
+    rows there first (they hold the next sequence's or head's values, maybe NaN, and 0 · NaN would
+    reach the output)."""
+    mbarrier.wait(v_bar.index(stage), phase)
+    if (j + 1) * BLOCK_N > seqlen_k:
+        _zero_v_tail(v_smem.index(stage), seqlen_k - j * BLOCK_N, BLOCK_N, HEAD_DIM, num_warps)
 
 
 @gluon.jit
@@ -202,7 +181,10 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
               WG: gl.constexpr, num_warps: gl.constexpr):
     """The MMA and softmax warps of ``BLOCK_M`` query rows: ``(acc, l, m)`` over the blocks
     ``[0, n_blocks)`` of the tile's keys, ``[full_lo, full_hi)`` of them unmasked; block j sits
-    in ring position ``g + j``, and the tile's ping-pong turns are numbered from ``t0``."""
+    in ring position ``g + j``, and the tile's ping-pong turns are numbered from ``t0`` (a tile
+    with blocks takes ``n_blocks + 1`` turns). Every block, masked or not, runs in one pipelined
+    loop: S_j's WGMMA is issued before P_{j−1}·V_{j−1}'s, and the softmax of S_j runs under it.
+    Without ``PRODUCER`` (one tile a CTA) the warps refill the ring themselves."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -218,15 +200,10 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_ready, q_phase)
 
-    # the masked prefix (keys of the key-padding mask)
-    acc, m_i, l_i = _masked_blocks(g, 0, full_lo, acc, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free,
-                                   k_desc, v_desc, k_row0, k_col, n_blocks, qk_scale_log2, offs_m, seqlen_k,
-                                   diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_M, BLOCK_N, HEAD_DIM,
-                                   NUM_STAGES, PRODUCER, num_warps)
-    if full_lo < full_hi:
-        # block full_lo: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
-        stage = (g + full_lo) % NUM_STAGES
-        mbarrier.wait(k_bar.index(stage), ((g + full_lo) // NUM_STAGES) & 1)
+    if n_blocks > 0:
+        # block 0: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
+        stage = g % NUM_STAGES
+        mbarrier.wait(k_bar.index(stage), (g // NUM_STAGES) & 1)
         take_turn(turn, t0, PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         pass_turn(turn, PINGPONG, WG)
@@ -235,10 +212,11 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             mbarrier.arrive(k_free.index(stage))
         else:
             gl.thread_barrier()
-            if full_lo + NUM_STAGES < n_blocks:
-                load_block(k_desc, k_smem, k_bar, k_row0 + (full_lo + NUM_STAGES) * BLOCK_N, k_col, stage)
-        p, alpha, l_i, m_i = online_softmax_scaled(qk, m_i, l_i, qk_scale_log2)
-        for j in range(full_lo + 1, full_hi):
+            if NUM_STAGES < n_blocks:
+                load_block(k_desc, k_smem, k_bar, k_row0 + NUM_STAGES * BLOCK_N, k_col, stage)
+        p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
+                                            diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+        for j in range(1, n_blocks):
             stage = (g + j) % NUM_STAGES
             phase = ((g + j) // NUM_STAGES) & 1
             prev = (g + j - 1) % NUM_STAGES
@@ -246,7 +224,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             # S_j = Q · K_jᵀ on the tensor cores ...
             mbarrier.wait(k_bar.index(stage), phase)
             mbarrier.wait(v_bar.index(prev), prev_phase)
-            take_turn(turn, t0 + j - full_lo, PINGPONG, WG)
+            take_turn(turn, t0 + j, PINGPONG, WG)
             qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             # ... then block j−1's P·V into the rescaled accumulator
             acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
@@ -255,7 +233,8 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             if PRODUCER:
                 mbarrier.arrive(k_free.index(stage))
             # the softmax of block j under block j−1's P·V
-            p, alpha, l_i, m_i = online_softmax_scaled(qk, m_i, l_i, qk_scale_log2)
+            p, alpha, l_i, m_i = _block_softmax(qk, j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
+                                                diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
             acc = warpgroup_mma_wait(0, deps=[acc])
             if PRODUCER:
                 mbarrier.arrive(v_free.index(prev))
@@ -266,11 +245,12 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
                     load_block(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
                 if j - 1 + NUM_STAGES < n_blocks:
                     load_block(v_desc, v_smem, v_bar, k_row0 + (j - 1 + NUM_STAGES) * BLOCK_N, k_col, prev)
-        # the last unmasked block's P·V
-        last = full_hi - 1
+        # the last block's P·V (only the last block can run past the sequence's end)
+        last = n_blocks - 1
         stage = (g + last) % NUM_STAGES
-        mbarrier.wait(v_bar.index(stage), ((g + last) // NUM_STAGES) & 1)
-        take_turn(turn, t0 + full_hi - full_lo, PINGPONG, WG)
+        _v_ready(v_smem, v_bar, stage, ((g + last) // NUM_STAGES) & 1, last, seqlen_k, BLOCK_N, HEAD_DIM,
+                 num_warps)
+        take_turn(turn, t0 + n_blocks, PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage), p_layout)
         pass_turn(turn, PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
@@ -280,11 +260,6 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             gl.thread_barrier()
             if last + NUM_STAGES < n_blocks:
                 load_block(v_desc, v_smem, v_bar, k_row0 + (last + NUM_STAGES) * BLOCK_N, k_col, stage)
-    # the masked suffix: the causal diagonal, a ragged last block
-    acc, m_i, l_i = _masked_blocks(g, gl.maximum(full_hi, full_lo), n_blocks, acc, m_i, l_i, q_smem, k_smem, v_smem,
-                                   k_bar, v_bar, k_free, v_free, k_desc, v_desc, k_row0, k_col, n_blocks,
-                                   qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys, CAUSAL,
-                                   KEY_PADDING, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, PRODUCER, num_warps)
     return acc, l_i, m_i
 
 
@@ -373,8 +348,8 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                    stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
         g += n_blocks
         it += 1
-        if full_lo < full_hi:
-            t += full_hi - full_lo + 1
+        if n_blocks > 0:
+            t += n_blocks + 1
 
 
 @gluon.jit

@@ -57,12 +57,18 @@ def online_softmax(s, m_i, l_i):
 
 
 @triton.jit
-def online_softmax_scaled(qk, m_i, l_i, qk_scale_log2):
-    """:func:`online_softmax` of the raw scores ``qk · qk_scale_log2`` where nothing is masked:
-    the maximum is finite, so no shift guard, and the scale folds into one FMA per score."""
+def online_softmax_scaled(qk, m_i, l_i, qk_scale_log2, MASKED: tl.constexpr = False):
+    """:func:`online_softmax` of the raw scores ``qk · qk_scale_log2``, the scale folded into one
+    FMA per score. Without ``MASKED`` nothing is masked: the maximum is finite, so no shift
+    guard. With it, masked raw scores are -inf (``qk_scale_log2`` > 0 keeps them -inf) and a
+    row with no allowed key yet is shifted by 0 (:func:`shift_of`), per row, not per score."""
     m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale_log2)
-    p = tl.math.exp2(qk * qk_scale_log2 - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
+    if MASKED:
+        m_shift = shift_of(m_new)
+    else:
+        m_shift = m_new
+    p = tl.math.exp2(qk * qk_scale_log2 - m_shift[:, None])
+    alpha = tl.math.exp2(m_i - m_shift)
     l_i = l_i * alpha + tl.sum(p, 1)
     return p, alpha, l_i, m_new
 

@@ -18,6 +18,7 @@ naming the reason where it cannot; ``auto`` (the default) is the rule above.
 """
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -27,7 +28,7 @@ from flashflow.device import cdiv, gpu_family, interpreting, num_sms, on_gpu
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import aligned16, rows_view, tma_strides_ok
 from flashflow.tuning import NoConfigError
-from flashflow.tuning.attention_gluon import GluonAttentionConfig, check_launch, gluon_attention_config
+from flashflow.tuning.attention_gluon import GluonAttentionConfig, gluon_attention_config
 
 GLUON = "gluon-sm90"
 KERNEL_ENV = "FLASHFLOW_ATTENTION_KERNEL"
@@ -44,7 +45,7 @@ def kernel_choice() -> str:
 
 
 def unsupported_reason(q, k, v, *, bias=None, cu_seqlens_q=None, softcap=0.0, window_left=None, window_right=None,
-                       config=None, out=None, forced: bool = False, **_) -> Optional[str]:
+                       softmax_scale=None, config=None, out=None, forced: bool = False, **_) -> Optional[str]:
     """Why the Gluon kernel does not take this call (None: it does). ``forced``: as under
     ``FLASHFLOW_ATTENTION_KERNEL=gluon`` (a config with ``auto`` off still runs)."""
     if interpreting() or not on_gpu(q.device):
@@ -62,6 +63,8 @@ def unsupported_reason(q, k, v, *, bias=None, cu_seqlens_q=None, softcap=0.0, wi
         return "softcap"
     if window_left is not None or window_right not in (None, 0):
         return "a window other than causal"
+    if softmax_scale is not None and not (0 < softmax_scale < math.inf):
+        return f"softmax_scale {softmax_scale} (the kernel masks raw scores: it takes a positive, finite scale)"
     if config is not None:
         return "a portable config was given"
     if q.numel() == 0 or k.shape[1] == 0:
@@ -109,7 +112,6 @@ def gluon_forward(q, k, v, *, key_padding_mask=None, mask_keys=None, softmax_sca
     seqlen_k, kv_heads = k.shape[1], k.shape[2]
     causal = window_right is not None
     cfg = config or gluon_attention_config(head_dim, causal, gpu_family(q.device))
-    check_launch(cfg, causal)
     if out is None:
         out = q.new_empty(q.shape)
     lse = q.new_empty((batch, heads, seqlen_q) if return_lse else (0,), dtype=torch.float32)

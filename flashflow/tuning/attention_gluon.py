@@ -36,16 +36,6 @@ class GluonAttentionConfig(Config):
             raise ValueError("pingpong needs split_warpgroups")
 
 
-def check_launch(cfg: GluonAttentionConfig, causal: bool) -> None:
-    """The launch rule no config can change: the persistent kernel with two MMA partitions is
-    refused (it faults on the GPU, an illegal address, on tiles with no unmasked key block: a
-    causal diagonal, a sequence shorter than a block; not understood), a ``ValueError`` before
-    anything is launched. ``causal`` is the call's mask, for the message."""
-    if cfg.persistent and cfg.split_warpgroups:
-        raise ValueError(f"config: persistent with split_warpgroups does not run{' causal' if causal else ''} "
-                         "attention; take persistent=False (the shipped entries) or split_warpgroups=False")
-
-
 CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal"), what="Gluon attention")
 
 

@@ -23,6 +23,8 @@ CONFIGS = {
     "split": C(128, 128, 4, 2, True, True, False),
     "split-pp-s3": C(128, 128, 4, 3, True, True, True),
     "persistent-8warps": C(128, 128, 8, 2, True, False, False, True),
+    "persistent-split-pp": C(128, 128, 4, 2, True, True, True, True),
+    "persistent-split": C(128, 128, 4, 2, True, True, False, True),
     "m64-n64": C(64, 64, 4, 2),
     "m128-8warps": C(128, 128, 8, 2),
 }
@@ -123,7 +125,10 @@ def test_dispatch_and_its_override(monkeypatch):
     q64 = q[..., :64].contiguous()
     assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == attn_ops.PORTABLE   # auto off at d64
     short = q[:, :1024]
-    assert attn_ops.forward_kernel_name(short, short, short, **kw) == attn_ops.PORTABLE   # min_seqlen_k
+    assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 512 keys
+    assert attn_ops.forward_kernel_name(short, short, short, window_right=0, **kw) == attn_ops.PORTABLE
+    shorter = q[:, :300]
+    assert attn_ops.forward_kernel_name(shorter, shorter, shorter, **kw) == attn_ops.PORTABLE   # min_seqlen_k
     monkeypatch.setenv(ag.KERNEL_ENV, "portable")
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == attn_ops.PORTABLE
     monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
@@ -217,12 +222,16 @@ def test_graph_replays_and_compile(gpu):
     assert gpu.rel(compiled(q, k, v), _exact(q, k, v, True)) < gpu.tol
 
 
-def test_persistent_split_is_refused_before_launch():
-    q = torch.randn(1, 256, 4, 128, device="cuda", dtype=torch.bfloat16)
-    out = torch.full_like(q, float("nan"))
-    for causal in (False, True):
-        with pytest.raises(ValueError, match="persistent"):
-            ag.gluon_forward(q, q, q, softmax_scale=0.1, window_right=0 if causal else None, out=out,
-                             config=C(128, 128, 4, 2, True, True, True, True))
-    torch.cuda.synchronize()
-    assert out.isnan().all()
+def test_persistent_tiles_without_an_unmasked_block(gpu):
+    """Persistent CTAs (two MMA partitions) walking more tiles than SMs, where some tiles hold only
+    masked blocks (causal diagonals, a sequence shorter than a block) and some no block at all
+    (rows before the first key): every tile against float64."""
+    cfg = C(128, 128, 4, 2, True, True, True, True)
+    for (b, sq, sk, h, causal) in ((3, 1100, 1100, 48, True), (64, 90, 90, 8, False), (2, 700, 260, 96, True)):
+        torch.manual_seed(b)
+        q = torch.randn(b, sq, h, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(b, sk, h, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        assert b * h * -(-sq // 128) > torch.cuda.get_device_properties(0).multi_processor_count
+        out, _ = _run(q, k, v, cfg, causal, out=gpu.nan_like(q))
+        assert not out.isnan().any()
+        assert gpu.rel(out, _exact(q, k, v, causal)) < gpu.tol

@@ -10,7 +10,7 @@ from flashflow.ops import attention as attn_ops
 from flashflow.ops import attention_gluon as ag
 from flashflow.reference import attention_naive
 from flashflow.reference.metrics import rel_l2
-from flashflow.tuning.attention_gluon import CONFIGS, GluonAttentionConfig, check_launch, gluon_attention_config
+from flashflow.tuning.attention_gluon import CONFIGS, GluonAttentionConfig, gluon_attention_config
 
 
 @pytest.fixture
@@ -44,7 +44,8 @@ def test_takes_the_hot_calls(hopper):
     ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
     ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
     ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
-    ("short", "fewer than 2048 keys"),
+    ("short", "fewer than 512 keys"), ("short-causal", "fewer than 2048 keys"), ("scale-zero", "softmax_scale"), ("scale-negative", "softmax_scale"),
+    ("scale-inf", "softmax_scale"),
 ])
 def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     q, k, v = _qkv()
@@ -66,7 +67,12 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     elif case == "empty":
         q, k, v = _qkv(s=0)
     elif case == "short":
+        q, k, v = _qkv(s=300)
+    elif case == "short-causal":
         q, k, v = _qkv(s=1000)
+        kw["window_right"] = 0
+    elif case.startswith("scale-"):
+        kw["softmax_scale"] = {"scale-zero": 0.0, "scale-negative": -0.1, "scale-inf": float("inf")}[case]
     elif case == "out-strided":
         kw["out"] = torch.empty(2, 2100, 4, 256, dtype=torch.bfloat16)[..., ::2]
     elif case == "last-stride":
@@ -125,15 +131,10 @@ def test_the_interpreter_runs_the_portable_kernel(monkeypatch):
 def test_config_table_and_rules():
     assert CONFIGS.problems() == []
     hot = gluon_attention_config(128, False, "sm90")
-    assert hot.auto and hot.split_warpgroups and hot.pingpong and hot.min_seqlen_k == 2048
+    assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 512
     causal = gluon_attention_config(128, True, "sm90")
     assert causal.auto and causal.min_seqlen_k == 2048
     assert not gluon_attention_config(64, False, "sm90").auto
-    for cfg in (hot, causal, GluonAttentionConfig(128, 128, 8, 2, True, persistent=True)):
-        check_launch(cfg, causal=False)
-        check_launch(cfg, causal=True)
-    with pytest.raises(ValueError, match="persistent with split_warpgroups"):
-        check_launch(hot.replace(persistent=True), causal=False)
 
 
 @pytest.mark.parametrize("fields, match", [
