@@ -22,10 +22,13 @@ FlashAttention-3 lays it out:
   softmax under the other's WGMMAs), passing the turn through two mbarriers.
 
 Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (bottom-right causal diagonal; a
-key-padding mask over the first ``mask_keys`` keys). The blocks of a tile run in three phases:
-the masked prefix (blocks holding a key of the key-padding mask), the unmasked middle (the
-pipelined loop above), the masked suffix (the causal diagonal, a ragged last block). The masked
-blocks run one at a time, their Q·Kᵀ and P·V not overlapped.
+key-padding mask over the first ``mask_keys`` keys). Every key block of a tile runs in the one
+pipelined loop above: a block outside the tile's unmasked range (a block holding a key of the
+key-padding mask, the causal diagonal, a ragged last block) first sets the raw scores its rows
+may not see to -inf, in a uniform branch the unmasked blocks skip; the softmax guards a row with
+no allowed key yet per row (``online_softmax_scaled(..., MASKED=True)``). The scale must be
+positive (the dispatcher leaves other scales to the portable kernel): a masked raw score then
+stays -inf once scaled.
 
 Loads come from host TMA descriptors over 2-D views of q, k, v (rows = tokens, the launcher's
 ``rows_view``): rows past a sequence's end may belong to the next sequence or head. Their keys
@@ -34,8 +37,11 @@ zeroed in shared memory before P·V (a 0 · NaN there would reach the output); q
 are never stored.
 
 ``PERSISTENT`` (with ``WARP_SPECIALIZE``): a CTA walks tiles ``program_id, + num_programs, ...``
-with two Q buffers, its load warp running into the next tile. With ``SPLIT_WARPGROUPS`` it
-faults on the GPU (tuning.attention_gluon.check_launch refuses it); one partition runs.
+with two Q buffers, its load warp running into the next tile (the shipped non-causal tile).
+Written with the masked blocks in loops of their own before and after the pipelined loop, the
+persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
+computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge
+(docs/hopper.md). One loop for every block leaves no such path.
 
 Budget per warp role (the shipped head_dim-128 tile: 128 rows, 128-key blocks, 2 stages):
 
@@ -43,12 +49,15 @@ Budget per warp role (the shipped head_dim-128 tile: 128 rows, 128-key blocks, 2
   reports the 168 a thread starts with): the accumulator (64 fp32), the scores (64 fp32), P
   (32 packed bf16 pairs), the row state;
 * load warp, 1 warp, 24 registers;
-* shared memory: Q 32 KB, K and V rings 2 × 2 × 32 KB, the mbarriers: 160 KB (164,248 bytes
-  with the compiler's scratch), one CTA an SM.
+* shared memory: Q 32 KB (two buffers, 64 KB, persistent), K and V rings 2 × 2 × 32 KB, the
+  mbarriers: 160 KB one CTA a tile (164,248 bytes with the compiler's scratch), 192 KB
+  persistent (197,000 bytes), one CTA an SM.
 
-Per 128-key block a thread of an MMA warpgroup issues 468 instructions in the pipelined loop
-(ptxas, sm90): 16 ``HGMMA.64x128x16``, 66 ``MUFU.EX2``, 66 ``FFMA``, 68 ``FMNMX``, 68 ``FADD``,
-66 ``FMUL``, 32 ``F2FP`` and the barriers and addresses (docs/hopper.md).
+Per 128-key block a thread of an MMA warpgroup issues 467 instructions on the loop's unmasked
+path in the shipped non-causal form (ptxas, sm90; 474 with ping-pong turns): 16
+``HGMMA.64x128x16``, 66 ``MUFU.EX2``, 66 ``FFMA``, 68 ``FMNMX``, 68 ``FADD``, 66 ``FMUL``, 32
+``F2FP``, the per-row guard and the block's branch, and the barriers and addresses; a masked
+block adds 84 (the mask's compares and 64 selects) (docs/hopper.md).
 
 Cost per (batch, head): FLOPs ``4·Sq·Sk·d`` (about half with causal), at the 16-bit tensor-core
 rate; bytes ``2·(Sq + 2·Sk)·d`` at two bytes an element (K and V read once per query tile,

@@ -125,7 +125,7 @@ def test_dispatch_and_its_override(monkeypatch):
     q64 = q[..., :64].contiguous()
     assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == attn_ops.PORTABLE   # auto off at d64
     short = q[:, :1024]
-    assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 512 keys
+    assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 1024 keys
     assert attn_ops.forward_kernel_name(short, short, short, window_right=0, **kw) == attn_ops.PORTABLE
     shorter = q[:, :300]
     assert attn_ops.forward_kernel_name(shorter, shorter, shorter, **kw) == attn_ops.PORTABLE   # min_seqlen_k

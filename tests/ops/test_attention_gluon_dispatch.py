@@ -44,7 +44,7 @@ def test_takes_the_hot_calls(hopper):
     ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
     ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
     ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
-    ("short", "fewer than 512 keys"), ("short-causal", "fewer than 2048 keys"), ("scale-zero", "softmax_scale"), ("scale-negative", "softmax_scale"),
+    ("short", "fewer than 1024 keys"), ("short-causal", "fewer than 2048 keys"), ("scale-zero", "softmax_scale"), ("scale-negative", "softmax_scale"),
     ("scale-inf", "softmax_scale"),
 ])
 def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
@@ -131,7 +131,7 @@ def test_the_interpreter_runs_the_portable_kernel(monkeypatch):
 def test_config_table_and_rules():
     assert CONFIGS.problems() == []
     hot = gluon_attention_config(128, False, "sm90")
-    assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 512
+    assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 1024
     causal = gluon_attention_config(128, True, "sm90")
     assert causal.auto and causal.min_seqlen_k == 2048
     assert not gluon_attention_config(64, False, "sm90").auto

@@ -98,7 +98,7 @@ SPEC = OpSpec(
     info_shows_config=True,
     suite="attention",
     axes={"BLOCK_N": (64, 128), "num_stages": (2, 3), "pingpong": (False, True),
-          "split_warpgroups": (False, True)},
+          "split_warpgroups": (False, True), "persistent": (False, True)},
     config_classes=(GluonAttentionConfig,),
     unit="TFLOP/s",
     anchor="sdpa",
