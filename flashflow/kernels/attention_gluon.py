@@ -329,8 +329,9 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                     RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles in the load warp's order,
-    takes Q from the buffer the load warp filled, hands it back after the tile's last Q·Kᵀ and
-    stores from the MMA layout (the ring may already hold the next tile's blocks)."""
+    takes Q from the buffer the load warp filled, hands it back once the tile's MMAs are done
+    and stores from the MMA layout (the ring may already hold the next tile's blocks); the
+    tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``."""
     g = 0
     it = 0
     t = 0

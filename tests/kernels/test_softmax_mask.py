@@ -18,11 +18,12 @@ pytestmark = pytest.mark.skipif(not interpreting(), reason="runs the jit helpers
 
 
 @triton.jit
-def _softmax_tiles(S, V, O, LSE, WS_ACC, WS_ML, n_keys, SCALED: tl.constexpr, ROWS: tl.constexpr,
+def _softmax_tiles(S, V, O, LSE, WS_ACC, WS_ML, n_keys, scale, SCALED: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_N: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr):
     """Rows of base-2 scores S (ROWS × TILES·BLOCK_N, -inf = masked) and values V: the online
     softmax over the tiles, normalised (O, LSE); each tile's partial state also goes to the
-    workspace (one split per tile) for the merge test."""
+    workspace (one split per tile) for the merge test. SCALED 1: ``online_softmax_scaled`` of
+    S (scale 1); SCALED 2: its ``MASKED`` form of the raw scores ``S / scale``."""
     r = tl.arange(0, ROWS)
     n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, D)
@@ -32,7 +33,9 @@ def _softmax_tiles(S, V, O, LSE, WS_ACC, WS_ML, n_keys, SCALED: tl.constexpr, RO
     for t in tl.static_range(TILES):
         s = tl.load(S + r[:, None] * n_keys + t * BLOCK_N + n[None, :])
         v = tl.load(V + (t * BLOCK_N + n[:, None]) * D + d[None, :])
-        if SCALED:
+        if SCALED == 2:
+            p, alpha, l_i, m_i = online_softmax_scaled(s / scale, m_i, l_i, scale, True)
+        elif SCALED == 1:
             p, alpha, l_i, m_i = online_softmax_scaled(s, m_i, l_i, 1.0)
         else:
             p, alpha, l_i, m_i = online_softmax(s, m_i, l_i)
@@ -68,7 +71,7 @@ def _run(scaled, masked_rows):
     v = torch.randn(n_keys, d, dtype=torch.float32)
     o, lse = torch.empty(rows, d), torch.empty(rows)
     ws_acc, ws_ml = torch.empty(tiles, rows, d), torch.empty(tiles, 2, rows)
-    _softmax_tiles[(1,)](s, v, o, lse, ws_acc, ws_ml, n_keys, SCALED=scaled, ROWS=rows, BLOCK_N=block_n,
+    _softmax_tiles[(1,)](s, v, o, lse, ws_acc, ws_ml, n_keys, 0.37, SCALED=int(scaled), ROWS=rows, BLOCK_N=block_n,
                          D=d, TILES=tiles)
     # reference: softmax of natural-log scores s·ln2 (s is base 2)
     nat = s.double() * math.log(2)
@@ -84,8 +87,11 @@ def test_online_softmax_over_tiles(scaled):
     assert torch.allclose(lse.double(), ref_lse, atol=1e-5)
 
 
-def test_rows_with_no_key_give_zero_and_minus_inf_never_nan():
-    _, o, lse, _, _, ref, ref_lse = _run(False, masked_rows=True)
+@pytest.mark.parametrize("scaled", [0, 2])
+def test_rows_with_no_key_give_zero_and_minus_inf_never_nan(scaled):
+    """The guarded forms: online_softmax, and online_softmax_scaled with MASKED (raw scores,
+    -inf where masked, a positive scale: the Gluon kernel's masked blocks)."""
+    _, o, lse, _, _, ref, ref_lse = _run(scaled, masked_rows=True)
     assert torch.isfinite(o).all() and (o[2] == 0).all() and torch.isneginf(lse[2])
     keep = torch.isfinite(ref_lse)
     assert torch.allclose(o.double()[keep], ref[keep], atol=1e-5)
