@@ -109,6 +109,14 @@ def _issue_pv(acc, alpha, p, v_buf, p_layout: gl.constexpr):
 
 
 @gluon.jit
+def _refill(desc, smem, bar, k_row0, k_col, j, stage, n_blocks, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Without a load warp (one tile a CTA): block ``j + NUM_STAGES``, where the tile has it, into
+    buffer ``stage`` of a ring, the one block ``j`` leaves (every warp is past its reads of it)."""
+    if j + NUM_STAGES < n_blocks:
+        load_block(desc, smem, bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
+
+
+@gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
               q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
               num_m_blocks, num_tiles, masked_keys, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
@@ -221,8 +229,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             mbarrier.arrive(k_free.index(stage))
         else:
             gl.thread_barrier()
-            if NUM_STAGES < n_blocks:
-                load_block(k_desc, k_smem, k_bar, k_row0 + NUM_STAGES * BLOCK_N, k_col, stage)
+            _refill(k_desc, k_smem, k_bar, k_row0, k_col, 0, stage, n_blocks, BLOCK_N, NUM_STAGES)
         p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
         for j in range(1, n_blocks):
@@ -250,10 +257,8 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             else:
                 # every warp is past its reads of both buffers: refill them
                 gl.thread_barrier()
-                if j + NUM_STAGES < n_blocks:
-                    load_block(k_desc, k_smem, k_bar, k_row0 + (j + NUM_STAGES) * BLOCK_N, k_col, stage)
-                if j - 1 + NUM_STAGES < n_blocks:
-                    load_block(v_desc, v_smem, v_bar, k_row0 + (j - 1 + NUM_STAGES) * BLOCK_N, k_col, prev)
+                _refill(k_desc, k_smem, k_bar, k_row0, k_col, j, stage, n_blocks, BLOCK_N, NUM_STAGES)
+                _refill(v_desc, v_smem, v_bar, k_row0, k_col, j - 1, prev, n_blocks, BLOCK_N, NUM_STAGES)
         # the last block's P·V (only the last block can run past the sequence's end)
         last = n_blocks - 1
         stage = (g + last) % NUM_STAGES
@@ -267,8 +272,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             mbarrier.arrive(v_free.index(stage))
         else:
             gl.thread_barrier()
-            if last + NUM_STAGES < n_blocks:
-                load_block(v_desc, v_smem, v_bar, k_row0 + (last + NUM_STAGES) * BLOCK_N, k_col, stage)
+            _refill(v_desc, v_smem, v_bar, k_row0, k_col, last, stage, n_blocks, BLOCK_N, NUM_STAGES)
     return acc, l_i, m_i
 
 
