@@ -496,9 +496,24 @@ def _smem_layout(block: tuple, dtype):
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype(dtype))
 
 
-def descriptor(t, view, block):
-    """A host TMA descriptor over ``view = (rows, cols, row_stride)`` of ``t``'s storage (the
-    shared-memory layout worked out once per block shape and dtype)."""
+def descriptor_spec(view, block, dtype) -> tuple:
+    """``(shape, strides, block, layout)`` of a host TMA descriptor over ``view = (rows, cols,
+    row_stride)`` of a tensor's storage: what :func:`descriptor_of` needs beside the tensor."""
     rows, cols, row_stride = view
-    return TensorDescriptor(t, [rows, cols], [row_stride, 1], block, _smem_layout(tuple(block), t.dtype))
+    return [rows, cols], [row_stride, 1], list(block), _smem_layout(tuple(block), dtype)
 
+
+def descriptor(t, spec) -> TensorDescriptor:
+    """The host TMA descriptor of ``spec`` (:func:`descriptor_spec`) over ``t``'s storage,
+    validated (alignment, strides, block shape)."""
+    return TensorDescriptor(t, *spec)
+
+
+def descriptor_of(t, spec) -> TensorDescriptor:
+    """:func:`descriptor` built without validating it again: for a call whose key fixes the
+    shape, strides, dtype and alignment that :func:`descriptor` checked on the key's first call."""
+    desc = object.__new__(TensorDescriptor)
+    desc.base = t
+    desc.shape, desc.strides, desc.block_shape, desc.layout = spec
+    desc.padding = "zero"
+    return desc

@@ -183,7 +183,10 @@ def _forward_plan(q, k, v, bias, bias_keys, key_padding_mask, mask_keys, cu_seql
 
 def _launch(plan, launch_key, q, k, v, out, bias, key_padding_mask, cu_seqlens_q, cu_seqlens_k, softmax_scale,
             softcap):
-    """Allocate the call's outputs (and split workspaces) and launch ``plan``'s kernels."""
+    """Allocate the call's outputs (and split workspaces) and launch ``plan``'s kernels (a
+    :class:`~flashflow.ops.attention_gluon.GluonPlan`: the Gluon kernel's)."""
+    if plan.__class__ is attention_gluon.GluonPlan:
+        return plan.launch(launch_key, q, k, v, out, key_padding_mask, softmax_scale)
     if out is None:
         out = q.new_empty(q.shape)
     lse = q.new_empty(plan.lse_shape, dtype=torch.float32)
@@ -592,8 +595,8 @@ def flash_attn_func(q, k, v, *, softmax_scale=None, causal=False, window_size=(-
 def _entry_plan(q, k, v, args, return_lse: bool, heavy_first: bool):
     """``(kw, found)`` for a validated :func:`flash_attn_func` call (its op arguments ``args``):
     ``kw`` the forward's keyword arguments, ``found`` its ``(plan, launch key)`` where the portable
-    kernel takes the call on unit-stride inputs with work to do, no autotuning is on and the entry
-    table has room, else None."""
+    kernel (with work to do) or the Gluon kernel takes the call on unit-stride inputs, no
+    autotuning is on and the entry table has room, else None."""
     scale, has_left, window_left, has_right, window_right, softcap = args[11:17]
     window_left = window_left if has_left else None
     window_right = window_right if has_right else None
@@ -601,8 +604,12 @@ def _entry_plan(q, k, v, args, return_lse: bool, heavy_first: bool):
               max_seqlen_q=0, max_seqlen_k=0, softmax_scale=scale, window_left=window_left,
               window_right=window_right, softcap=softcap, return_lse=return_lse, heavy_first=heavy_first)
     if (not (q.is_cuda or interpreting()) or autotune.enabled() or len(_ENTRIES) >= MAX_PLANS
-            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1
-            or forward_kernel_name(q, k, v, **kw) != PORTABLE):
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return kw, None
+    kernel = forward_kernel_name(q, k, v, **kw)
+    if kernel == attention_gluon.GLUON:
+        return kw, attention_gluon.gluon_plan(q, k, v, None, 0, window_right, return_lse, heavy_first)
+    if kernel != PORTABLE:
         return kw, None
     plan, launch_key = _forward_plan(q, k, v, None, 0, None, 0, None, None, 0, 0, scale, window_left, window_right,
                                      softcap, return_lse, heavy_first, None, None, None)

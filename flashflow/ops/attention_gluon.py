@@ -5,9 +5,9 @@ it takes, its config and its launch.
 supports a call; this one registers ahead of the portable Triton kernel. It takes a call
 (:func:`supports`) on an sm90 GPU, in bf16 or fp16, at a head_dim with a shipped config whose
 ``auto`` is on and whose ``min_seqlen_k`` the keys reach (``tuning/attention_gluon.json``:
-head_dim 128 from 2048 keys, causal or not; at 64 and below 2048 keys the portable kernel
-measured faster), dense (no varlen), with no additive bias, softcap or window other than causal,
-and q/k/v describable by host TMA descriptors (16-byte aligned bases and strides, unit last
+head_dim 128 from 256 keys, 512 causal; head_dim 256 from 512 keys; at 64 and on shorter calls
+the portable kernel measured faster), dense (no varlen), with no additive bias, softcap or
+window other than causal, and q/k/v describable by host TMA descriptors (16-byte aligned bases and strides, unit last
 stride, a 2-D row view: :func:`flashflow.ops.common.rows_view`; k and v alike). A key-padding
 mask and an LSE are taken. Everything else runs on the portable kernel.
 
@@ -15,9 +15,15 @@ mask and an LSE are taken. Everything else runs on the portable kernel.
 ``gluon`` takes it wherever it can run (``auto`` off included) and raises a ``ValueError``
 naming the reason where it cannot; ``auto`` (the default) is the rule above.
 :func:`unsupported_reason` is the rule in words (``flashflow info`` prints the choice).
+
+A call's launch is worked out once per call key (:class:`GluonPlan`: descriptors' views and
+blocks, grid, integer arguments, constexprs) and launched through
+:class:`~flashflow.ops.common.Launcher`, which skips Triton's per-call argument binding;
+``flash_attn_func`` records the plan under its own call key as it does the portable kernel's.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -26,7 +32,7 @@ import torch
 
 from flashflow.device import cdiv, gpu_family, interpreting, num_sms, on_gpu
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import aligned16, rows_view, tma_strides_ok
+from flashflow.ops.common import Launcher, aligned16, contiguous_strides, rows_view, tma_strides_ok
 from flashflow.tuning import NoConfigError
 from flashflow.tuning.attention_gluon import GluonAttentionConfig, gluon_attention_config
 
@@ -106,34 +112,87 @@ def gluon_forward(q, k, v, *, key_padding_mask=None, mask_keys=None, softmax_sca
     arguments of ``flashflow.ops.attention._portable_forward``; what :func:`supports` refuses
     never comes here). ``config`` overrides the shipped one (studies, tests). Returns
     ``(out, lse)``: lse ``(b, h, sq)`` float32, natural log, ``(0,)`` without ``return_lse``."""
-    from flashflow.kernels.attention_gluon import attention_fwd_gluon_kernel, descriptor
+    if key_padding_mask is not None and mask_keys is None:
+        mask_keys = key_padding_mask.shape[1]
+    plan, launch_key = gluon_plan(q, k, v, key_padding_mask, mask_keys or 0, window_right, return_lse, heavy_first,
+                                  config, out)
+    return plan.launch(launch_key, q, k, v, out, key_padding_mask, softmax_scale)
 
-    batch, seqlen_q, heads, head_dim = q.shape
-    seqlen_k, kv_heads = k.shape[1], k.shape[2]
-    causal = window_right is not None
-    cfg = config or gluon_attention_config(head_dim, causal, gpu_family(q.device))
-    if out is None:
-        out = q.new_empty(q.shape)
-    lse = q.new_empty((batch, heads, seqlen_q) if return_lse else (0,), dtype=torch.float32)
-    views = [rows_view(t.shape, t.stride()) for t in (q, k, v)]
-    q_desc, k_desc, v_desc = (descriptor(t, vw[3:], [rows, head_dim])
-                              for t, vw, rows in zip((q, k, v), views, (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N)))
-    if key_padding_mask is not None:
-        mask_keys = key_padding_mask.shape[1] if mask_keys is None else mask_keys
-        kpm, kpm_stride = key_padding_mask, key_padding_mask.stride(0)
-    else:
-        kpm, kpm_stride, mask_keys = q, 0, 0
-    num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
-    num_tiles = num_m_blocks * heads * batch
-    grid = min(num_tiles, num_sms(q.device)) if cfg.persistent else num_tiles
-    so = out.stride()
-    attention_fwd_gluon_kernel[(grid, 1, 1)](
-        q_desc, k_desc, v_desc, out, lse, kpm,
-        so[0], so[1], so[2], heads * seqlen_q if return_lse else 0, seqlen_q if return_lse else 0, kpm_stride,
-        *views[0][:3], *views[1][:3],
-        seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_tiles, mask_keys, softmax_scale * LOG2E,
-        HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
-        KEY_PADDING=key_padding_mask is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
-        WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
-        PERSISTENT=cfg.persistent, num_warps=cfg.num_warps)
-    return out, lse
+
+def gluon_plan(q, k, v, key_padding_mask, mask_keys: int, window_right, return_lse: bool, heavy_first: bool,
+               config=None, out=None) -> tuple:
+    """``(plan, launch_key)`` of a Gluon call (:func:`gluon_forward`'s arguments, ``mask_keys``
+    set): the :class:`GluonPlan` of the call's key, worked out on its first call, and the key
+    its :class:`~flashflow.ops.common.Launcher` is called with (None where an address is not
+    16-byte aligned: Triton specialises that call)."""
+    kpm = key_padding_mask
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, q.get_device(),
+           None if out is None else out.stride(),
+           None if kpm is None else (kpm.dtype, kpm.shape, kpm.stride()), mask_keys,
+           window_right is not None, return_lse, heavy_first, config,
+           None if q.is_cuda else num_sms(q.device),   # (offline: the stood-in GPU's)
+           aligned16(q, k, v, out, kpm))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = GluonPlan(q, k, v, kpm, mask_keys, window_right is not None, return_lse, heavy_first, config, out)
+        if len(_PLANS) < MAX_PLANS:
+            _PLANS[key] = plan
+    return plan, (key if key[-1] else None)
+
+
+class GluonPlan:
+    """What a Gluon launch derives from its call's key (shapes, strides, dtype, device, flags,
+    config): the config, the TMA descriptors' views and blocks, the grid, the kernel's integer
+    arguments and constexprs. A call then builds three descriptors and launches
+    (:meth:`launch`); the plan keeps no tensor."""
+
+    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape")
+
+    def __init__(self, q, k, v, kpm, mask_keys, causal, return_lse, heavy_first, config, out):
+        from flashflow.kernels.attention_gluon import descriptor, descriptor_spec
+
+        batch, seqlen_q, heads, head_dim = q.shape
+        seqlen_k, kv_heads = k.shape[1], k.shape[2]
+        cfg = self.cfg = config or gluon_attention_config(head_dim, causal, gpu_family(q.device))
+        self.lse_shape = (batch, heads, seqlen_q) if return_lse else (0,)
+        views = [rows_view(t.shape, t.stride()) for t in (q, k, v)]
+        self.descs = tuple(descriptor_spec(vw[3:], [rows, head_dim], q.dtype)
+                           for vw, rows in zip(views, (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N)))
+        for t, spec in zip((q, k, v), self.descs):   # checked once: later calls share the key
+            descriptor(t, spec)
+        num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
+        num_tiles = num_m_blocks * heads * batch
+        self.grid = (min(num_tiles, num_sms(q.device)) if cfg.persistent else num_tiles, 1, 1)
+        so = out.stride() if out is not None else contiguous_strides(q.shape)
+        self.ints = (so[0], so[1], so[2], heads * seqlen_q if return_lse else 0, seqlen_q if return_lse else 0,
+                     kpm.stride(0) if kpm is not None else 0, *views[0][:3], *views[1][:3],
+                     seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_tiles,
+                     mask_keys if kpm is not None else 0)
+        self.constexprs = dict(
+            HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
+            KEY_PADDING=kpm is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
+            WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
+            PERSISTENT=cfg.persistent, num_warps=cfg.num_warps)
+
+    def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
+        """Allocate the call's outputs and launch; returns ``(out, lse)``."""
+        from flashflow.kernels.attention_gluon import descriptor_of
+
+        if out is None:
+            out = q.new_empty(q.shape)
+        lse = q.new_empty(self.lse_shape, dtype=torch.float32)
+        qd, kd, vd = (descriptor_of(t, spec) for t, spec in zip((q, k, v), self.descs))
+        _launcher()(launch_key, self.grid, (qd, kd, vd, out, lse, q if kpm is None else kpm, *self.ints,
+                                            softmax_scale * LOG2E), self.constexprs)
+        return out, lse
+
+
+@functools.lru_cache(maxsize=1)
+def _launcher() -> Launcher:
+    from flashflow.kernels.attention_gluon import attention_fwd_gluon_kernel
+
+    return Launcher(attention_fwd_gluon_kernel)
+
+
+_PLANS: dict = {}
+MAX_PLANS = 4096   # distinct call keys kept; later ones are worked out per call

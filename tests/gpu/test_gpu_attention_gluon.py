@@ -90,6 +90,67 @@ def test_against_float64_and_the_portable_lse(gpu, shape, config):
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
 
 
+D256_CONFIGS = {"shipped": None, "n64-split": C(128, 64, 4, 2, True, True, False)}
+D256_SHAPES = {
+    "ragged-gqa-causal": (2, 1000, 1000, 4, 2, 256, True, False),
+    "causal-sq<sk": (1, 300, 1000, 2, 2, 256, True, False),
+    "causal-sq>sk": (1, 1000, 300, 2, 2, 256, True, False),
+    "short": (1, 77, 77, 2, 2, 256, False, False),
+    "key-padding": (2, 640, 640, 2, 2, 256, False, True),
+}
+
+
+@pytest.mark.parametrize("config", list(D256_CONFIGS))
+@pytest.mark.parametrize("shape", list(D256_SHAPES))
+def test_head_dim_256_against_float64_and_the_portable_lse(gpu, shape, config):
+    """head_dim 256: 64-key blocks, 192 KB of shared memory, one CTA a tile."""
+    b, sq, sk, h, hk, d, causal, kp = D256_SHAPES[shape]
+    cfg = D256_CONFIGS[config] or ag.gluon_attention_config(d, causal, "sm90")
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kpm = torch.rand(b, 200, device="cuda") > 0.3 if kp else None
+    out, lse = _run(q, k, v, cfg, causal, kpm, 200 if kp else None, out=gpu.nan_like(q))
+    _, ref_lse = _portable_forward(q, k, v, key_padding_mask=kpm, mask_keys=200 if kp else None,
+                                   softmax_scale=d ** -0.5, window_right=0 if causal else None)
+    assert not out.isnan().any()
+    assert gpu.rel(out, _exact(q, k, v, causal, kpm)) < gpu.tol
+    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
+    finite = ref_lse.isfinite()
+    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_repeated_calls_take_the_recorded_plan(gpu, head_dim):
+    """flash_attn_func records the Gluon call's plan under its call key (with and without
+    autograd) and launches it on later calls: fresh inputs of one key, each against float64,
+    forward and backward; a call 16 bytes off a 128-byte boundary and one whose inputs are not
+    16-byte aligned (the portable kernel's) beside them."""
+    b, s, h, d = 1, 1100, 4, head_dim
+    attn_ops._ENTRIES.clear()
+    for step in range(3):
+        q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        for causal in (False, True):
+            assert gpu.rel(flashflow.flash_attn_func(q, k, v, causal=causal), _exact(q, k, v, causal)) < gpu.tol
+            qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+            out = flashflow.flash_attn_func(qg, kg, vg, causal=causal)
+            dout = torch.randn_like(out)
+            out.backward(dout)
+            qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+            ref = _exact(qd, kd, vd, causal)
+            ref.backward(dout.double())
+            assert gpu.rel(out, ref) < gpu.tol
+            for t, r in ((qg, qd), (kg, kd), (vg, vd)):
+                assert gpu.rel(t.grad, r.grad) < 2e-2
+        for shift in (8, 1):   # elements: 16 bytes (TMA still reads it), 2 bytes (it cannot)
+            qs, ks, vs = (torch.empty(t.numel() + shift, dtype=t.dtype, device="cuda")[shift:].view(t.shape).copy_(t)
+                          for t in (q, k, v))
+            expect = ag.GLUON if shift == 8 else attn_ops.PORTABLE
+            assert attn_ops.forward_kernel_name(qs, ks, vs, softmax_scale=d ** -0.5) == expect
+            assert gpu.rel(flashflow.flash_attn_func(qs, ks, vs), _exact(q, k, v, False)) < gpu.tol
+    plans = [e[0] for e in attn_ops._ENTRIES.values()]
+    assert any(isinstance(p, ag.GluonPlan) for p in plans)
+
+
 @pytest.mark.parametrize("config", ["shipped", "split-pp", "m64-n64"])
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 def test_the_next_sequence_past_a_ragged_end_does_not_leak(gpu, config, bad):
@@ -124,10 +185,11 @@ def test_dispatch_and_its_override(monkeypatch):
     assert attn_ops.forward_kernel_name(q, k, v, window_right=0, **kw) == ag.GLUON
     q64 = q[..., :64].contiguous()
     assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == attn_ops.PORTABLE   # auto off at d64
-    short = q[:, :1024]
-    assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 1024 keys
+    short = q[:, :300]
+    assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 256 keys
     assert attn_ops.forward_kernel_name(short, short, short, window_right=0, **kw) == attn_ops.PORTABLE
-    shorter = q[:, :300]
+    assert attn_ops.forward_kernel_name(*(q[:, :512],) * 3, window_right=0, **kw) == ag.GLUON   # causal from 512
+    shorter = q[:, :200]
     assert attn_ops.forward_kernel_name(shorter, shorter, shorter, **kw) == attn_ops.PORTABLE   # min_seqlen_k
     monkeypatch.setenv(ag.KERNEL_ENV, "portable")
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == attn_ops.PORTABLE
@@ -135,9 +197,14 @@ def test_dispatch_and_its_override(monkeypatch):
     assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == ag.GLUON
     out = flashflow.flash_attn_func(q64, q64, q64)
     assert out.isfinite().all()
-    q256 = torch.randn(1, 256, 4, 256, device="cuda", dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="head_dim 256"):
-        flashflow.flash_attn_func(q256, q256, q256)
+    q96 = torch.randn(1, 256, 4, 96, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="head_dim 96"):
+        flashflow.flash_attn_func(q96, q96, q96)
+    monkeypatch.delenv(ag.KERNEL_ENV)
+    q256 = torch.randn(1, 1024, 4, 256, device="cuda", dtype=torch.bfloat16)
+    for causal in (None, 0):   # head_dim 256 from 512 keys, causal or not
+        assert attn_ops.forward_kernel_name(q256, q256, q256, window_right=causal, **kw) == ag.GLUON
+        assert attn_ops.forward_kernel_name(*(q256[:, :300],) * 3, window_right=causal, **kw) == attn_ops.PORTABLE
 
 
 @pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv", "last-stride-2"])

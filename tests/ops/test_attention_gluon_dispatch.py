@@ -32,6 +32,7 @@ def test_takes_the_hot_calls(hopper):
     assert ag.unsupported_reason(q, k, v, window_right=0) is None                  # causal
     assert ag.unsupported_reason(*_qkv(dtype=torch.float16)) is None
     assert ag.unsupported_reason(*_qkv(hk=2)) is None                                # GQA
+    assert ag.unsupported_reason(*_qkv(d=256)) is None                               # head_dim 256
     sdpa = [torch.randn(2, 4, 2100, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
     assert ag.unsupported_reason(*sdpa) is None                                      # SDPA's layout
     fused = torch.randn(2, 2100, 3, 4, 128, dtype=torch.bfloat16).unbind(2)
@@ -40,11 +41,11 @@ def test_takes_the_hot_calls(hopper):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("fp32", "dtype"), ("d64", "portable kernel measured faster"), ("d256", "no Gluon config"),
+    ("fp32", "dtype"), ("d64", "portable kernel measured faster"),
     ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
     ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
     ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
-    ("short", "fewer than 1024 keys"), ("short-causal", "fewer than 2048 keys"), ("scale-zero", "softmax_scale"), ("scale-negative", "softmax_scale"),
+    ("short", "fewer than 256 keys"), ("short-causal", "fewer than 512 keys"), ("scale-zero", "softmax_scale"), ("scale-negative", "softmax_scale"),
     ("scale-inf", "softmax_scale"),
 ])
 def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
@@ -52,7 +53,7 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     kw = {}
     if case == "fp32":
         q, k, v = _qkv(dtype=torch.float32)
-    elif case in ("d64", "d256", "d96"):
+    elif case in ("d64", "d96"):
         q, k, v = _qkv(d=int(case[1:]))
     elif case == "varlen":
         kw["cu_seqlens_q"] = torch.tensor([0, 2100], dtype=torch.int32)
@@ -67,9 +68,9 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     elif case == "empty":
         q, k, v = _qkv(s=0)
     elif case == "short":
-        q, k, v = _qkv(s=300)
+        q, k, v = _qkv(s=200)
     elif case == "short-causal":
-        q, k, v = _qkv(s=1000)
+        q, k, v = _qkv(s=500)
         kw["window_right"] = 0
     elif case.startswith("scale-"):
         kw["softmax_scale"] = {"scale-zero": 0.0, "scale-negative": -0.1, "scale-inf": float("inf")}[case]
@@ -131,9 +132,12 @@ def test_the_interpreter_runs_the_portable_kernel(monkeypatch):
 def test_config_table_and_rules():
     assert CONFIGS.problems() == []
     hot = gluon_attention_config(128, False, "sm90")
-    assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 1024
+    assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 256
     causal = gluon_attention_config(128, True, "sm90")
-    assert causal.auto and causal.min_seqlen_k == 2048
+    assert causal.auto and causal.min_seqlen_k == 512 and not causal.persistent
+    for c in (False, True):   # head_dim 256: 64-key blocks (192 KB of shared memory), one CTA a tile
+        wide = gluon_attention_config(256, c, "sm90")
+        assert wide.auto and wide.BLOCK_N == 64 and not wide.persistent and wide.min_seqlen_k == 512
     assert not gluon_attention_config(64, False, "sm90").auto
 
 
