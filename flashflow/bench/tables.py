@@ -136,7 +136,7 @@ def info_section(results, device=OFFLINE) -> str:
              "",
              f"Compiled for sm90 by ptxas (triton {d.get('triton')}; nothing run; `bench/results/{name}`). "
              "For the attention configs these are the figures the H100 itself reported "
-             f"(`bench/results/info-{DEVICE}.json`, compared row by row in tests/tuning/test_offline.py).", "",
+             f"(`bench/results/info-{DEVICE}.json`, compared row by row in tests/bench/test_offline.py).", "",
              "| op | case | kernel | warps | stages | regs | spills | smem B |",
              "|:--|:--|:--|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
