@@ -72,11 +72,8 @@ def _run(q, k, v, cfg, causal, kpm=None, mask_keys=None, out=None):
                             window_right=0 if causal else None, out=out, config=cfg)
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_against_float64_and_the_portable_lse(gpu, shape, config):
-    b, sq, sk, h, hk, d, causal, kp = SHAPES[shape]
-    cfg = CONFIGS[config]
+def _check_against_float64_and_the_portable_lse(gpu, shape, cfg):
+    b, sq, sk, h, hk, d, causal, kp = shape
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kpm = torch.rand(b, 200, device="cuda") > 0.3 if kp else None
@@ -88,6 +85,12 @@ def test_against_float64_and_the_portable_lse(gpu, shape, config):
     assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
     finite = ref_lse.isfinite()
     assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_against_float64_and_the_portable_lse(gpu, shape, config):
+    _check_against_float64_and_the_portable_lse(gpu, SHAPES[shape], CONFIGS[config])
 
 
 D256_CONFIGS = {"shipped": None, "n64-split": C(128, 64, 4, 2, True, True, False)}
@@ -104,19 +107,7 @@ D256_SHAPES = {
 @pytest.mark.parametrize("shape", list(D256_SHAPES))
 def test_head_dim_256_against_float64_and_the_portable_lse(gpu, shape, config):
     """head_dim 256: 64-key blocks, 192 KB of shared memory, one CTA a tile."""
-    b, sq, sk, h, hk, d, causal, kp = D256_SHAPES[shape]
-    cfg = D256_CONFIGS[config] or ag.gluon_attention_config(d, causal, "sm90")
-    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    kpm = torch.rand(b, 200, device="cuda") > 0.3 if kp else None
-    out, lse = _run(q, k, v, cfg, causal, kpm, 200 if kp else None, out=gpu.nan_like(q))
-    _, ref_lse = _portable_forward(q, k, v, key_padding_mask=kpm, mask_keys=200 if kp else None,
-                                   softmax_scale=d ** -0.5, window_right=0 if causal else None)
-    assert not out.isnan().any()
-    assert gpu.rel(out, _exact(q, k, v, causal, kpm)) < gpu.tol
-    assert torch.equal(lse == -math.inf, ref_lse == -math.inf)
-    finite = ref_lse.isfinite()
-    assert (lse[finite] - ref_lse[finite]).abs().max().item() < 1e-3
+    _check_against_float64_and_the_portable_lse(gpu, D256_SHAPES[shape], D256_CONFIGS[config])
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
