@@ -146,10 +146,12 @@ class GluonPlan:
     arguments and constexprs. A call then builds three descriptors and launches
     (:meth:`launch`); the plan keeps no tensor."""
 
-    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape")
+    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape", "_descriptor_of", "_launch")
 
     def __init__(self, q, k, v, kpm, mask_keys, causal, return_lse, heavy_first, config, out):
-        from flashflow.kernels.attention_gluon import descriptor, descriptor_spec
+        from flashflow.kernels.attention_gluon import descriptor, descriptor_of, descriptor_spec
+
+        self._descriptor_of, self._launch = descriptor_of, _launcher()   # looked up once, not per call
 
         batch, seqlen_q, heads, head_dim = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
@@ -176,14 +178,13 @@ class GluonPlan:
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
         """Allocate the call's outputs and launch; returns ``(out, lse)``."""
-        from flashflow.kernels.attention_gluon import descriptor_of
-
         if out is None:
             out = q.new_empty(q.shape)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
-        qd, kd, vd = (descriptor_of(t, spec) for t, spec in zip((q, k, v), self.descs))
-        _launcher()(launch_key, self.grid, (qd, kd, vd, out, lse, q if kpm is None else kpm, *self.ints,
-                                            softmax_scale * LOG2E), self.constexprs)
+        make, (qs, ks, vs) = self._descriptor_of, self.descs
+        self._launch(launch_key, self.grid, (make(q, qs), make(k, ks), make(v, vs), out, lse,
+                                             q if kpm is None else kpm, *self.ints, softmax_scale * LOG2E),
+                     self.constexprs)
         return out, lse
 
 
