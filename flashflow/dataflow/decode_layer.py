@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 from flashflow.dataflow.machine import Job, replay, schedule
 from flashflow.device import cdiv
-from flashflow.kernels.decode_layer import (ATTN, DOWN, GATEUP, OPROJ, QKV, STAGES, build_tasks, decode_layer_bytes,
-                                           split_k)
+from flashflow.kernels.decode_layer import (ATTN, DOWN, GATEUP, NORM, OPROJ, QKV, STAGES, build_tasks,
+                                           decode_layer_bytes, k_slices)
 
 F32 = 4
 
@@ -64,59 +64,67 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
     """The plan's task table (:func:`flashflow.kernels.decode_layer.build_tasks`) as jobs, in
     ticket order. ``config``: the layer's sizes (hidden, heads, kv_heads, head_dim,
     intermediate, as :class:`flashflow.ops.decode_layer.LayerConfig`); ``cache_len`` keys in
-    the cache before this step's token. A workspace block is keyed by its writer (the attention
-    output per (sequence, KV head), h per O task, the activation per gate/up task); a reader's
-    K chunk reads every writer block it overlaps."""
+    the cache before this step's token. A job waits on the tasks that signal the counter its
+    task waits on (the table's own dependencies). A workspace block is keyed by its writer (a
+    norm row's K chunks, the attention output per (sequence, KV head), h per O task, the
+    activation per gate/up task); a reader's K chunk reads every writer block it overlaps."""
     c, e, bk = config, itemsize, tiles.BLOCK_K
     d, group = c.head_dim, c.heads // c.kv_heads
     keys = cache_len + 1
     chunk = cdiv(cdiv(keys, num_splits), tiles.BLOCK_KV) * tiles.BLOCK_KV
     pairs = d // 2 // tiles.QKV_PAIRS
     tasks = build_tasks(c, batch, num_splits, tiles)
-    by_stage: dict[int, list[int]] = {}
-    qkv_of_group: dict[int, list[int]] = {}
+    signals: dict[int, list[int]] = {}
     for i, t in enumerate(tasks):
-        by_stage.setdefault(t[0], []).append(i)
-        if t[0] == QKV:
-            head = t[1]
-            kvh = head // group if head < c.heads else (head - c.heads) % c.kv_heads
-            qkv_of_group.setdefault(kvh, []).append(i)
+        signals.setdefault(t[6], []).append(i)
+
+    def waits_of(t) -> tuple:
+        return (tuple(signals.get(t[4], ())),) if t[5] else ((),)
 
     def written(src, k):
         """The workspace blocks that K chunk ``k`` of source ``src`` overlaps."""
         lo, hi = k * bk, (k + 1) * bk
-        if src == "x":   # the layer's input: the reader's chunk, from DRAM on its first touch
-            return ((("x", k), batch * (min(hi, c.hidden) - lo) * e),)
+        if src in ("xn", "hn"):   # the norm rows, chunk by chunk
+            return tuple(((src, b, k), (min(hi, c.hidden) - lo) * e) for b in range(batch))
         if src == "att":
             width = group * d
-            return tuple((("att", b, h), group * d * F32) for b in range(batch)
+            return tuple((("att", b, h), group * d * e) for b in range(batch)
                          for h in range(lo // width, cdiv(min(hi, c.heads * d), width)))
-        width = tiles.BLOCK_N if src == "h" else tiles.BLOCK_I
-        total = c.hidden if src == "h" else c.intermediate
-        return tuple(((src, j), batch * min(width, total - j * width) * F32)
-                     for j in range(lo // width, cdiv(min(hi, total), width)))
+        return tuple((("act", j), batch * min(tiles.BLOCK_I, c.intermediate - j * tiles.BLOCK_I) * e)
+                     for j in range(lo // tiles.BLOCK_I, cdiv(min(hi, c.intermediate), tiles.BLOCK_I)))
 
     def chunks(k_total, rows, key, src, k_range=None):
         lo, hi = k_range or (0, cdiv(k_total, bk))
         return tuple(((key + (k,), rows * min(bk, k_total - k * bk) * e),) + written(src, k)
                      for k in range(lo, hi))
 
-    sk = split_k(tiles)
+    sk, _ = k_slices(c.hidden, tiles)
     slices: dict[tuple, list[int]] = {}   # (stage, column block) -> its K slices' tickets
     for i, t in enumerate(tasks):
         if t[0] in (OPROJ, DOWN):
             slices.setdefault((t[0], t[1]), []).append(i)
+    n_h = cdiv(c.hidden, tiles.BLOCK_N)
 
     jobs = []
     for i, t in enumerate(tasks):
         stage, a, b, s = t[0], t[1], t[2], t[3]
-        if stage == QKV:
-            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "x")
+        if stage == NORM:   # one row: read it (x from DRAM, h from its O blocks), write it normalised
+            n = cdiv(c.hidden, bk)
+            if a == 0:
+                reads = tuple((("x", b, k), (min((k + 1) * bk, c.hidden) - k * bk) * e) for k in range(n))
+            else:
+                reads = tuple((("h", j), batch * min(tiles.BLOCK_N, c.hidden - j * tiles.BLOCK_N) * F32)
+                              for j in range(n_h))
+            out = tuple((("xn" if a == 0 else "hn", b, k), (min((k + 1) * bk, c.hidden) - k * bk) * e)
+                        for k in range(n))
+            jobs.append(Job(("norm", a, b), (reads,), writes=out, waits=waits_of(t)))
+        elif stage == QKV:
+            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "xn")
             rows = batch * 2 * tiles.QKV_PAIRS
             if a < c.heads:   # q rows to the workspace, read back by the group's attention
-                jobs.append(Job(("qkv", a, b), steps, writes=((("q", a, b), rows * F32),)))
+                jobs.append(Job(("qkv", a, b), steps, writes=((("q", a, b), rows * F32),), waits=waits_of(t)))
             else:             # the new token's k or v rows into the cache
-                jobs.append(Job(("qkv", a, b), steps, store_bytes=rows * e))
+                jobs.append(Job(("qkv", a, b), steps, store_bytes=rows * e, waits=waits_of(t)))
         elif stage == ATTN:
             lo, hi = s * chunk, min((s + 1) * chunk, keys)
             q_blocks = tuple((("q", h, p), batch * 2 * tiles.QKV_PAIRS * F32)
@@ -128,23 +136,23 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
                 steps.append((q_blocks + blocks) if j == 0 else blocks)
             out = ((("part", a, b, s), group * (d + 2) * F32),)
             if s == num_splits - 1:   # the merge's result, which the O tasks read
-                out += ((("att", a, b), group * d * F32),)
-            jobs.append(Job(("attn", a, b, s), tuple(steps), writes=out, waits=(tuple(qkv_of_group[b]),)))
+                out += ((("att", a, b), group * d * e),)
+            jobs.append(Job(("attn", a, b, s), tuple(steps), writes=out, waits=waits_of(t)))
         else:
             if stage == OPROJ:
                 k_total, rows, width, src = c.heads * d, tiles.BLOCK_N, tiles.BLOCK_N, "att"
             elif stage == GATEUP:
-                k_total, rows, width, src = c.hidden, 2 * tiles.BLOCK_I, tiles.BLOCK_I, "h"
+                k_total, rows, width, src = c.hidden, 2 * tiles.BLOCK_I, tiles.BLOCK_I, "hn"
             else:
                 k_total, rows, width, src = c.intermediate, tiles.BLOCK_N, tiles.BLOCK_N, "act"
-            before = {OPROJ: ATTN, GATEUP: OPROJ, DOWN: GATEUP}[stage]
             total = c.intermediate if stage == GATEUP else c.hidden
             cols = batch * min(width, total - a * width)
-            result = () if stage == DOWN else ((("h" if stage == OPROJ else "act", a), cols * F32),)
+            result = (() if stage == DOWN else
+                      ((("h", a), cols * F32),) if stage == OPROJ else ((("act", a), cols * e),))
             if stage == GATEUP or sk == 1:
                 steps = chunks(k_total, rows, (STAGES[stage], a), src)
                 jobs.append(Job((STAGES[stage], a), steps, writes=result,
-                                store_bytes=cols * e if stage == DOWN else 0, waits=(tuple(by_stage[before]),)))
+                                store_bytes=cols * e if stage == DOWN else 0, waits=waits_of(t)))
                 continue
             # one K slice (whole BLOCK_K chunks, as the kernel cuts them) of the column block
             per = cdiv(cdiv(k_total, sk), bk)
@@ -155,7 +163,7 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
             merging = siblings[-1] == i
             if not steps:
                 steps = ((),)
-            waits = (tuple(by_stage[before]),)
+            waits = waits_of(t)
             if merging:   # once the other slices are done: reads their partials (its own, just
                 # written, stays in L2), writes the columns
                 steps = steps + (tuple(((STAGES[stage] + "-part", a, j), cols * F32) for j in range(sk) if j != b),)
@@ -180,14 +188,16 @@ def model_layer(config, batch: int, cache_len: int, tiles, num_splits: int, num_
     for i, job in enumerate(jobs):
         end = sched.finish_time[i]
         start[i] = end - len(job.steps) + 1   # a lower bound when the job stalled: its span is then wider
-    stage_of = [job.name[0] for job in jobs]
+    # the norm rows of x and of h are two stages of the step (before QKV, between O and gate/up)
+    stage_of = [("norm-x" if job.name[1] == 0 else "norm-h") if job.name[0] == "norm" else job.name[0]
+                for job in jobs]
     for i, job in enumerate(jobs):
         name = stage_of[i]
         first[name] = min(first.get(name, start[i]), start[i])
         last[name] = max(last.get(name, sched.finish_time[i]), sched.finish_time[i])
         busy[name] = busy.get(name, 0) + len(job.steps)
     reports = []
-    for name in ("qkv", "attn", "oproj", "gateup", "down"):
+    for name in ("norm-x", "qkv", "attn", "oproj", "norm-h", "gateup", "down"):
         idx = [i for i, s in enumerate(stage_of) if s == name]
         span = last[name] - first[name] + 1
         weights = sum(size for i in idx for step in jobs[i].steps for key, size in step

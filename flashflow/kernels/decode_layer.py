@@ -68,6 +68,7 @@ from dataclasses import dataclass
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import globaltimer, smid
 
 from flashflow.device import cdiv
 
@@ -76,75 +77,83 @@ from flashflow.kernels.mlp import CNT_OFF, _TICKET, _act, _signal, _thread_relea
 from flashflow.kernels.softmax import merge_partials, normalize
 
 # stage codes of the task table
-QKV, ATTN, OPROJ, GATEUP, DOWN = 0, 1, 2, 3, 4
-STAGES = ("qkv", "attn", "oproj", "gateup", "down")
+QKV, ATTN, OPROJ, GATEUP, DOWN, NORM = 0, 1, 2, 3, 4, 5
+STAGES = ("qkv", "attn", "oproj", "gateup", "down", "norm")
 TASK_WORDS = 8   # int32 words per task row
 _QKV = tl.constexpr(QKV)
 _ATTN = tl.constexpr(ATTN)
 _OPROJ = tl.constexpr(OPROJ)
 _GATEUP = tl.constexpr(GATEUP)
+_DOWN = tl.constexpr(DOWN)
 _TASK_WORDS = tl.constexpr(TASK_WORDS)
 
 
 # ------------------------------------------------------------------------------------------
-# GEMV pieces: rows of activations (batch ≤ BLOCK_B) times a tile of weight rows
+# GEMV pieces: a tile of weight rows times the activation rows (batch ≤ BLOCK_B), weights as
+# the tensor-core dot's left operand (ROWS ≥ 64: a warpgroup MMA on sm90) and the activation rows
+# as its right one, so that both go from shared memory to the tensor cores untouched
 # ------------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _w_chunk(W, stride_w, offs_n, n_ok, k0, K, BLOCK_K: tl.constexpr):
+def _w_rows(W, stride_w, rows, r_ok, k0, K, BLOCK_K: tl.constexpr):
+    """Weight rows ``rows``, columns ``[k0, k0 + BLOCK_K)`` (zero past K or a row not ok)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    return tl.load(W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :],
-                   mask=n_ok[:, None] & (offs_k < K)[None, :], other=0.0)
+    return tl.load(W + rows[:, None].to(tl.int64) * stride_w + offs_k[None, :],
+                   mask=r_ok[:, None] & (offs_k < K)[None, :], other=0.0)
 
 
 @triton.jit
-def _a_chunk(A, stride_a, G, offs_b, b_ok, k0, K, ss, HAS_NORM: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Activation rows ``[k0, k0 + BLOCK_K)`` in fp32 (times the norm weight with HAS_NORM) and
-    the running sum of squares of the raw values. ``.cg``: other programs of this launch wrote
-    the workspaces (a stale L1 line must not be read)."""
+def _act_rows(A, stride_a, offs_b, b_ok, k0, K, BLOCK_K: tl.constexpr):
+    """Activation rows ``[k0, k0 + BLOCK_K)`` as stored (the weights' dtype). ``.cg``: other
+    programs of this launch wrote the workspaces (a stale L1 line must not be read)."""
     offs_k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < K
-    a = tl.load(A + offs_b[:, None] * stride_a + offs_k[None, :], mask=b_ok[:, None] & k_ok[None, :], other=0.0,
-                cache_modifier=".cg").to(tl.float32)
-    if HAS_NORM:
-        ss += tl.sum(a * a, 1)
-        g = tl.load(G + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        a = a * g[None, :]
-    return a, ss
+    return tl.load(A + offs_b[:, None] * stride_a + offs_k[None, :], mask=b_ok[:, None] & (offs_k < K)[None, :],
+                   other=0.0, cache_modifier=".cg")
 
 
 @triton.jit
-def _dot(acc, a, w, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dot_t(acc, w, a, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """``acc (ROWS, BLOCK_B) += w · aᵀ`` (DOT_FP32: in fp32, the interpreter's bf16)."""
     if DOT_FP32:
-        return tl.dot(a, tl.trans(w.to(tl.float32)), acc, input_precision=DOT_PRECISION)
+        return tl.dot(w.to(tl.float32), tl.trans(a.to(tl.float32)), acc, input_precision=DOT_PRECISION)
     else:
-        return tl.dot(a.to(w.dtype), tl.trans(w), acc, input_precision=DOT_PRECISION)
+        return tl.dot(w, tl.trans(a.to(w.dtype)), acc, input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _gemv(A, stride_a, G, K_LO, K_HI, offs_b, b_ok, WA, WB, stride_w, rows_a, rows_b, n_ok, wa0, wb0,
-          HAS_NORM: tl.constexpr, TWO: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """fp32 ``(A∘g)[:, K_LO:K_HI] · W[rows, K_LO:K_HI]ᵀ`` for one (TWO: two) weight row sets,
-    the first K chunk of the weights given (``wa0``, ``wb0``: loaded before the caller's wait);
-    also the rows' sum of squares (HAS_NORM, over the whole row: K_LO = 0)."""
-    acc_a = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-    ss = tl.zeros([BLOCK_B], dtype=tl.float32)
-    a, ss = _a_chunk(A, stride_a, G, offs_b, b_ok, K_LO, K_HI, ss, HAS_NORM, BLOCK_K)
-    acc_a = _dot(acc_a, a, wa0, DOT_FP32, DOT_PRECISION)
-    if TWO:
-        acc_b = _dot(acc_b, a, wb0, DOT_FP32, DOT_PRECISION)
-    for k0 in range(K_LO + BLOCK_K, K_HI, BLOCK_K):
-        wa = _w_chunk(WA, stride_w, rows_a, n_ok, k0, K_HI, BLOCK_K)
-        if TWO:
-            wb = _w_chunk(WB, stride_w, rows_b, n_ok, k0, K_HI, BLOCK_K)
-        a, ss = _a_chunk(A, stride_a, G, offs_b, b_ok, k0, K_HI, ss, HAS_NORM, BLOCK_K)
-        acc_a = _dot(acc_a, a, wa, DOT_FP32, DOT_PRECISION)
-        if TWO:
-            acc_b = _dot(acc_b, a, wb, DOT_FP32, DOT_PRECISION)
-    return acc_a, acc_b, ss
+def _k_first(K_LO, K_HI, rot, BLOCK_K: tl.constexpr):
+    """The first K chunk a GEMV task reads: chunk ``rot`` (mod its chunks) of ``[K_LO, K_HI)``, so
+    that tasks running side by side read different columns of their weight rows."""
+    n = tl.maximum(tl.cdiv(K_HI - K_LO, BLOCK_K), 1)
+    return K_LO + (rot % n) * BLOCK_K
+
+
+@triton.jit
+def _gemv(A, stride_a, K_LO, K_HI, K_FIRST, offs_b, b_ok, W, stride_w, rows, r_ok, w0,
+          ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr,
+          DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """fp32 ``W[rows, K_LO:K_HI] · A[:, K_LO:K_HI]ᵀ`` as a ``(ROWS, BLOCK_B)`` tile, K chunk by K
+    chunk from ``K_FIRST`` round to it (:func:`_k_first`), the first chunk of the weights given
+    (``w0``: loaded before the caller's wait). The loop holds only the two loads and the dot:
+    the activations come normalised and in the weights' dtype."""
+    n = tl.cdiv(K_HI - K_LO, BLOCK_K)
+    r0 = (K_FIRST - K_LO) // BLOCK_K
+    acc = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
+    acc = _dot_t(acc, w0, _act_rows(A, stride_a, offs_b, b_ok, K_FIRST, K_HI, BLOCK_K), DOT_FP32, DOT_PRECISION)
+    for i in tl.range(1, n, num_stages=GEMV_STAGES):
+        k0 = K_LO + ((r0 + i) % n) * BLOCK_K
+        w = _w_rows(W, stride_w, rows, r_ok, k0, K_HI, BLOCK_K)
+        a = _act_rows(A, stride_a, offs_b, b_ok, k0, K_HI, BLOCK_K)
+        acc = _dot_t(acc, w, a, DOT_FP32, DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _pairs(acc, BLOCK_B: tl.constexpr, HALF_ROWS: tl.constexpr):
+    """A ``(2·HALF_ROWS, BLOCK_B)`` tile of interleaved rows (even: first of a pair, odd: second)
+    as two ``(BLOCK_B, HALF_ROWS)`` tiles."""
+    return tl.split(tl.reshape(tl.trans(acc), [BLOCK_B, HALF_ROWS, 2]))
 
 
 @triton.jit
@@ -164,25 +173,49 @@ def _cache_rows(C, BT, offs_b, pos, kvh, s0, s1, s2, stride_bt, b_ok, PAGE_SIZE:
 
 
 @triton.jit
-def _qkv_task(X, stride_x, G_ATTN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
-              sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, head, pblock, batch, hidden, eps,
+def _norm_task(A, stride_a, G, DEST, b, hidden, eps, NORM_BLOCK: tl.constexpr):
+    """Row ``b`` of ``DEST = rmsnorm(A) ∘ G`` in DEST's dtype (the GEMV tasks' activation, as an
+    unfused layer rounds it): the sum of squares over the row, then the scaled row."""
+    offs = tl.arange(0, NORM_BLOCK)
+    row = A + b.to(tl.int64) * stride_a
+    ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+    for k0 in range(0, hidden, NORM_BLOCK):
+        a = tl.load(row + k0 + offs, mask=k0 + offs < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+        ss += a * a
+    rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
+    for k0 in range(0, hidden, NORM_BLOCK):
+        ok = k0 + offs < hidden
+        a = tl.load(row + k0 + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        g = tl.load(G + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(DEST + b.to(tl.int64) * hidden + k0 + offs, (a * rstd * g).to(DEST.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
+              sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, head, pblock, batch, hidden,
+              wait_idx, wait_target, spin_limit,
               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QKV_PAIRS: tl.constexpr,
               BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr,
-              DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+              GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr, DOT_FP32: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """``QKV_PAIRS`` rotary pairs of head ``head`` from the normalised rows XN: the pair's two
+    weight rows interleaved in one tile (one dot), RoPE, then q to the workspace, k and v into
+    the cache. The first weight chunk loads before the wait on XN."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
+    offs_r = tl.arange(0, 2 * QKV_PAIRS)
+    rows = head * HEAD_DIM + pblock * QKV_PAIRS + offs_r // 2 + (offs_r % 2) * HALF
+    r_ok = pblock * QKV_PAIRS + offs_r // 2 < HALF
+    k_first = _k_first(0, hidden, (head * (HALF // QKV_PAIRS) + pblock) * STAGGER, BLOCK_K)
+    w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, hidden, BLOCK_K)
+    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS)
+    acc = _gemv(XN, hidden, 0, hidden, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
+                2 * QKV_PAIRS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
+    acc1, acc2 = _pairs(acc, BLOCK_B, QKV_PAIRS)
     offs_p = pblock * QKV_PAIRS + tl.arange(0, QKV_PAIRS)
     rows1 = head * HEAD_DIM + offs_p
-    rows2 = rows1 + HALF
     n_ok = offs_p < HALF
-    w1 = _w_chunk(W_QKV, stride_wqkv, rows1, n_ok, 0, hidden, BLOCK_K)
-    w2 = _w_chunk(W_QKV, stride_wqkv, rows2, n_ok, 0, hidden, BLOCK_K)
-    acc1, acc2, ss = _gemv(X, stride_x, G_ATTN, 0, hidden, offs_b, b_ok, W_QKV, W_QKV, stride_wqkv, rows1, rows2,
-                           n_ok, w1, w2, True, True, BLOCK_B, QKV_PAIRS, BLOCK_K, DOT_FP32, DOT_PRECISION)
-    rstd = 1.0 / tl.sqrt(ss / hidden + eps)
-    acc1 = acc1 * rstd[:, None]
-    acc2 = acc2 * rstd[:, None]
     pos = tl.load(CACHE_SEQLENS + offs_b, mask=b_ok, other=0)
     mask = b_ok[:, None] & n_ok[None, :]
     if head < HEADS + KV_HEADS:   # q and k heads turn by their position (rotate-half pairs)
@@ -272,14 +305,15 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
 
 
 @triton.jit
-def _columns_task(SYNC, A, stride_a, G, WA, WB, stride_w, RES, stride_res, DEST, stride_dest, col, split, K, N,
-                  batch, eps, wait_idx, wait_target, signal_idx, spin_limit, WS_PART, merge_idx, epoch,
-                  HAS_NORM: tl.constexpr, GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_B: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, THREADS: tl.constexpr, DOT_FP32: tl.constexpr,
-                  DOT_PRECISION: tl.constexpr):
+def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride_dest, col, split, K, N,
+                  batch, wait_idx, wait_target, signal_idx, spin_limit, WS_PART, merge_idx, epoch,
+                  GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_B: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
+                  THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Columns ``[col·BLOCK_N, +BLOCK_N)`` of a GEMV stage: GATED (gate/up): ``silu(g) ∘ u`` of
-    rmsnorm(A) against rows ``col`` of WA (gate) and WB (up); otherwise ``RES + A · WAᵀ`` (the
-    O and down projections with their residual). The first weight chunk loads before the wait.
+    the normalised rows A against gate rows ``col`` of WA and the up rows N further, interleaved
+    in one tile; otherwise ``RES + A · WAᵀ`` (the O and down projections with their residual).
+    The first weight chunk loads before the wait.
 
     ``SPLIT_K`` > 1 (O and down only): this task is K slice ``split`` of the columns (slices of
     whole ``BLOCK_K`` chunks); it stores its fp32 partial at ``WS_PART[col·SPLIT_K + split]``,
@@ -293,18 +327,26 @@ def _columns_task(SYNC, A, stride_a, G, WA, WB, stride_w, RES, stride_res, DEST,
     k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = split * k_per
     k_hi = tl.minimum(K, k_lo + k_per)
-    wa0 = _w_chunk(WA, stride_w, offs_n, n_ok, k_lo, k_hi, BLOCK_K)
-    wb0 = wa0
-    if GATED:
-        wb0 = _w_chunk(WB, stride_w, offs_n, n_ok, k_lo, k_hi, BLOCK_K)
-    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS)
-    acc_a, acc_b, ss = _gemv(A, stride_a, G, k_lo, k_hi, offs_b, b_ok, WA, WB, stride_w, offs_n, offs_n, n_ok, wa0,
-                             wb0, HAS_NORM, GATED, BLOCK_B, BLOCK_N, BLOCK_K, DOT_FP32, DOT_PRECISION)
+    k_first = _k_first(k_lo, k_hi, col * STAGGER, BLOCK_K)
+    if GATED:   # gate row i and up row i (N rows further) as rows 2i and 2i + 1 of one tile
+        offs_r = tl.arange(0, 2 * BLOCK_N)
+        cols = col * BLOCK_N + offs_r // 2
+        r_ok = cols < N
+        rows = cols + (offs_r % 2) * N
+        w0 = _w_rows(WA, stride_w, rows, r_ok, k_first, k_hi, BLOCK_K)
+        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS)
+        acc = _gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, rows, r_ok, w0,
+                    2 * BLOCK_N, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
+        acc_a, acc_b = _pairs(acc, BLOCK_B, BLOCK_N)
+    else:
+        w0 = _w_rows(WA, stride_w, offs_n, n_ok, k_first, k_hi, BLOCK_K)
+        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS)
+        acc_a = tl.trans(_gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, offs_n, n_ok, w0,
+                               BLOCK_N, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION))
     mask = b_ok[:, None] & n_ok[None, :]
     dest = DEST + offs_b[:, None] * stride_dest + offs_n[None, :]
     if GATED:
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
-        out = _act(acc_a * rstd[:, None], 0) * (acc_b * rstd[:, None])
+        out = _act(acc_a, 0) * acc_b
         tl.store(dest, out.to(DEST.dtype.element_ty), mask=mask)
         _signal(SYNC, signal_idx, THREADS)
     elif SPLIT_K == 1:
@@ -340,7 +382,7 @@ def _columns_task(SYNC, A, stride_a, G, WA, WB, stride_w, RES, stride_res, DEST,
 def decode_layer_kernel(
     X, OUT, TASKS, SYNC, CACHE_SEQLENS, BT, COS, SIN,
     W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN,
-    KC, VC, QWS, ATT, H1, ACT, WS_ACC, WS_ML, WS_PART,
+    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, TRACE_BUF,
     batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, spin_limit,
     stride_x, stride_out, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
     stride_wqkv, stride_wo, stride_wgu, stride_wd,
@@ -348,22 +390,26 @@ def decode_layer_kernel(
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QKV_PAIRS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
 ):
     """One decode step of a decoder layer: the task table's tasks by ticket (module docstring).
 
-    Tiling: QKV tasks of ``QKV_PAIRS`` rotary pairs × all rows (two weight tiles of
-    QKV_PAIRS × BLOCK_K per K chunk, two tensor-core dots with M = BLOCK_B ≥ 16 rows); attention
-    tasks of (sequence, KV head, split) with GQA packing (``BLOCK_R`` ≥ 16 rows of the group's
-    query heads, ``BLOCK_KV`` keys a tile); O / down tasks of BLOCK_N output columns over the whole
-    K; gate/up tasks of BLOCK_I columns, gate and up rows both. Caches: LAYOUT 0 contiguous
-    ``(batch, capacity, kv_heads, d)``, 1 paged ``(blocks, PAGE_SIZE, kv_heads, d)`` through BT.
-    ``h1_idx``/``h1_count``: the O projection's counter, which the down stage also acquires
-    (it reads h besides act); ``h1_count`` is also the number of O / down column blocks.
-    ``SPLIT_K``: K slices per O / down column block (:func:`_columns_task`), their partials in
-    ``WS_PART``, their arrivals on the counters from ``col_merge_off`` (O's column blocks, then
-    down's). Workspaces are fp32; OUT in x's dtype.
+    Tiling: every GEMV task multiplies a tile of weight rows (the tensor-core dot's left
+    operand, ``ROWS`` ≥ 64) by the ``BLOCK_B`` ≥ 16 activation rows, K chunk by K chunk: QKV
+    tasks of ``QKV_PAIRS`` rotary pairs (2·QKV_PAIRS interleaved rows), O / down tasks of
+    ``BLOCK_N`` output columns, gate/up tasks of ``BLOCK_I`` columns (gate and up rows
+    interleaved). Attention tasks of (sequence, KV head, split) with GQA packing (``BLOCK_R`` ≥
+    16 rows of the group's query heads, ``BLOCK_KV`` keys a tile). Norm tasks write one row of
+    ``XN = rmsnorm(x)`` or ``HN = rmsnorm(h)`` (``NORM_BLOCK`` values a step). Caches: LAYOUT 0
+    contiguous ``(batch, capacity, kv_heads, d)``, 1 paged ``(blocks, PAGE_SIZE, kv_heads, d)``
+    through BT. ``h1_idx``/``h1_count``: the O projection's counter, which the down stage also
+    acquires (it reads h besides act); ``h1_count`` is also the number of O / down column
+    blocks. ``SPLIT_K``: K slices per O / down column block (:func:`_columns_task`), their
+    partials in ``WS_PART``, their arrivals on the counters from ``col_merge_off`` (O's column
+    blocks, then down's). Workspaces: XN, ATT, HN and ACT (the GEMVs' activations) in x's
+    dtype, q, h and the partials in fp32; OUT in x's dtype. TRACE: each ticket's
+    ``(start ns, end ns, SM, stage)`` into ``TRACE_BUF`` (int64, 4 words a task; GPU only).
     """
     t0 = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
     per_launch = num_tasks + num_programs
@@ -379,11 +425,13 @@ def decode_layer_kernel(
         wait_idx = tl.load(row + 4)
         wait_target = (epoch + 1) * tl.load(row + 5)
         signal_idx = tl.load(row + 6)
+        if TRACE:
+            t_start = globaltimer()
         if stage == _QKV:
-            _qkv_task(X, stride_x, G_ATTN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
-                      sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, batch, hidden, eps,
+            _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
+                      sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, batch, hidden, wait_idx, wait_target, spin_limit,
                       HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
-                      DOT_FP32, DOT_PRECISION)
+                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION)
             _signal(SYNC, signal_idx, THREADS)
         elif stage == _ATTN:
             _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
@@ -392,22 +440,37 @@ def decode_layer_kernel(
                        HEADS, KV_HEADS, HEAD_DIM, BLOCK_R, BLOCK_KV, NUM_SPLITS, PAGE_SIZE, LAYOUT,
                        THREADS, DOT_FP32, DOT_PRECISION)
         elif stage == _OPROJ:
-            _columns_task(SYNC, ATT, HEADS * HEAD_DIM, G_ATTN, W_O, W_O, stride_wo, X, stride_x, H1, hidden,
-                          a, b, HEADS * HEAD_DIM, hidden, batch, eps, wait_idx, wait_target, signal_idx, spin_limit,
+            _columns_task(SYNC, ATT, HEADS * HEAD_DIM, W_O, stride_wo, X, stride_x, H1, hidden,
+                          a, b, HEADS * HEAD_DIM, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, col_merge_off + a, epoch,
-                          False, False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
+                          False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
+                          DOT_FP32, DOT_PRECISION)
         elif stage == _GATEUP:
-            _columns_task(SYNC, H1, hidden, G_FFN, W_GU, W_GU + inter.to(tl.int64) * stride_wgu, stride_wgu,
-                          H1, hidden, ACT, inter, a, 0, hidden, inter, batch, eps, wait_idx, wait_target, signal_idx,
-                          spin_limit, WS_PART, 0, epoch,
-                          True, True, 1, BLOCK_B, BLOCK_I, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
-        else:
+            _columns_task(SYNC, HN, hidden, W_GU, stride_wgu, H1, hidden, ACT, inter,
+                          a, 0, hidden, inter, batch, wait_idx, wait_target, signal_idx, spin_limit,
+                          WS_PART, 0, epoch,
+                          True, 1, BLOCK_B, BLOCK_I, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
+                          DOT_FP32, DOT_PRECISION)
+        elif stage == _DOWN:
             # h (the residual) is read besides act: acquire its counter too (already complete)
             _wait(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS)
-            _columns_task(SYNC, ACT, inter, G_FFN, W_DOWN, W_DOWN, stride_wd, H1, hidden, OUT, stride_out,
-                          a, b, inter, hidden, batch, eps, wait_idx, wait_target, signal_idx, spin_limit,
+            _columns_task(SYNC, ACT, inter, W_DOWN, stride_wd, H1, hidden, OUT, stride_out,
+                          a, b, inter, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, col_merge_off + h1_count + a, epoch,
-                          False, False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, THREADS, DOT_FP32, DOT_PRECISION)
+                          False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
+                          DOT_FP32, DOT_PRECISION)
+        else:   # a norm row: a = 0, x's attention norm into XN; a = 1, h's FFN norm into HN
+            _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS)
+            if a == 0:
+                _norm_task(X, stride_x, G_ATTN, XN, b, hidden, eps, NORM_BLOCK)
+            else:
+                _norm_task(H1, hidden, G_FFN, HN, b, hidden, eps, NORM_BLOCK)
+            _signal(SYNC, signal_idx, THREADS)
+        if TRACE:
+            tl.store(TRACE_BUF + t * 4, t_start)
+            tl.store(TRACE_BUF + t * 4 + 1, globaltimer())
+            tl.store(TRACE_BUF + t * 4 + 2, smid().to(tl.int64))
+            tl.store(TRACE_BUF + t * 4 + 3, stage.to(tl.int64))
         t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu") - base
 
 
@@ -420,25 +483,48 @@ def decode_layer_kernel(
 @dataclass(frozen=True)
 class Counters:
     """Word offsets of the counters in the int64 SYNC buffer (after :mod:`flashflow.kernels.mlp`'s
-    fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), one each for
-    attention results, O tiles, gate/up tiles and down tiles, then the K slices' arrivals per O
-    column block and per down column block (``columns`` each)."""
+    fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), the attention
+    results per O K slice (``parts`` words from ``o_ready``), O column blocks, gate/up tiles per
+    down K slice (``parts`` words from ``act_ready``), down column blocks, rows of XN, rows of
+    HN, then the K slices' arrivals per O column block and per down column block (``columns``
+    each)."""
     attn_ready: int
     merge: int
     o_ready: int
     h1_ready: int
     act_ready: int
     done: int
+    xn_ready: int
+    hn_ready: int
     col_merge: int
     words: int
 
 
-def counters(config, batch: int, columns: int = 0) -> Counters:
+def counters(config, batch: int, columns: int = 0, parts: int = 1) -> Counters:
     """The counters of a layer at ``batch`` rows; ``columns``: the O / down column blocks whose
-    K slices arrive on counters of their own (0 without split-K)."""
+    K slices arrive on counters of their own (0 without split-K); ``parts``: the K slices of
+    the O and down projections (their inputs counted per slice)."""
     hk = config.kv_heads
-    base = CNT_OFF + hk + batch * hk
-    return Counters(CNT_OFF, CNT_OFF + hk, base, base + 1, base + 2, base + 3, base + 4, base + 4 + 2 * columns)
+    o = CNT_OFF + hk + batch * hk
+    act = o + parts + 1
+    base = act + parts
+    return Counters(CNT_OFF, CNT_OFF + hk, o, o + parts, act, base, base + 1, base + 2, base + 3,
+                    base + 3 + 2 * columns)
+
+
+def k_slices(k: int, tiles) -> tuple[int, int]:
+    """``(slices, width)``: the K slices of an O / down column block over a K of ``k`` (whole
+    ``BLOCK_K`` chunks each; the last ones may be short or empty) and their width."""
+    sk = split_k(tiles)
+    return sk, cdiv(cdiv(k, sk), tiles.BLOCK_K) * tiles.BLOCK_K
+
+
+def _parts(k: int, unit: int, tiles) -> tuple[int, int]:
+    """``(slices, width)`` of the O / down K slices when each producer tile (``unit`` columns of
+    the activation) lies inside one slice, so that a slice waits only on its own producers;
+    ``(1, k)`` otherwise (every slice waits on every producer)."""
+    sk, width = k_slices(k, tiles)
+    return (sk, width) if sk > 1 and width % unit == 0 else (1, k)
 
 
 def split_k(tiles) -> int:
@@ -449,26 +535,41 @@ def split_k(tiles) -> int:
 def build_tasks(config, batch: int, num_splits: int, tiles,
                 shuffle=None) -> list[tuple]:
     """The task rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)`` in ticket order:
-    QKV tiles (by KV group: its query heads, its key head, its value head), attention tasks,
-    O-projection, gate/up and down tiles (O and down: ``(column block, K slice)``, each column
-    block's slices together). ``shuffle`` (a seed): a random topological order instead, for
+    the rows of XN (``(NORM, 0, row)``), QKV tiles (by KV group: its query heads, its key head,
+    its value head), attention tasks, O-projection tiles, the rows of HN (``(NORM, 1, row)``),
+    gate/up and down tiles (O and down: ``(column block, K slice)``, slice by slice). With K
+    slices whose producers each lie inside one slice (:func:`_parts`), an O slice waits only on
+    its KV heads' attention and a down slice only on its gate/up tiles. ``shuffle`` (a seed): a random topological order instead, for
     tests (the outputs do not depend on the order)."""
     c = config
-    cnt = counters(config, batch, cdiv(c.hidden, tiles.BLOCK_N))
     sk = split_k(tiles)
     group = c.heads // c.kv_heads
-    per_head = c.head_dim // 2 // tiles.QKV_PAIRS
+    d = c.head_dim
+    per_head = d // 2 // tiles.QKV_PAIRS
     n_o, n_gu = cdiv(c.hidden, tiles.BLOCK_N), cdiv(c.intermediate, tiles.BLOCK_I)
-    tasks = []
+    # an O slice waits on the attention of the KV heads whose query heads it reads, a down
+    # slice on the gate/up tiles of its columns (when those lie inside one slice)
+    o_parts, o_width = _parts(c.heads * d, group * d, tiles)
+    d_parts, d_width = _parts(c.intermediate, tiles.BLOCK_I, tiles)
+    cnt = counters(config, batch, n_o, sk)
+    o_part = [kvh * group * d // o_width for kvh in range(c.kv_heads)]
+    gu_part = [j * tiles.BLOCK_I // d_width for j in range(n_gu)]
+    tasks = [(NORM, 0, b, 0, cnt.xn_ready, 0, cnt.xn_ready, 0) for b in range(batch)]
     for kvh in range(c.kv_heads):
         heads = [kvh * group + i for i in range(group)] + [c.heads + kvh, c.heads + c.kv_heads + kvh]
-        tasks += [(QKV, h, p, 0, 0, 0, cnt.attn_ready + kvh, 0) for h in heads for p in range(per_head)]
+        tasks += [(QKV, h, p, 0, cnt.xn_ready, batch, cnt.attn_ready + kvh, 0) for h in heads for p in range(per_head)]
     for kvh in range(c.kv_heads):
-        tasks += [(ATTN, b, kvh, s, cnt.attn_ready + kvh, (group + 2) * per_head, cnt.o_ready, 0)
+        tasks += [(ATTN, b, kvh, s, cnt.attn_ready + kvh, (group + 2) * per_head, cnt.o_ready + o_part[kvh], 0)
                   for b in range(batch) for s in range(num_splits)]
-    tasks += [(OPROJ, j, s, 0, cnt.o_ready, batch * c.kv_heads, cnt.h1_ready, 0) for j in range(n_o) for s in range(sk)]
-    tasks += [(GATEUP, j, 0, 0, cnt.h1_ready, n_o, cnt.act_ready, 0) for j in range(n_gu)]
-    tasks += [(DOWN, j, s, 0, cnt.act_ready, n_gu, cnt.done, 0) for j in range(n_o) for s in range(sk)]
+    # O and down tiles slice by slice: the first slices' inputs are complete first
+    for s in range(sk):
+        p = s if o_parts > 1 else 0
+        tasks += [(OPROJ, j, s, 0, cnt.o_ready + p, batch * o_part.count(p), cnt.h1_ready, 0) for j in range(n_o)]
+    tasks += [(NORM, 1, b, 0, cnt.h1_ready, n_o, cnt.hn_ready, 0) for b in range(batch)]
+    tasks += [(GATEUP, j, 0, 0, cnt.hn_ready, batch, cnt.act_ready + gu_part[j], 0) for j in range(n_gu)]
+    for s in range(sk):
+        p = s if d_parts > 1 else 0
+        tasks += [(DOWN, j, s, 0, cnt.act_ready + p, gu_part.count(p), cnt.done, 0) for j in range(n_o)]
     if shuffle is not None:
         tasks = _random_topological(tasks, num_splits, random.Random(shuffle))
     return tasks

@@ -35,7 +35,8 @@ from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments, stream_key, unit_last_stride
 from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here, overlaps_itself
 from flashflow.tuning.decode import cap_splits, num_splits_heuristic
-from flashflow.tuning.decode_layer import DecodeLayerConfig, decode_layer_config, num_programs as grid_programs
+from flashflow.tuning.decode_layer import (DecodeLayerConfig, decode_layer_config, norm_block,
+                                            num_programs as grid_programs)
 
 MAX_BATCH = 16
 HEAD_DIMS = (32, 64, 128, 256)
@@ -174,6 +175,9 @@ class DecodeLayerPlan:
         config_tiles: a :class:`DecodeLayerConfig` instead of the shipped one.
         spin_limit: polls before a wait gives up and the call raises (None: 2000 in the
             interpreter, else ``FLASHFLOW_DECODE_LAYER_SPIN_LIMIT`` or 0, unbounded).
+        trace: record every task's start and end (the GPU's global timer, ns), SM and stage
+            into ``plan.trace`` (``(tasks, 4)`` int64, ticket order) on each run: the step's
+            timeline (:func:`flashflow.ops.decode_layer.trace_summary`). GPU only.
 
     A plan's counters are shared by every call made with it: calls on one plan must be
     stream-ordered (one stream), as a serving loop's are. One plan serves every layer of a
@@ -183,7 +187,7 @@ class DecodeLayerPlan:
     def __init__(self, config: LayerConfig, batch: int, capacity: int, *, device="cuda", dtype=torch.bfloat16,
                  page_size: Optional[int] = None, num_splits: int = 0, num_programs: Optional[int] = None,
                  shuffle: Optional[int] = None, config_tiles: Optional[DecodeLayerConfig] = None,
-                 spin_limit: Optional[int] = None):
+                 spin_limit: Optional[int] = None, trace: bool = False):
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config must be a flashflow LayerConfig, got {type(config).__name__}")
         device = torch.device(device)
@@ -220,7 +224,11 @@ class DecodeLayerPlan:
         self.num_splits = cap_splits(asked, capacity, tiles.BLOCK_KV)
         if not isinstance(tiles.SPLIT_K, int) or tiles.SPLIT_K < 1:
             raise ValueError(f"SPLIT_K must be an int >= 1, got {tiles.SPLIT_K!r}")
-        self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N))
+        if not isinstance(tiles.GEMV_STAGES, int) or tiles.GEMV_STAGES < 0:
+            raise ValueError(f"GEMV_STAGES must be an int >= 0 (0: num_stages), got {tiles.GEMV_STAGES!r}")
+        if tiles.STAGGER not in (0, 1) or isinstance(tiles.STAGGER, bool):
+            raise ValueError(f"STAGGER must be 0 or 1, got {tiles.STAGGER!r}")
+        self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), tiles.SPLIT_K)
         self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle)
         bad = dependency_violations(self.task_list, self.num_splits)
         assert not bad, f"task table not topological at tickets {bad[:8]}"
@@ -229,14 +237,21 @@ class DecodeLayerPlan:
         self.programs = min(num_programs, self.num_tasks) if num_programs else grid_programs(self.num_tasks, sms)
         self.spin_limit = _spin_limit(device) if spin_limit is None else check_int("spin_limit", spin_limit, 0)
         self.sync = torch.zeros(self.counters.words, dtype=torch.int64, device=device)
+        check_flag("trace", trace)
+        if trace and (device.type != "cuda" or interpreting()):
+            raise ValueError("trace=True reads the GPU's global timer: a CUDA device, not the interpreter")
+        self.trace = torch.zeros(self.num_tasks, 4, dtype=torch.int64, device=device) if trace else None
         c = config
         f32 = dict(dtype=torch.float32, device=device)
         self.block_b = max(16, next_pow2(batch))
         self.block_r = max(16, next_pow2(c.heads // c.kv_heads))
+        act = dict(dtype=dtype, device=device)   # the GEMVs' activations, rounded as an unfused layer rounds them
+        self.xn = torch.empty(batch, c.hidden, **act)
         self.q_ws = torch.empty(batch, c.heads * c.head_dim, **f32)
-        self.attn = torch.empty(batch, c.heads * c.head_dim, **f32)
+        self.attn = torch.empty(batch, c.heads * c.head_dim, **act)
         self.h1 = torch.empty(batch, c.hidden, **f32)
-        self.act = torch.empty(batch, c.intermediate, **f32)
+        self.hn = torch.empty(batch, c.hidden, **act)
+        self.act = torch.empty(batch, c.intermediate, **act)
         pieces = batch * c.kv_heads * self.num_splits
         self.ws_acc = torch.empty(pieces * self.block_r * c.head_dim, **f32)
         self.ws_ml = torch.empty(pieces * 2 * self.block_r, **f32)
@@ -332,7 +347,8 @@ class DecodeLayerPlan:
         on_interp = interpreting()
         args = (x, out, self.tasks, self.sync, seqlens, table if paged else seqlens, self.cos, self.sin,
                 w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"],
-                k_cache, v_cache, self.q_ws, self.attn, self.h1, self.act, self.ws_acc, self.ws_ml, self.ws_part,
+                k_cache, v_cache, self.xn, self.q_ws, self.attn, self.h1, self.hn, self.act, self.ws_acc, self.ws_ml,
+                self.ws_part, self.trace if self.trace is not None else self.sync,
                 self.batch, c.hidden, c.intermediate, self.num_tasks, self.programs, self.counters.merge,
                 self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.counters.col_merge, self.spin_limit,
                 x.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
@@ -343,6 +359,8 @@ class DecodeLayerPlan:
                           BLOCK_N=t.BLOCK_N, BLOCK_I=t.BLOCK_I, BLOCK_K=t.BLOCK_K, BLOCK_KV=t.BLOCK_KV,
                           BLOCK_B=self.block_b, BLOCK_R=self.block_r, NUM_SPLITS=self.num_splits, SPLIT_K=t.SPLIT_K,
                           PAGE_SIZE=self.page_size or 1, LAYOUT=1 if paged else 0, THREADS=t.num_warps * 32,
+                          GEMV_STAGES=t.GEMV_STAGES or t.num_stages, STAGGER=t.STAGGER, NORM_BLOCK=norm_block(c.hidden),
+                          TRACE=self.trace is not None,
                           DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
                           DOT_PRECISION=dot_precision(self.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
         launch_by_arguments(_LAUNCH, (self.programs, 1, 1), args, constexprs)
@@ -421,3 +439,28 @@ def decode_step(plan: DecodeLayerPlan, layers, caches, x, cache_seqlens, block_t
     if advance:
         cache_seqlens.add_(1)
     return x
+
+
+def trace_summary(plan: DecodeLayerPlan) -> dict:
+    """A traced plan's last step (``DecodeLayerPlan(..., trace=True)``), in µs from the first
+    task's start: per stage its tasks, first start, last end and mean task time; the step's span
+    and the fraction of (programs × span) spent inside tasks. Reads the trace back (a host
+    synchronisation)."""
+    from flashflow.kernels.decode_layer import STAGES
+
+    if not isinstance(plan, DecodeLayerPlan) or plan.trace is None:
+        raise ValueError("plan must be a DecodeLayerPlan built with trace=True")
+    tr = plan.trace.cpu()
+    t0 = int(tr[:, 0].min())
+    start = (tr[:, 0] - t0).double() / 1e3
+    end = (tr[:, 1] - t0).double() / 1e3
+    span = float(end.max())
+    stages = {}
+    for code, name in enumerate(STAGES):
+        sel = tr[:, 3] == code
+        if bool(sel.any()):
+            stages[name] = {"tasks": int(sel.sum()), "first_start_us": round(float(start[sel].min()), 2),
+                            "last_end_us": round(float(end[sel].max()), 2),
+                            "mean_task_us": round(float((end[sel] - start[sel]).mean()), 2)}
+    busy = float((end - start).sum()) / (plan.programs * span) if span > 0 else 0.0
+    return {"span_us": round(span, 2), "busy_fraction": round(busy, 3), "stages": stages}

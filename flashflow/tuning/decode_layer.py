@@ -21,6 +21,8 @@ class DecodeLayerConfig(Config):
     num_warps: int
     num_stages: int
     SPLIT_K: int = 1  # K slices per O / down column block (their partials merged by the last slice)
+    GEMV_STAGES: int = 0  # pipeline stages of the GEMV tasks' weight loops (0: num_stages)
+    STAGGER: int = 0  # 1: a GEMV task starts its K loop at chunk (task index mod chunks), 0: at its first
 
 
 CONFIGS = ConfigTable(TABLE, DecodeLayerConfig, keys=("head_dim",), what="decode layer")
@@ -41,3 +43,8 @@ def num_programs(num_tasks: int, num_sms: int) -> int:
     """The persistent grid: one program per SM (a task's tiles are sized so that one program
     streams a weight tile at a time), never more than the tasks."""
     return max(1, min(num_tasks, num_sms))
+
+
+def norm_block(hidden: int) -> int:
+    """Values a norm task reads per step of its row: the row in one step up to 1024, else 1024."""
+    return min(1024, 1 << (hidden - 1).bit_length())

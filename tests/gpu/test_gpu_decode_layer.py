@@ -1,11 +1,14 @@
 """The decode-layer megakernel on the GPU, bf16 and fp16 against float64: a mid-sized GQA layer
 over several steps with ragged, growing caches (contiguous and paged), outputs poisoned with NaN;
-the same bits from fewer programs and from shuffled task orders; a CUDA graph of the step replayed
-with the epochs advancing on the device; the Llama-3-8B layer at batch 1 and 16."""
+the same bits from fewer programs and from shuffled task orders; staggered K loops and deeper GEMV
+pipelines; a CUDA graph of the step replayed with the epochs advancing on the device; the traced
+timeline; the Llama-3-8B layer at batch 1 and 16."""
 import pytest
 import torch
 
-from flashflow.ops.decode_layer import LLAMA3_8B, DecodeLayerPlan, LayerConfig, random_layer_weights
+import dataclasses
+
+from flashflow.ops.decode_layer import LLAMA3_8B, DecodeLayerPlan, LayerConfig, random_layer_weights, trace_summary
 from flashflow.reference.decode_layer import decode_layer_reference
 
 pytestmark = pytest.mark.gpu
@@ -105,3 +108,32 @@ def test_llama3_8b_layer(batch):
     ref = _ref(LLAMA3_8B, x, w, kc, vc, seqlens, None)
     out = DecodeLayerPlan(LLAMA3_8B, batch, CAP, device="cuda", dtype=torch.bfloat16).run(x, w, kc, vc, seqlens)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_staggered_and_deeper_gemv_loops_against_float64():
+    lens = [3, 250, 999]
+    w, kc, vc, seqlens, _ = _state(MID, 3, torch.bfloat16, lens)
+    x = torch.randn(3, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    ref = _ref(MID, x, w, kc, vc, seqlens, None)
+    base = DecodeLayerPlan(MID, 3, CAP, device="cuda", dtype=torch.bfloat16).tiles
+    for tiles in (dataclasses.replace(base, STAGGER=1), dataclasses.replace(base, GEMV_STAGES=5),
+                  dataclasses.replace(base, STAGGER=1, SPLIT_K=1, BLOCK_K=64)):
+        plan = DecodeLayerPlan(MID, 3, CAP, device="cuda", dtype=torch.bfloat16, config_tiles=tiles)
+        out = plan.run(x, w, kc.clone(), vc.clone(), seqlens)
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2, tiles
+
+
+def test_trace_records_every_task_and_changes_nothing():
+    w, kc, vc, seqlens, _ = _state(MID, 2, torch.bfloat16, [7, 600])
+    x = torch.randn(2, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    plain = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16)
+    traced = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16, trace=True)
+    a = plain.run(x, w, kc.clone(), vc.clone(), seqlens)
+    b = traced.run(x, w, kc.clone(), vc.clone(), seqlens)
+    assert torch.equal(a, b)
+    tr = traced.trace.cpu()
+    assert (tr[:, 1] >= tr[:, 0]).all() and (tr[:, 0] > 0).all()
+    assert tr[:, 3].tolist() == [t[0] for t in traced.task_list]   # each ticket's own stage
+    s = trace_summary(traced)
+    assert sum(v["tasks"] for v in s["stages"].values()) == traced.num_tasks
+    assert 0 < s["busy_fraction"] <= 1 and s["stages"]["down"]["last_end_us"] == s["span_us"]

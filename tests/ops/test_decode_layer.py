@@ -10,6 +10,7 @@ import torch
 from flashflow.ops.decode_layer import (TINY_LLAMA, DecodeLayerPlan, LayerConfig, LayerWeights, build_tasks,
                                         decode_layer, decode_layer_bytes, decode_step, dependency_violations,
                                         random_layer_weights, LLAMA3_8B)
+from flashflow.kernels.decode_layer import counters
 from flashflow.reference.decode_layer import decode_layer_reference
 
 C = TINY_LLAMA
@@ -166,7 +167,14 @@ def test_task_table_counts():
     assert stages.count(1) == 2 * C.kv_heads * 3
     assert stages.count(2) == stages.count(4) == C.hidden // tiles.BLOCK_N
     assert stages.count(3) == -(-C.intermediate // tiles.BLOCK_I)
-    assert stages == sorted(stages) and dependency_violations(tasks, 3) == []
+    # a norm row of x per sequence first, one of h per sequence between the O and gate/up tiles
+    assert stages.count(5) == 2 * 2
+    norm_x, rest = stages[:2], stages[2:]
+    first_gu = rest.index(3)
+    assert norm_x == [5, 5] and rest[first_gu - 2:first_gu] == [5, 5]
+    del rest[first_gu - 2:first_gu]
+    assert rest == sorted(rest) and dependency_violations(tasks, 3) == []
+    assert [t[1] for t in tasks if t[0] == 5] == [0, 0, 1, 1]
 
 
 def test_layouts_non_contiguous_inputs_are_taken():
@@ -371,16 +379,86 @@ def test_split_k_task_table():
     stages = [t[0] for t in tasks]
     columns = C.hidden // tiles.BLOCK_N
     assert stages.count(2) == stages.count(4) == 4 * columns
-    # each column block's slices 0..3, the O and down tasks wait as without slices
+    # slice by slice: every column block's slice 0, then slice 1, ...
     o = [t for t in tasks if t[0] == 2]
-    assert [(t[1], t[2]) for t in o] == [(j, s) for j in range(columns) for s in range(4)]
+    assert [(t[1], t[2]) for t in o] == [(j, s) for s in range(4) for j in range(columns)]
     assert dependency_violations(tasks, 3) == []
-    # a gate/up task needs every O column block merged: moving one before the last O slice breaks it
+    # O slices of 32 columns cut a KV head's 64 (2 query heads of 32): every O task waits on
+    # all the attention; down slices of 64 hold whole 32-column gate/up tiles: each waits on its own
+    cnt = counters(C, 2, columns, 4)
+    assert {(t[4], t[5]) for t in o} == {(cnt.o_ready, 2 * C.kv_heads)}
+    down = [t for t in tasks if t[0] == 4]
+    gu = [t for t in tasks if t[0] == 3]
+    assert [t[6] - cnt.act_ready for t in gu] == [0, 0, 1, 1, 2]
+    assert [(t[4] - cnt.act_ready, t[5]) for t in down] == [(s, n) for s, n in enumerate((2, 2, 1, 0))
+                                                            for _ in range(columns)]
+    # a down task of slice 0 may run as soon as the first two gate/up tiles are done, not before
+    first_down, i_gu = stages.index(4), stages.index(3)
+    early = tasks[:i_gu + 2] + [tasks[first_down]] + [t for t in tasks[i_gu + 2:] if t != tasks[first_down]]
+    assert dependency_violations(early, 3) == []
+    early = tasks[:i_gu + 1] + [tasks[first_down]] + [t for t in tasks[i_gu + 1:] if t != tasks[first_down]]
+    assert dependency_violations(early, 3) == [i_gu + 1]
+    # two slices of 64 columns: an O task of slice 0 waits only on KV head 0's attention
+    tasks2 = build_tasks(C, 2, 3, _split_tiles(2))
+    cnt2 = counters(C, 2, columns, 2)
+    o2 = [t for t in tasks2 if t[0] == 2]
+    assert [(t[4] - cnt2.o_ready, t[5]) for t in o2] == [(s, 2) for s in range(2) for _ in range(columns)]
+    att = [t for t in tasks2 if t[0] == 1]
+    assert [t[6] - cnt2.o_ready for t in att] == [t[2] for t in att]
+    last_kvh0 = max(i for i, t in enumerate(tasks2) if t[0] == 1 and t[2] == 0)
+    first_o = [t[0] for t in tasks2].index(2)
+    early = tasks2[:last_kvh0 + 1] + [tasks2[first_o]] + [t for t in tasks2[last_kvh0 + 1:] if t != tasks2[first_o]]
+    assert dependency_violations(early, 3) == []
+    # a gate/up task needs every row of HN: moving one before the last norm row breaks it
     first_gu = stages.index(3)
+    assert stages[first_gu - 1] == 5
     bad = tasks[:first_gu - 1] + [tasks[first_gu], tasks[first_gu - 1]] + tasks[first_gu + 1:]
     assert dependency_violations(bad, 3) == [first_gu - 1]
+    # a norm row of h needs every O column block merged: moving it before the last O slice breaks it
+    first_hn = first_gu - 2
+    assert stages[first_hn - 1] == 2 and stages[first_hn] == 5
+    bad = tasks[:first_hn - 1] + [tasks[first_hn], tasks[first_hn - 1]] + tasks[first_hn + 1:]
+    assert dependency_violations(bad, 3) == [first_hn - 1]
 
 
 def test_split_k_must_be_a_positive_int():
     with pytest.raises(ValueError, match=r"SPLIT_K must be an int >= 1, got 0"):
         DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, config_tiles=_split_tiles(0))
+
+
+def test_staggered_k_loops_and_deeper_gemv_pipelines_match_the_float64_reference():
+    """STAGGER 1: each GEMV task starts its K loop at chunk (task index mod chunks), K slices
+    included; GEMV_STAGES apart from num_stages. Against float64, and the same bits whatever the
+    program count and order."""
+    import dataclasses
+    batch = 3
+    w, kc, vc, lens, table = _case(batch, paged=True)
+    tiles = dataclasses.replace(_split_tiles(3), STAGGER=1, GEMV_STAGES=2)
+    kw = dict(device="cpu", dtype=torch.float32, num_splits=2, page_size=PAGE, config_tiles=tiles)
+    plan = DecodeLayerPlan(C, batch, CAP, **kw)
+    wd, kref, vref = _ref_state(w, kc, vc, table)
+    x = torch.randn(batch, C.hidden, generator=torch.Generator().manual_seed(4))
+    k2, v2 = kc.clone(), vc.clone()
+    got = plan.run(x, w, k2, v2, lens, table)
+    ref = _ref_step(x, wd, kref, vref, lens)
+    assert (got.double() - ref).abs().max().item() < 2e-5 * ref.abs().max().item()
+    base = (got, k2, v2)
+    for extra in ({"num_programs": 2}, {"shuffle": 3, "num_programs": 3}):
+        again = _run(DecodeLayerPlan(C, batch, CAP, **kw, **extra), w, kc, vc, lens, table, x=x)
+        assert all(torch.equal(a, b) for a, b in zip(again, base)), extra
+
+
+def test_trace_needs_a_gpu():
+    with pytest.raises(ValueError, match="trace=True reads the GPU's global timer"):
+        DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, trace=True)
+    with pytest.raises(TypeError, match="trace"):
+        DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, trace=1)
+
+
+@pytest.mark.parametrize("field,value,match", [("GEMV_STAGES", -1, "GEMV_STAGES must be an int >= 0"),
+                                               ("STAGGER", 2, "STAGGER must be 0 or 1")])
+def test_gemv_fields_are_checked(field, value, match):
+    import dataclasses
+    tiles = dataclasses.replace(_split_tiles(1), **{field: value})
+    with pytest.raises(ValueError, match=match):
+        DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, config_tiles=tiles)
