@@ -3,17 +3,22 @@ its task table, in ticket order, as the machine's jobs (:mod:`flashflow.dataflow
 
 Each task is a job whose K-steps read what the kernel's loop reads per iteration:
 
-- a QKV task (head, rotary-pair block): per ``BLOCK_K`` chunk of the hidden size, its two weight
-  tiles (``2·QKV_PAIRS`` rows) and the chunk of x; it writes its q rows to the fp32 workspace
+- a norm row (x's or h's): one step reading the row (x from DRAM, h's fp32 blocks from the O
+  tasks) and writing the normalised row chunk by chunk;
+- a QKV task (head, rotary-pair block): per ``BLOCK_K`` chunk of the hidden size, its weight
+  tile (``2·QKV_PAIRS`` rows) and the chunk of XN; it writes its q rows to the fp32 workspace
   (write-allocate: the attention tasks read them back) or stores its k/v rows into the cache;
 - an attention task (sequence, KV head, split): per ``BLOCK_KV`` keys of its slice, that block
-  of K and of V; it waits on its group's QKV tasks and reads their q rows first, and writes its
-  fp32 partial;
+  of K and of V; it reads its group's q rows first, and writes its fp32 partial (the merging
+  split also the attention output, in the weights' dtype);
 - an O, gate/up or down task: per ``BLOCK_K`` chunk, its weight tile (gate and up together)
-  and the chunk of its fp32 input (the attention output, h or the activation), after waiting on
-  every task of the stage before; it writes its columns (the down stage stores ``out``). With
-  ``SPLIT_K`` > 1 an O or down task is one K slice of its columns: it writes an fp32 partial,
-  and the last slice (in ticket order) also reads the others' and writes the columns.
+  and the chunk of its input (the attention output, HN or the activation); it writes its
+  columns (h in fp32, the activation in the weights' dtype; the down stage stores ``out``).
+  With ``SPLIT_K`` > 1 an O or down task is one K slice of its columns: it writes an fp32
+  partial, and the last slice (in ticket order) also reads the others' and writes the columns.
+
+A job waits on the tasks that signal the counter its task waits on: the table's own
+dependencies (with per-slice counters, an O or down slice waits only on its producers).
 
 The activations and workspaces are ``batch`` rows: tens to hundreds of KB, held by the L2.
 Weights and the cache are read once whatever the order, so the predicted DRAM bytes sit at
@@ -21,7 +26,8 @@ Weights and the cache are read once whatever the order, so the predicted DRAM by
 model shows beyond bytes is the schedule: one K-step a time unit, ``num_slots`` programs (one
 an SM), the slots each stage keeps busy while it runs. A stage of fewer tasks than slots, or
 whose last wave is short, leaves SMs idle, and a memory-bound step is then slower than its
-bytes: the megakernel's measured shortfall (docs/decode_layer.md).
+bytes. The model holds no rate of bytes a second per program: the megakernel's measured
+shortfall is mostly that rate (docs/decode_layer.md).
 """
 from __future__ import annotations
 

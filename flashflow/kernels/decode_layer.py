@@ -11,17 +11,29 @@ The host builds a task table once (:class:`flashflow.ops.decode_layer.DecodeLaye
 rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)``. Stages:
 
 =========  =====================  ==========================================================
+``NORM``   (which, row, -)        one row of ``XN = rmsnorm(x) ∘ g_attn`` (which 0) or of
+                                  ``HN = rmsnorm(h) ∘ g_ffn`` (which 1, after every O column
+                                  block), in x's dtype: the GEMVs' activations, normalised once
 ``QKV``    (head, pair block, -)  ``QKV_PAIRS`` rotary pairs (channels i and i + d/2) of one q,
-                                  k or v head for every row: the RMSNorm is recomputed from x
-                                  (its sum of squares rides in the same K loop, the scale
-                                  applies after), RoPE at the row's position, then q to the
-                                  workspace, k and v appended to the cache at ``cache_seqlens[b]``
+                                  k or v head for every row of XN (the pair's two weight rows
+                                  interleaved in one tile), RoPE at the row's position, then q
+                                  to the workspace, k and v appended to the cache at
+                                  ``cache_seqlens[b]``
 ``ATTN``   (b, kv head, split)    one key slice of flash-decoding over the cache after the
-                                  append; the last split to arrive merges the partials
-``OPROJ``  (column block, -, -)   ``BLOCK_N`` columns of ``h = x + attn · W_oᵀ`` (fp32)
-``GATEUP`` (column block, -, -)   ``BLOCK_I`` columns of ``silu(g) ∘ u`` from rmsnorm(h)
-``DOWN``   (column block, -, -)   ``BLOCK_N`` columns of ``out = h + act · W_downᵀ``
+                                  append; the last split to arrive merges the partials into
+                                  the attention output (x's dtype)
+``OPROJ``  (column block, slice)  ``BLOCK_N`` columns of ``h = x + attn · W_oᵀ`` (fp32), over
+                                  one K slice (``SPLIT_K``); the last slice merges
+``GATEUP`` (column block, -, -)   ``BLOCK_I`` columns of ``silu(g) ∘ u`` from HN (gate and up
+                                  rows interleaved in one tile), in x's dtype
+``DOWN``   (column block, slice)  ``BLOCK_N`` columns of ``out = h + act · W_downᵀ``
 =========  =====================  ==========================================================
+
+Every GEMV task multiplies a tile of weight rows — the left operand of the tensor-core dot,
+64 or 128 rows, a warpgroup MMA on sm90 — by the activation rows (the right operand, ``BLOCK_B``
+≥ 16), both straight from shared memory: its K loop holds two loads and a dot. With K slices
+whose producers lie inside one slice, an O slice waits only on the attention of its KV heads
+and a down slice only on its gate/up tiles (:func:`build_tasks`).
 
 A program takes ticket after ticket; a task waits (``wait_count`` > 0) until counter
 ``wait_idx`` holds ``(epoch + 1) · wait_count`` and bumps counter ``signal_idx`` when done. A
@@ -59,7 +71,7 @@ Bytes
 -----
 Weights once: ``(hidden·(heads + 2·kv_heads)·d + heads·d·hidden + 3·inter·hidden + 2·hidden)·e``;
 the cache once: ``2·batch·kv_heads·cache_len·d·e`` read and ``2·batch·kv_heads·d·e`` appended;
-x and out. The fp32 intermediates (q, attention output, h, act, split partials) are a few
+x and out. The intermediates (XN, q, the attention output, h, HN, act, split partials) are a few
 hundred KB, written once and read from L2. Each GEMV tile also re-reads its activation rows
 (batch × K values, L2). FLOPs ≈ 2 · batch · weight elements: memory bound at batch ≤ 16.
 """
@@ -175,19 +187,28 @@ def _cache_rows(C, BT, offs_b, pos, kvh, s0, s1, s2, stride_bt, b_ok, PAGE_SIZE:
 @triton.jit
 def _norm_task(A, stride_a, G, DEST, b, hidden, eps, NORM_BLOCK: tl.constexpr):
     """Row ``b`` of ``DEST = rmsnorm(A) ∘ G`` in DEST's dtype (the GEMV tasks' activation, as an
-    unfused layer rounds it): the sum of squares over the row, then the scaled row."""
+    unfused layer rounds it): the sum of squares over the row, then the scaled row. A row of at
+    most ``NORM_BLOCK`` values is read once and kept in registers; a longer one is read twice."""
     offs = tl.arange(0, NORM_BLOCK)
     row = A + b.to(tl.int64) * stride_a
-    ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
-    for k0 in range(0, hidden, NORM_BLOCK):
-        a = tl.load(row + k0 + offs, mask=k0 + offs < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
-        ss += a * a
-    rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
-    for k0 in range(0, hidden, NORM_BLOCK):
-        ok = k0 + offs < hidden
-        a = tl.load(row + k0 + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
-        g = tl.load(G + k0 + offs, mask=ok, other=0.0).to(tl.float32)
-        tl.store(DEST + b.to(tl.int64) * hidden + k0 + offs, (a * rstd * g).to(DEST.dtype.element_ty), mask=ok)
+    dest = DEST + b.to(tl.int64) * hidden
+    if hidden <= NORM_BLOCK:
+        ok = offs < hidden
+        a = tl.load(row + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+        g = tl.load(G + offs, mask=ok, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(a * a, 0) / hidden + eps)
+        tl.store(dest + offs, (a * rstd * g).to(DEST.dtype.element_ty), mask=ok)
+    else:
+        ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+        for k0 in range(0, hidden, NORM_BLOCK):
+            a = tl.load(row + k0 + offs, mask=k0 + offs < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+            ss += a * a
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
+        for k0 in range(0, hidden, NORM_BLOCK):
+            ok = k0 + offs < hidden
+            a = tl.load(row + k0 + offs, mask=ok, other=0.0, cache_modifier=".cg").to(tl.float32)
+            g = tl.load(G + k0 + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(dest + k0 + offs, (a * rstd * g).to(DEST.dtype.element_ty), mask=ok)
 
 
 @triton.jit

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from flashflow.ops.decode_layer import (TINY_LLAMA, DecodeLayerPlan, LayerConfig, LayerWeights, build_tasks,
                                         decode_layer, decode_layer_bytes, decode_step, dependency_violations,
                                         random_layer_weights, LLAMA3_8B)
-from flashflow.kernels.decode_layer import counters
+from flashflow.kernels.decode_layer import _norm_task, counters
 from flashflow.reference.decode_layer import decode_layer_reference
 
 C = TINY_LLAMA
@@ -462,3 +464,23 @@ def test_gemv_fields_are_checked(field, value, match):
     tiles = dataclasses.replace(_split_tiles(1), **{field: value})
     with pytest.raises(ValueError, match=match):
         DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, config_tiles=tiles)
+
+
+@triton.jit
+def _norm_rows(A, G, D, hidden, eps, NORM_BLOCK: tl.constexpr):
+    _norm_task(A, hidden + 3, G, D, tl.program_id(0), hidden, eps, NORM_BLOCK)
+
+
+def test_norm_rows_read_once_or_in_steps():
+    """``_norm_task``: a row of at most NORM_BLOCK values read once, a longer one in steps (the
+    sum of squares, then the scaled row), both equal to RMSNorm in float64 rounded to the
+    destination's dtype."""
+    g = torch.Generator().manual_seed(2)
+    for hidden, block in ((100, 128), (100, 32), (96, 32)):
+        a = torch.randn(3, hidden + 3, generator=g) * 3
+        w = 1 + 0.1 * torch.randn(hidden, generator=g)
+        d = torch.full((3, hidden), float("nan"))
+        _norm_rows[(3,)](a, w, d, hidden, 1e-5, NORM_BLOCK=block)
+        x = a[:, :hidden].double()
+        ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+        assert (d.double() - ref).abs().max().item() < 1e-5, (hidden, block)
