@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
-from flashflow.kernels.decode_layer import (TASK_WORDS, build_tasks, counters, decode_layer_kernel,
+from flashflow.kernels.decode_layer import (STAGES, TASK_WORDS, build_tasks, counters, decode_layer_kernel,
                                             dependency_violations)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
@@ -446,8 +446,6 @@ def trace_summary(plan: DecodeLayerPlan) -> dict:
     task's start: per stage its tasks, first start, last end and mean task time; the step's span
     and the fraction of (programs × span) spent inside tasks. Reads the trace back (a host
     synchronisation)."""
-    from flashflow.kernels.decode_layer import STAGES
-
     if not isinstance(plan, DecodeLayerPlan) or plan.trace is None:
         raise ValueError("plan must be a DecodeLayerPlan built with trace=True")
     tr = plan.trace.cpu()
