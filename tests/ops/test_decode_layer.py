@@ -217,6 +217,21 @@ def test_nan_in_one_row_stays_in_its_sequence():
     assert k2[[0, 2]].isfinite().all() and v2[[0, 2]].isfinite().all()
 
 
+def test_inf_in_a_row_and_nan_in_a_cache_stay_in_their_sequence():
+    """An inf in x (its norm row turns NaN, as torch's RMSNorm does) and a NaN cached value of
+    another sequence: the other sequences' outputs and appended rows stay finite."""
+    w, kc, vc, lens, _ = _case(3)
+    x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(6))
+    x[0, 3] = float("inf")
+    vc = vc.clone()
+    vc[2, 1, 0, 5] = float("nan")   # a cached value of sequence 2 (4 tokens cached)
+    lens = torch.tensor([5, 17, 4], dtype=torch.int32)
+    out, k2, v2 = _run(DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2), w, kc, vc, lens,
+                       x=x)
+    assert not out[0].isfinite().any() and not out[2].isfinite().any() and out[1].isfinite().all()
+    assert not k2[0, 5].isfinite().any() and k2[1, 17].isfinite().all() and k2[2, 4].isfinite().all()
+
+
 def test_decode_step_runs_every_layer_and_advances_the_cache():
     layers = [random_layer_weights(C, torch.float32, "cpu", seed=s) for s in (3, 4)]
     _, kc, vc, lens, _ = _case(2)
