@@ -124,6 +124,42 @@ def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
 
 
 @triton.jit
+def _thread_fence():
+    """``fence.acq_rel.gpu`` in every thread: the thread's earlier stores are performed at GPU
+    scope before its later accesses, with no atomic and no scratch word (GPU only)."""
+    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _signal_fenced(SYNC, idx, THREADS: tl.constexpr):
+    """:func:`_signal` with a fence per thread (:func:`_thread_fence`) instead of a release
+    atomic per thread: the same order, without each signalling CTA's 128 atomics on the
+    scratch words every CTA shares (GPU only)."""
+    _thread_fence()
+    tl.debug_barrier()
+    tl.atomic_add(SYNC + idx, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _wait_loaded(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
+    """:func:`_wait` with the per-thread acquire as a load (``ld.acquire.gpu``; a warp's 32
+    loads of one word are one request) instead of an atomic per thread: waiting CTAs do not
+    queue 128 atomics each on the counter's L2 line (GPU only; int64 counters)."""
+    v = tl.load(SYNC + idx, volatile=True)
+    spins = 0
+    while (v < target) & ((spin_limit == 0) | (spins < spin_limit)):
+        v = tl.load(SYNC + idx, volatile=True)
+        spins += 1
+    ptrs = SYNC + idx + tl.zeros([THREADS], dtype=tl.int32)
+    seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+    short = tl.sum((seen < target).to(tl.int32), axis=0)
+    if short > 0:
+        tl.atomic_xchg(SYNC + _ERR, 1)
+
+
+@triton.jit
 def _proxy_fence():
     """Orders this thread's earlier generic-proxy accesses (the acquire above) before its later
     async-proxy ones (TMA loads of the producers' tiles): the PTX model does not order the two
