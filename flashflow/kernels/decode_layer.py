@@ -43,9 +43,15 @@ step, so the load overlaps the producers' tail.
 Synchronisation
 ---------------
 :mod:`flashflow.kernels.mlp`'s words and protocol, imported: the ticket at ``SYNC[0]``, the
-error word at ``SYNC[2]`` (a bounded spin that ran out), the per-thread fence scratch, and
-``_signal`` / ``_wait`` (per-thread release, CTA barrier, scalar release; relaxed spin, then
-per-thread acquire). ``SYNC`` here is int64. Nothing is ever reset: counters only grow. Every
+error word at ``SYNC[2]`` (a bounded spin that ran out), and its signal and wait in their
+fenced form on a GPU (``LEAN_SYNC``): to signal, every thread fences (``fence.acq_rel.gpu``),
+a CTA barrier, then one scalar release add; to wait, a relaxed spin, then every thread acquires
+with an ``ld.acquire.gpu`` of the counter (a warp's loads of one word are one request). Every
+thread still orders its own accesses, as in the atomic form the interpreter runs (a release
+atomic per thread on a scratch word, an acquire atomic per thread on the counter), but no CTA
+queues 128 atomics on one L2 line: with 132 CTAs crossing each stage boundary together, those
+atomics were most of the step (255 against 193.5 µs at batch 1 on an H100,
+``bench/results/decode-layer-sync-study-nvidia-h100-80gb-hbm3.json``). ``SYNC`` here is int64. Nothing is ever reset: counters only grow. Every
 launch takes exactly ``num_tasks + num_programs`` tickets (each program stops on the first
 ticket ≥ ``num_tasks``), so a program's first ticket ``t0`` gives the launch's ``epoch =
 t0 // (num_tasks + num_programs)``, read off device memory: no argument changes between steps,

@@ -47,6 +47,12 @@ With TMA loads, each thread then issues ``fence.proxy.async.global``: the copy e
 belong to the async proxy, which the generic-proxy acquire does not order by itself. Producers
 store H with ordinary stores (a TMA store would complete asynchronously, after the release).
 
+The decode-layer megakernel uses a fenced form of the same protocol on the GPU
+(``_signal_fenced``: a ``fence.acq_rel.gpu`` per thread instead of its release atomic;
+``_wait_loaded``: an ``ld.acquire.gpu`` per thread instead of its acquire atomic, int64
+counters): each thread orders its own accesses as before, without the atomics that 132 CTAs
+crossing a stage boundary together queue on one L2 line. The kernels here keep the atomic form.
+
 Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
 counter): every other program has then passed all its waits and signals, and the next launch
 (or CUDA-graph replay) is stream-ordered after this one, so neither a reset kernel nor an epoch
