@@ -499,3 +499,41 @@ def test_norm_rows_read_once_or_in_steps():
         x = a[:, :hidden].double()
         ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
         assert (d.double() - ref).abs().max().item() < 1e-5, (hidden, block)
+
+
+_SYNC_CHILD = """
+import json, torch
+from flashflow.bench.offline import offline_target, pretend_cuda_capability
+from flashflow.ops.decode_layer import DecodeLayerPlan, LayerConfig, random_layer_weights
+c = LayerConfig(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=256)   # the sm90 tiles' smallest head
+with pretend_cuda_capability():
+    plan = DecodeLayerPlan(c, 2, 64, device="cpu", dtype=torch.bfloat16)
+    w = random_layer_weights(c, torch.bfloat16, "cpu")
+    kc = torch.zeros(2, 64, c.kv_heads, c.head_dim, dtype=torch.bfloat16)
+    with offline_target() as ks:
+        plan.run(torch.zeros(2, c.hidden, dtype=torch.bfloat16), w, kc, kc.clone(), torch.zeros(2, dtype=torch.int32))
+ptx = ks[0].asm["ptx"]
+print(json.dumps({p: ptx.count(p) for p in ("ld.acquire.gpu", "fence.acq_rel.gpu", "atom.global.gpu.acquire",
+                                             "atom.global.gpu.release", "atom.global.gpu.acq_rel")}))
+"""
+
+
+def test_on_sm90_waits_acquire_with_loads_and_signals_fence_each_thread():
+    """The GPU build's synchronisation (compiled for sm90 here, nothing run): waits acquire with
+    ``ld.acquire.gpu`` loads and signals fence every thread, with one release atomic a signal (a
+    scalar, issued by one thread) and the merges' acq_rel arrivals; no acquire atomic a thread,
+    which on an H100 cost most of the step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _SYNC_CHILD], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode and "cuobjdump" in proc.stderr and "No such file" in proc.stderr:
+        pytest.skip("Triton's cuobjdump is not installed with this Triton")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["ld.acquire.gpu"] > 0 and got["fence.acq_rel.gpu"] > 0, got
+    assert got["atom.global.gpu.acquire"] == 0, got
+    assert got["atom.global.gpu.release"] > 0 and got["atom.global.gpu.acq_rel"] > 0, got
