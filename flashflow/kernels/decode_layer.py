@@ -51,11 +51,12 @@ thread still orders its own accesses, as in the atomic form the interpreter runs
 atomic per thread on a scratch word, an acquire atomic per thread on the counter), but no CTA
 queues 128 atomics on one L2 line: with 132 CTAs crossing each stage boundary together, those
 atomics were most of the step (255 against 193.5 µs at batch 1 on an H100,
-``bench/results/decode-layer-sync-study-nvidia-h100-80gb-hbm3.json``). ``SYNC`` here is int64. Nothing is ever reset: counters only grow. Every
-launch takes exactly ``num_tasks + num_programs`` tickets (each program stops on the first
-ticket ≥ ``num_tasks``), so a program's first ticket ``t0`` gives the launch's ``epoch =
-t0 // (num_tasks + num_programs)``, read off device memory: no argument changes between steps,
-and a CUDA graph of the launch replays correctly. A counter bumped ``n`` times per launch
+``bench/results/decode-layer-sync-study-nvidia-h100-80gb-hbm3.json``). ``SYNC`` here is int64.
+Nothing is ever reset: counters only grow. Every launch takes exactly ``num_tasks +
+num_programs`` tickets (each program stops on the first ticket ≥ ``num_tasks``), so a program's
+first ticket ``t0`` gives the launch's ``epoch = t0 // (num_tasks + num_programs)``, read off
+device memory: no argument changes between steps, and a CUDA graph of the launch replays
+correctly. A counter bumped ``n`` times per launch
 holds ``(epoch + 1) · n`` once the launch's producers are done.
 
 The split-KV merge: each split stores its fp32 partial (acc, m, l), releases, and bumps the
