@@ -44,7 +44,7 @@ Synchronisation
 ---------------
 :mod:`flashflow.kernels.mlp`'s words and protocol, imported: the ticket at ``SYNC[0]``, the
 error word at ``SYNC[2]`` (a bounded spin that ran out), and its signal and wait in their
-fenced form on a GPU (``LEAN_SYNC``): to signal, every thread fences (``fence.acq_rel.gpu``),
+fenced form on a GPU (``FENCED_SYNC``): to signal, every thread fences (``fence.acq_rel.gpu``),
 a CTA barrier, then one scalar release add; to wait, a relaxed spin, then every thread acquires
 with an ``ld.acquire.gpu`` of the counter (a warp's loads of one word are one request). Every
 thread still orders its own accesses, as in the atomic form the interpreter runs (a release
@@ -92,8 +92,7 @@ from triton.language.extra.cuda import globaltimer, smid
 from flashflow.device import cdiv
 
 from flashflow.kernels.decode import _attend, _kv_ptrs, _split_bounds
-from flashflow.kernels.mlp import (CNT_OFF, _TICKET, _act, _signal, _signal_fenced, _thread_fence,
-                                  _thread_release, _wait, _wait_loaded)
+from flashflow.kernels.mlp import CNT_OFF, _TICKET, _act, _signal, _thread_release, _wait
 from flashflow.kernels.softmax import merge_partials, normalize
 
 # stage codes of the task table
@@ -113,37 +112,6 @@ _TASK_WORDS = tl.constexpr(TASK_WORDS)
 # the tensor-core dot's left operand (ROWS ≥ 64: a warpgroup MMA on sm90) and the activation rows
 # as its right one, so that both go from shared memory to the tensor cores untouched
 # ------------------------------------------------------------------------------------------
-
-
-# The synchronisation words' two forms (flashflow.kernels.mlp): LEAN_SYNC (the GPU) fences each
-# thread and acquires with one load a warp; otherwise (the interpreter, which runs no PTX) each
-# thread issues a release or acquire atomic. The same order; on a GPU the atomics of 132 CTAs on
-# one counter's L2 line and on the shared scratch words queue behind each other at every stage.
-
-
-@triton.jit
-def _fence_all(SYNC, THREADS: tl.constexpr, LEAN_SYNC: tl.constexpr):
-    """Every thread's stores performed at GPU scope (before a CTA barrier and a release)."""
-    if LEAN_SYNC:
-        _thread_fence()
-    else:
-        _thread_release(SYNC, THREADS)
-
-
-@triton.jit
-def _arrive(SYNC, idx, THREADS: tl.constexpr, LEAN_SYNC: tl.constexpr):
-    if LEAN_SYNC:
-        _signal_fenced(SYNC, idx, THREADS)
-    else:
-        _signal(SYNC, idx, THREADS)
-
-
-@triton.jit
-def _await(SYNC, idx, target, spin_limit, THREADS: tl.constexpr, LEAN_SYNC: tl.constexpr):
-    if LEAN_SYNC:
-        _wait_loaded(SYNC, idx, target, spin_limit, THREADS)
-    else:
-        _wait(SYNC, idx, target, spin_limit, THREADS)
 
 
 @triton.jit
@@ -257,7 +225,7 @@ def _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS,
               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QKV_PAIRS: tl.constexpr,
               BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr,
               GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr, DOT_FP32: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, LEAN_SYNC: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr):
     """``QKV_PAIRS`` rotary pairs of head ``head`` from the normalised rows XN: the pair's two
     weight rows interleaved in one tile (one dot), RoPE, then q to the workspace, k and v into
     the cache. The first weight chunk loads before the wait on XN."""
@@ -269,7 +237,7 @@ def _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS,
     r_ok = pblock * QKV_PAIRS + offs_r // 2 < HALF
     k_first = _k_first(0, hidden, (head * (HALF // QKV_PAIRS) + pblock) * STAGGER, BLOCK_K)
     w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, hidden, BLOCK_K)
-    _await(SYNC, wait_idx, wait_target, spin_limit, THREADS, LEAN_SYNC)
+    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
     acc = _gemv(XN, hidden, 0, hidden, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
                 2 * QKV_PAIRS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
     acc1, acc2 = _pairs(acc, BLOCK_B, QKV_PAIRS)
@@ -310,9 +278,9 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
                sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, qk_scale_log2,
                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr,
-               THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LEAN_SYNC: tl.constexpr):
+               THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr):
     GROUP: tl.constexpr = HEADS // KV_HEADS
-    _await(SYNC, wait_idx, wait_target, spin_limit, THREADS, LEAN_SYNC)
+    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
     total = tl.load(CACHE_SEQLENS + b) + 1   # keys after this step's append
     offs_r = tl.arange(0, BLOCK_R)
     row_valid = offs_r < GROUP
@@ -343,7 +311,7 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
     out_ptrs = ATT + b * (HEADS * HEAD_DIM) + row_head[:, None] * HEAD_DIM + offs_d[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptrs, normalize(acc, l_i), mask=row_valid[:, None])
-        _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+        _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     else:
         bh = (b * KV_HEADS + kvh).to(tl.int64)
         piece = bh * NUM_SPLITS + split
@@ -351,17 +319,17 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
                  mask=row_valid[:, None])
         tl.store(WS_ML + piece * (2 * BLOCK_R) + offs_r, m_i, mask=row_valid)
         tl.store(WS_ML + piece * (2 * BLOCK_R) + BLOCK_R + offs_r, l_i, mask=row_valid)
-        _fence_all(SYNC, THREADS, LEAN_SYNC)
+        _thread_release(SYNC, THREADS, FENCED_SYNC)
         tl.debug_barrier()
         merge_idx = merge_off + bh
         arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
         last = (epoch + 1) * NUM_SPLITS
         if arrived == last - 1:
-            _await(SYNC, merge_idx, last, spin_limit, THREADS, LEAN_SYNC)   # passes at once: the per-thread acquire
+            _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED_SYNC)   # passes at once: the per-thread acquire
             acc_t, l_t, m_t = merge_partials(WS_ACC, WS_ML, bh, offs_r, offs_d, row_valid, BLOCK_R, HEAD_DIM,
                                              NUM_SPLITS, True, ".cg")
             tl.store(out_ptrs, normalize(acc_t, l_t), mask=row_valid[:, None])
-            _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
 
 
 @triton.jit
@@ -370,7 +338,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
                   GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_B: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
                   THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  LEAN_SYNC: tl.constexpr):
+                  FENCED_SYNC: tl.constexpr):
     """Columns ``[col·BLOCK_N, +BLOCK_N)`` of a GEMV stage: GATED (gate/up): ``silu(g) ∘ u`` of
     the normalised rows A against gate rows ``col`` of WA and the up rows N further, interleaved
     in one tile; otherwise ``RES + A · WAᵀ`` (the O and down projections with their residual).
@@ -395,13 +363,13 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
         r_ok = cols < N
         rows = cols + (offs_r % 2) * N
         w0 = _w_rows(WA, stride_w, rows, r_ok, k_first, k_hi, BLOCK_K)
-        _await(SYNC, wait_idx, wait_target, spin_limit, THREADS, LEAN_SYNC)
+        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
         acc = _gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, rows, r_ok, w0,
                     2 * BLOCK_N, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
         acc_a, acc_b = _pairs(acc, BLOCK_B, BLOCK_N)
     else:
         w0 = _w_rows(WA, stride_w, offs_n, n_ok, k_first, k_hi, BLOCK_K)
-        _await(SYNC, wait_idx, wait_target, spin_limit, THREADS, LEAN_SYNC)
+        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
         acc_a = tl.trans(_gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, offs_n, n_ok, w0,
                                BLOCK_N, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION))
     mask = b_ok[:, None] & n_ok[None, :]
@@ -409,29 +377,29 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
     if GATED:
         out = _act(acc_a, 0) * acc_b
         tl.store(dest, out.to(DEST.dtype.element_ty), mask=mask)
-        _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+        _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     elif SPLIT_K == 1:
         res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
                       cache_modifier=".cg")
         tl.store(dest, (res.to(tl.float32) + acc_a).to(DEST.dtype.element_ty), mask=mask)
-        _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+        _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     else:
         tile = offs_b[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         part = WS_PART + (col * SPLIT_K).to(tl.int64) * (BLOCK_B * BLOCK_N)
         tl.store(part + split * (BLOCK_B * BLOCK_N) + tile, acc_a)
-        _fence_all(SYNC, THREADS, LEAN_SYNC)
+        _thread_release(SYNC, THREADS, FENCED_SYNC)
         tl.debug_barrier()
         arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
         last = (epoch + 1) * SPLIT_K
         if arrived == last - 1:
-            _await(SYNC, merge_idx, last, spin_limit, THREADS, LEAN_SYNC)   # passes at once: the per-thread acquire
+            _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED_SYNC)   # passes at once: the per-thread acquire
             total = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             for i in range(SPLIT_K):
                 total += tl.load(part + i * (BLOCK_B * BLOCK_N) + tile, cache_modifier=".cg")
             res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
                           cache_modifier=".cg")
             tl.store(dest, (res.to(tl.float32) + total).to(DEST.dtype.element_ty), mask=mask)
-            _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
 
 
 # ------------------------------------------------------------------------------------------
@@ -453,7 +421,7 @@ def decode_layer_kernel(
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
     NORM_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    LEAN_SYNC: tl.constexpr = False,
+    FENCED_SYNC: tl.constexpr = False,
 ):
     """One decode step of a decoder layer: the task table's tasks by ticket (module docstring).
 
@@ -493,41 +461,41 @@ def decode_layer_kernel(
             _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
                       sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, batch, hidden, wait_idx, wait_target, spin_limit,
                       HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
-                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, LEAN_SYNC)
-            _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC)
+            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
         elif stage == _ATTN:
             _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
                        wait_idx, wait_target, signal_idx, merge_off, spin_limit,
                        sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, qk_scale_log2,
                        HEADS, KV_HEADS, HEAD_DIM, BLOCK_R, BLOCK_KV, NUM_SPLITS, PAGE_SIZE, LAYOUT,
-                       THREADS, DOT_FP32, DOT_PRECISION, LEAN_SYNC)
+                       THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC)
         elif stage == _OPROJ:
             _columns_task(SYNC, ATT, HEADS * HEAD_DIM, W_O, stride_wo, X, stride_x, H1, hidden,
                           a, b, HEADS * HEAD_DIM, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, col_merge_off + a, epoch,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, LEAN_SYNC)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC)
         elif stage == _GATEUP:
             _columns_task(SYNC, HN, hidden, W_GU, stride_wgu, H1, hidden, ACT, inter,
                           a, 0, hidden, inter, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, 0, epoch,
                           True, 1, BLOCK_B, BLOCK_I, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, LEAN_SYNC)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC)
         elif stage == _DOWN:
             # h (the residual) is read besides act: acquire its counter too (already complete)
-            _await(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, LEAN_SYNC)
+            _wait(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, FENCED_SYNC)
             _columns_task(SYNC, ACT, inter, W_DOWN, stride_wd, H1, hidden, OUT, stride_out,
                           a, b, inter, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, col_merge_off + h1_count + a, epoch,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, LEAN_SYNC)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC)
         else:   # a norm row: a = 0, x's attention norm into XN; a = 1, h's FFN norm into HN
-            _await(SYNC, wait_idx, wait_target, spin_limit, THREADS, LEAN_SYNC)
+            _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
             if a == 0:
                 _norm_task(X, stride_x, G_ATTN, XN, b, hidden, eps, NORM_BLOCK)
             else:
                 _norm_task(H1, hidden, G_FFN, HN, b, hidden, eps, NORM_BLOCK)
-            _arrive(SYNC, signal_idx, THREADS, LEAN_SYNC)
+            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
         if TRACE:
             tl.store(TRACE_BUF + t * 4, t_start)
             tl.store(TRACE_BUF + t * 4 + 1, globaltimer())

@@ -47,10 +47,10 @@ With TMA loads, each thread then issues ``fence.proxy.async.global``: the copy e
 belong to the async proxy, which the generic-proxy acquire does not order by itself. Producers
 store H with ordinary stores (a TMA store would complete asynchronously, after the release).
 
-The decode-layer megakernel uses a fenced form of the same protocol on the GPU
-(``_signal_fenced``: a ``fence.acq_rel.gpu`` per thread instead of its release atomic;
-``_wait_loaded``: an ``ld.acquire.gpu`` per thread instead of its acquire atomic, int64
-counters): each thread orders its own accesses as before, without the atomics that 132 CTAs
+The decode-layer megakernel uses a fenced form of the same protocol on the GPU (``FENCED``
+in ``_signal`` / ``_wait``: a ``fence.acq_rel.gpu`` per thread instead of its release atomic,
+an ``ld.acquire.gpu`` per thread instead of its acquire atomic, int64 counters): each thread
+orders its own accesses as before, without the atomics that 132 CTAs
 crossing a stage boundary together queue on one L2 line. The kernels here keep the atomic form.
 
 Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
@@ -97,24 +97,32 @@ def _act(a, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _thread_release(SYNC, THREADS: tl.constexpr):
-    """One release atomic per thread on a private word (stride 2: no vectorisation, so every
-    thread of the CTA holds exactly one element and issues it)."""
-    offs = tl.arange(0, THREADS)
-    tl.atomic_add(SYNC + _FENCE + 2 * offs, 0, sem="release", scope="gpu")
+def _thread_release(SYNC, THREADS: tl.constexpr, FENCED: tl.constexpr = False):
+    """Every thread's earlier stores performed at GPU scope: one release atomic per thread on a
+    private word (stride 2: no vectorisation, so every thread of the CTA holds exactly one
+    element and issues it); FENCED (GPU only): a ``fence.acq_rel.gpu`` per thread instead, no
+    atomic and no scratch word."""
+    if FENCED:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        offs = tl.arange(0, THREADS)
+        tl.atomic_add(SYNC + _FENCE + 2 * offs, 0, sem="release", scope="gpu")
 
 
 @triton.jit
-def _signal(SYNC, idx, THREADS: tl.constexpr):
+def _signal(SYNC, idx, THREADS: tl.constexpr, FENCED: tl.constexpr = False):
     """Producer side: the CTA's stores are done; publish them through counter ``SYNC[idx]``."""
-    _thread_release(SYNC, THREADS)
+    _thread_release(SYNC, THREADS, FENCED)
     tl.debug_barrier()
     tl.atomic_add(SYNC + idx, 1, sem="release", scope="gpu")
 
 
 @triton.jit
-def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
-    """Consumer side: spin (relaxed) until ``SYNC[idx] >= target``, then acquire per thread.
+def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr, FENCED: tl.constexpr = False):
+    """Consumer side: spin (relaxed) until ``SYNC[idx] >= target``, then acquire per thread: an
+    acquire atomic, or with FENCED (GPU only, int64 counters) an ``ld.acquire.gpu`` load (a
+    warp's 32 loads of one word are one request, where 32 atomics queue on its L2 line).
 
     ``spin_limit`` > 0 bounds the spin (debug): on running out the error word is set and the
     program goes on, so a wrong order fails loudly instead of hanging."""
@@ -123,43 +131,12 @@ def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
     while (v < target) & ((spin_limit == 0) | (spins < spin_limit)):
         v = tl.load(SYNC + idx, volatile=True)
         spins += 1
-    seen = tl.atomic_add(SYNC + idx + tl.zeros([THREADS], dtype=tl.int32), 0, sem="acquire", scope="gpu")
-    short = tl.sum((seen < target).to(tl.int32), axis=0)
-    if short > 0:
-        tl.atomic_xchg(SYNC + _ERR, 1)
-
-
-@triton.jit
-def _thread_fence():
-    """``fence.acq_rel.gpu`` in every thread: the thread's earlier stores are performed at GPU
-    scope before its later accesses, with no atomic and no scratch word (GPU only)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r", [], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _signal_fenced(SYNC, idx, THREADS: tl.constexpr):
-    """:func:`_signal` with a fence per thread (:func:`_thread_fence`) instead of a release
-    atomic per thread: the same order, without each signalling CTA's 128 atomics on the
-    scratch words every CTA shares (GPU only)."""
-    _thread_fence()
-    tl.debug_barrier()
-    tl.atomic_add(SYNC + idx, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def _wait_loaded(SYNC, idx, target, spin_limit, THREADS: tl.constexpr):
-    """:func:`_wait` with the per-thread acquire as a load (``ld.acquire.gpu``; a warp's 32
-    loads of one word are one request) instead of an atomic per thread: waiting CTAs do not
-    queue 128 atomics each on the counter's L2 line (GPU only; int64 counters)."""
-    v = tl.load(SYNC + idx, volatile=True)
-    spins = 0
-    while (v < target) & ((spin_limit == 0) | (spins < spin_limit)):
-        v = tl.load(SYNC + idx, volatile=True)
-        spins += 1
     ptrs = SYNC + idx + tl.zeros([THREADS], dtype=tl.int32)
-    seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64,
-                                     is_pure=False, pack=1)
+    if FENCED:
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b64 $0, [$1];", "=l,l", [ptrs], dtype=tl.int64,
+                                         is_pure=False, pack=1)
+    else:
+        seen = tl.atomic_add(ptrs, 0, sem="acquire", scope="gpu")
     short = tl.sum((seen < target).to(tl.int32), axis=0)
     if short > 0:
         tl.atomic_xchg(SYNC + _ERR, 1)

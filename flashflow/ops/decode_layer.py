@@ -361,7 +361,7 @@ class DecodeLayerPlan:
                           PAGE_SIZE=self.page_size or 1, LAYOUT=1 if paged else 0, THREADS=t.num_warps * 32,
                           GEMV_STAGES=t.GEMV_STAGES or t.num_stages, STAGGER=t.STAGGER, NORM_BLOCK=norm_block(c.hidden),
                           TRACE=self.trace is not None,
-                          LEAN_SYNC=not on_interp,
+                          FENCED_SYNC=not on_interp,
                           DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
                           DOT_PRECISION=dot_precision(self.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
         launch_by_arguments(_LAUNCH, (self.programs, 1, 1), args, constexprs)
