@@ -131,7 +131,11 @@ def make_providers(config, x, weights, k_cache, v_cache, names=PROVIDERS) -> dic
             # them as static (tensors passed as arguments would be copied in before every replay,
             # and the cache's in-place append would make it skip the graphs)
             clayer = TorchLayer(c, w, k_cache, v_cache, cos, sin)
-            compiled = torch.compile(clayer, mode="reduce-overhead")
+            # a fresh compilation per shape, as a process serving one shape has: without the
+            # reset, the shapes before this one count as recompiles of the same forward, which
+            # turn to dynamic shapes and past the recompile limit to eager
+            torch._dynamo.reset()
+            compiled = torch.compile(clayer, mode="reduce-overhead", dynamic=False)
             provs[COMPILE] = lambda: compiled(x, pos).clone()
     return provs
 
