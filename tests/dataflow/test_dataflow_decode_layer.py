@@ -113,7 +113,7 @@ def test_split_k_jobs_and_bytes():
 def test_split_k_fills_the_narrow_stages_at_llama_size():
     """The O and down stages, 32 column blocks for 132 SMs, in 4 K slices: 128 tasks each, a
     down slice starting once its quarter of the gate/up tiles is done, and the step's predicted
-    time falls towards every SM busy (2.10x -> 1.20x of it)."""
+    time falls towards every SM busy (2.12x -> 1.20x of it)."""
     one = model_layer(LLAMA, 1, 4095, TILES, 16)
     four = model_layer(LLAMA, 1, 4095, replace(TILES, SPLIT_K=4), 16)
     s1, s4 = ({s.name: s for s in r.stages} for r in (one, four))
@@ -123,7 +123,7 @@ def test_split_k_fills_the_narrow_stages_at_llama_size():
     assert s4["oproj"].busy_fraction > 3 * s1["oproj"].busy_fraction
     # the first down slices run beside the gate/up tiles' second wave: the spans overlap
     assert sum(s.span for s in four.stages) > four.makespan
-    assert one.makespan / one.ideal_makespan == pytest.approx(2.10, abs=0.01)
+    assert one.makespan / one.ideal_makespan == pytest.approx(2.12, abs=0.01)
     assert four.makespan / four.ideal_makespan == pytest.approx(1.20, abs=0.01)
     assert s4["oproj"].span < s1["oproj"].span / 3 and s4["down"].span < s1["down"].span / 1.8
     assert four.makespan < 0.6 * one.makespan
