@@ -2,13 +2,15 @@
 over several steps with ragged, growing caches (contiguous and paged), outputs poisoned with NaN;
 the same bits from fewer programs and from shuffled task orders; staggered K loops and deeper GEMV
 pipelines; a CUDA graph of the step replayed with the epochs advancing on the device; the traced
-timeline; the Llama-3-8B layer at batch 1 and 16."""
+timeline; the Llama-3-8B layer at batch 1 and 16; non-contiguous inputs and NaN / inf staying in
+their sequence, with the GPU's fenced synchronisation."""
 import pytest
 import torch
 
 import dataclasses
 
-from flashflow.ops.decode_layer import LLAMA3_8B, DecodeLayerPlan, LayerConfig, random_layer_weights, trace_summary
+from flashflow.ops.decode_layer import (LLAMA3_8B, DecodeLayerPlan, LayerConfig, LayerWeights, random_layer_weights,
+                                        trace_summary)
 from flashflow.reference.decode_layer import decode_layer_reference
 
 pytestmark = pytest.mark.gpu
@@ -137,3 +139,47 @@ def test_trace_records_every_task_and_changes_nothing():
     s = trace_summary(traced)
     assert sum(v["tasks"] for v in s["stages"].values()) == traced.num_tasks
     assert 0 < s["busy_fraction"] <= 1 and s["stages"]["down"]["last_end_us"] == s["span_us"]
+
+
+def test_non_contiguous_inputs_give_the_same_bits():
+    """x with a non-unit last stride, weights as transposed views, the norm weights a stride-0
+    row, out a slice of a wider buffer, and a row broadcast to the batch (stride 0): the bits of
+    the contiguous call."""
+    w, kc, vc, seqlens, _ = _state(MID, 3, torch.bfloat16, [5, 300, 900])
+    x = torch.randn(3, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    plan = DecodeLayerPlan(MID, 3, CAP, device="cuda", dtype=torch.bfloat16)
+    k1, v1 = kc.clone(), vc.clone()
+    base = plan.run(x, w, k1, v1, seqlens)
+    wt = LayerWeights(**{k: (v.t().contiguous().t() if v.dim() == 2 else v[None].expand(2, -1)[1])
+                         for k, v in w.as_dict().items()})
+    xt = x.t().contiguous().t()
+    assert xt.stride(-1) != 1 and wt.qkv.stride(-1) != 1
+    wide = torch.full((3, 2 * MID.hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
+    k2, v2 = kc.clone(), vc.clone()
+    out = plan.run(xt, wt, k2, v2, seqlens, out=wide[:, 1:MID.hidden + 1])
+    assert torch.equal(out, base) and torch.equal(k2, k1) and torch.equal(v2, v1)
+    assert wide[:, 0].isnan().all() and wide[:, MID.hidden + 1:].isnan().all()
+    x1 = x[:1].expand(3, -1)
+    got = plan.run(x1, w, kc.clone(), vc.clone(), seqlens)
+    assert torch.equal(got, plan.run(x1.contiguous(), w, kc.clone(), vc.clone(), seqlens))
+
+
+def test_nan_and_inf_stay_in_their_sequence():
+    """A NaN in one row of x, an inf in another and a NaN cached value of a third sequence: the
+    untouched sequence's output and appended rows stay finite and equal those of a clean call."""
+    w, kc, vc, seqlens, _ = _state(MID, 4, torch.bfloat16, [5, 300, 900, 40])
+    x = torch.randn(4, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    plan = DecodeLayerPlan(MID, 4, CAP, device="cuda", dtype=torch.bfloat16, num_splits=4)
+    k1, v1 = kc.clone(), vc.clone()
+    clean = plan.run(x, w, k1, v1, seqlens)
+    xb = x.clone()
+    xb[0, 7] = float("nan")
+    xb[1, 3] = float("inf")
+    vb = vc.clone()
+    vb[2, 100, 1, 5] = float("nan")
+    k2 = kc.clone()
+    out = plan.run(xb, w, k2, vb, seqlens)
+    assert out[:3].isnan().any(dim=1).all() and out[3].isfinite().all()
+    assert torch.equal(out[3], clean[3])
+    assert not k2[0, 5].isfinite().all() and not k2[1, 300].isfinite().all()
+    assert torch.equal(k2[2:], k1[2:]) and torch.equal(vb[3], v1[3])
