@@ -132,8 +132,8 @@ def make_providers(config, x, weights, k_cache, v_cache, names=PROVIDERS) -> dic
             # and the cache's in-place append would make it skip the graphs)
             clayer = TorchLayer(c, w, k_cache, v_cache, cos, sin)
             # a fresh compilation per shape, as a process serving one shape has: without the
-            # reset, the shapes before this one count as recompiles of the same forward, which
-            # turn to dynamic shapes and past the recompile limit to eager
+            # reset, each shape after the first is a recompile of the same forward, which
+            # dynamo's automatic dynamic shapes compile for symbolic sizes
             torch._dynamo.reset()
             compiled = torch.compile(clayer, mode="reduce-overhead", dynamic=False)
             provs[COMPILE] = lambda: compiled(x, pos).clone()

@@ -50,8 +50,8 @@ store H with ordinary stores (a TMA store would complete asynchronously, after t
 The decode-layer megakernel uses a fenced form of the same protocol on the GPU (``FENCED``
 in ``_signal`` / ``_wait``: a ``fence.acq_rel.gpu`` per thread instead of its release atomic,
 an ``ld.acquire.gpu`` per thread instead of its acquire atomic, int64 counters): each thread
-orders its own accesses as before, without the atomics that 132 CTAs
-crossing a stage boundary together queue on one L2 line. The kernels here keep the atomic form.
+orders its own accesses as in the atomic form, without the atomics that 132 CTAs crossing a
+stage boundary together queue on one L2 line. The kernels here keep the atomic form.
 
 Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
 counter): every other program has then passed all its waits and signals, and the next launch
