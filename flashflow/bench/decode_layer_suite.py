@@ -9,6 +9,8 @@ the same values).
 
 Providers, on the same weights and cache values:
   * ``flashflow-megakernel`` — :class:`flashflow.DecodeLayerPlan` (one launch);
+  * ``flashflow-megakernel-folded`` — the same with the norm weights folded into the QKV and
+    gate/up weights (:func:`flashflow.fold_norms`, once before timing; ``folded_norms=True``);
   * ``flashflow-kernels`` — torch's RMSNorm, ``F.linear`` and RoPE around
     :func:`flashflow.flash_attn_with_kvcache` (in-kernel append, a :class:`flashflow.DecodePlan`)
     and :func:`flashflow.fused_mlp`;
@@ -35,11 +37,12 @@ import torch.nn.functional as F
 from flashflow.bench import timing
 
 MEGAKERNEL = "flashflow-megakernel"
+FOLDED = "flashflow-megakernel-folded"
 KERNELS = "flashflow-kernels"
 EAGER = "torch-eager"
 GRAPH = "torch+graph"
 COMPILE = "torch.compile"
-PROVIDERS = (MEGAKERNEL, KERNELS, EAGER, GRAPH, COMPILE)
+PROVIDERS = (MEGAKERNEL, FOLDED, KERNELS, EAGER, GRAPH, COMPILE)
 NEEDS_CUDA = (GRAPH, COMPILE)   # capture and cudagraph trees: no CPU stand-in
 SHAPES = tuple((b, s) for b in (1, 16) for s in (1024, 4096, 8192, 32768))
 QUICK_SHAPES = ((1, 4096), (16, 4096))
@@ -98,6 +101,11 @@ def make_providers(config, x, weights, k_cache, v_cache, names=PROVIDERS) -> dic
         plan = flashflow.DecodeLayerPlan(c, batch, seqlen, device=device, dtype=x.dtype)
         kc, vc = k_cache.clone(), v_cache.clone()
         provs[MEGAKERNEL] = lambda: plan.run(x, weights, kc, vc, lens)
+    if FOLDED in names:
+        fplan = flashflow.DecodeLayerPlan(c, batch, seqlen, device=device, dtype=x.dtype, folded_norms=True)
+        folded = flashflow.fold_norms(weights)
+        kc3, vc3 = k_cache.clone(), v_cache.clone()
+        provs[FOLDED] = lambda: fplan.run(x, folded, kc3, vc3, lens)
     if KERNELS in names:
         dplan = flashflow.plan_decode(batch, c.heads, c.kv_heads, c.head_dim, seqlen, device=device)
         kc2, vc2 = k_cache.clone(), v_cache.clone()
@@ -205,6 +213,8 @@ def bench_case(config, batch: int, seqlen: int, names=PROVIDERS, timer=None, dev
         row["tbs"][name] = nbytes / (ms * 1e-3) / 1e12
     mega = row["us"].get(MEGAKERNEL)
     row["speedup"] = {n: t / mega for n, t in row["us"].items() if mega and n != MEGAKERNEL}
+    folded = row["us"].get(FOLDED)   # the same over the megakernel with its norm weights folded
+    row["speedup_folded"] = {n: t / folded for n, t in row["us"].items() if folded and n not in (MEGAKERNEL, FOLDED)}
     return row
 
 

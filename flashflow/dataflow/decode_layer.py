@@ -7,7 +7,8 @@ Each task is a job whose K-steps read what the kernel's loop reads per iteration
   tasks) and writing the normalised row chunk by chunk;
 - a QKV task (head, rotary-pair block): per ``BLOCK_K`` chunk of the hidden size, its weight
   tile (``2·QKV_PAIRS`` rows) and the chunk of XN; it writes its q rows to the fp32 workspace
-  (write-allocate: the attention tasks read them back) or stores its k/v rows into the cache;
+  (write-allocate: the attention tasks read them back) or stores its k/v rows into the cache.
+  With ``QKV_SPLIT`` > 1 it is one K slice of its tile, merged as the O and down slices are;
 - an attention task (sequence, KV head, split): per ``BLOCK_KV`` keys of its slice, that block
   of K and of V; it reads its group's q rows first, and writes its fp32 partial (the merging
   split also the attention output, in the weights' dtype);
@@ -36,7 +37,7 @@ from dataclasses import dataclass
 from flashflow.dataflow.machine import Job, replay, schedule
 from flashflow.device import cdiv
 from flashflow.kernels.decode_layer import (ATTN, DOWN, GATEUP, NORM, OPROJ, QKV, STAGES, build_tasks,
-                                           decode_layer_bytes, k_slices)
+                                           decode_layer_bytes, k_slices, qkv_split)
 
 F32 = 4
 
@@ -105,11 +106,32 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
                      for k in range(lo, hi))
 
     sk, _ = k_slices(c.hidden, tiles)
-    slices: dict[tuple, list[int]] = {}   # (stage, column block) -> its K slices' tickets
+    qs = qkv_split(tiles)
+    slices: dict[tuple, list[int]] = {}   # (stage, column block) or (QKV, head, pairs) -> its K slices' tickets
     for i, t in enumerate(tasks):
         if t[0] in (OPROJ, DOWN):
             slices.setdefault((t[0], t[1]), []).append(i)
+        elif t[0] == QKV:
+            slices.setdefault((QKV, t[1], t[2]), []).append(i)
     n_h = cdiv(c.hidden, tiles.BLOCK_N)
+
+    def sliced(i, t, name, wkey, k_total, rows, src, n_slices, part_bytes, result, store_bytes):
+        """K slice ``name[-1]`` of ``n_slices`` (whole BLOCK_K chunks, as the kernel cuts them)
+        of the tile whose weight chunks are keyed ``wkey``: it writes an fp32 partial; the last
+        slice in ticket order, once the others are done, reads their partials (its own, just
+        written, stays in L2) and writes the result."""
+        s, tile = name[-1], wkey[1:]
+        per, n = cdiv(cdiv(k_total, n_slices), bk), cdiv(k_total, bk)
+        steps = chunks(k_total, rows, wkey, src, (min(s * per, n), min((s + 1) * per, n))) or ((),)
+        part_key = (name[0] + "-part",) + tile
+        siblings = slices[(t[0],) + tile]
+        merging = siblings[-1] == i
+        waits = waits_of(t)
+        if merging:
+            steps = steps + (tuple((part_key + (j,), part_bytes) for j in range(n_slices) if j != s),)
+            waits = waits + ((),) * (len(steps) - 2) + (tuple(j for j in siblings if j != i),)
+        return Job(name, steps, writes=((part_key + (s,), part_bytes),) + (result if merging else ()),
+                   store_bytes=store_bytes if merging else 0, waits=waits)
 
     jobs = []
     for i, t in enumerate(tasks):
@@ -125,12 +147,17 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
                         for k in range(n))
             jobs.append(Job(("norm", a, b), (reads,), writes=out, waits=waits_of(t)))
         elif stage == QKV:
-            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "xn")
             rows = batch * 2 * tiles.QKV_PAIRS
-            if a < c.heads:   # q rows to the workspace, read back by the group's attention
-                jobs.append(Job(("qkv", a, b), steps, writes=((("q", a, b), rows * F32),), waits=waits_of(t)))
-            else:             # the new token's k or v rows into the cache
-                jobs.append(Job(("qkv", a, b), steps, store_bytes=rows * e, waits=waits_of(t)))
+            # q rows to the workspace, read back by the group's attention; the new token's k or
+            # v rows into the cache
+            result = ((("q", a, b), rows * F32),) if a < c.heads else ()
+            store = 0 if a < c.heads else rows * e
+            if qs > 1:
+                jobs.append(sliced(i, t, ("qkv", a, b, s), ("Wqkv", a, b), c.hidden, 2 * tiles.QKV_PAIRS, "xn", qs,
+                                   rows * F32, result, store))
+                continue
+            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "xn")
+            jobs.append(Job(("qkv", a, b), steps, writes=result, store_bytes=store, waits=waits_of(t)))
         elif stage == ATTN:
             lo, hi = s * chunk, min((s + 1) * chunk, keys)
             q_blocks = tuple((("q", h, p), batch * 2 * tiles.QKV_PAIRS * F32)
@@ -160,22 +187,8 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
                 jobs.append(Job((STAGES[stage], a), steps, writes=result,
                                 store_bytes=cols * e if stage == DOWN else 0, waits=waits_of(t)))
                 continue
-            # one K slice (whole BLOCK_K chunks, as the kernel cuts them) of the column block
-            per = cdiv(cdiv(k_total, sk), bk)
-            lo, hi = min(b * per, cdiv(k_total, bk)), min((b + 1) * per, cdiv(k_total, bk))
-            steps = chunks(k_total, rows, (STAGES[stage], a), src, (lo, hi))
-            part = (((STAGES[stage] + "-part", a, b), cols * F32),)
-            siblings = slices[(stage, a)]
-            merging = siblings[-1] == i
-            if not steps:
-                steps = ((),)
-            waits = waits_of(t)
-            if merging:   # once the other slices are done: reads their partials (its own, just
-                # written, stays in L2), writes the columns
-                steps = steps + (tuple(((STAGES[stage] + "-part", a, j), cols * F32) for j in range(sk) if j != b),)
-                waits = waits + ((),) * (len(steps) - 2) + (tuple(j for j in siblings if j != i),)
-            jobs.append(Job((STAGES[stage], a, b), steps, writes=part + (result if merging else ()),
-                            store_bytes=cols * e if stage == DOWN and merging else 0, waits=waits))
+            jobs.append(sliced(i, t, (STAGES[stage], a, b), (STAGES[stage], a), k_total, rows, src, sk, cols * F32, result,
+                               cols * e if stage == DOWN else 0))
     return jobs
 
 

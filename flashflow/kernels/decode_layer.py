@@ -29,6 +29,14 @@ rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)``. Stages:
 ``DOWN``   (column block, slice)  ``BLOCK_N`` columns of ``out = h + act · W_downᵀ``
 =========  =====================  ==========================================================
 
+Folded norms (``FOLDED``; :func:`flashflow.ops.decode_layer.fold_norms`): each norm weight is
+folded into the weights that read its output (``W_qkv ∘ g_attn``, ``W_gate_up ∘ g_ffn``, per
+input column), so a GEMV's dot can take the un-normalised rows and scale by ``1 / rms`` after
+it. The norm rows of x then store only ``1 / rms(x)`` and the QKV tasks wait on them after
+their K loop, not before it; there are no norm rows of h: the O column blocks store h in x's
+dtype and its sums of squares per row, and each gate/up task works ``1 / rms(h)`` out of them.
+Two synchronisation hops leave the step's critical path.
+
 Every GEMV task multiplies a tile of weight rows — the left operand of the tensor-core dot,
 64 or 128 rows, a warpgroup MMA on sm90 — by the activation rows (the right operand, ``BLOCK_B``
 ≥ 16), both straight from shared memory: its K loop holds two loads and a dot. With K slices
@@ -149,6 +157,31 @@ def _k_first(K_LO, K_HI, rot, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _k_slice(K, split, SLICES: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[k_lo, k_hi)`` of K slice ``split`` of ``SLICES``: whole ``BLOCK_K`` chunks each (the
+    last slices may be short, or empty: ``k_hi ≤ k_lo``)."""
+    k_per = tl.cdiv(tl.cdiv(K, SLICES), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per
+    return k_lo, tl.minimum(K, k_lo + k_per)
+
+
+@triton.jit
+def _arrive_last(SYNC, merge_idx, epoch, PARTS: tl.constexpr, spin_limit, THREADS: tl.constexpr,
+                 FENCED_SYNC: tl.constexpr):
+    """A partial is stored: release it and arrive on counter ``merge_idx`` (one ``acq_rel``
+    atomic). True for the program that arrives last of the launch's ``PARTS``, which has then
+    acquired every partial in every thread (its wait passes at once): it merges them."""
+    _thread_release(SYNC, THREADS, FENCED_SYNC)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
+    last = (epoch + 1) * PARTS
+    is_last = arrived == last - 1
+    if is_last:
+        _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED_SYNC)
+    return is_last
+
+
+@triton.jit
 def _gemv(A, stride_a, K_LO, K_HI, K_FIRST, offs_b, b_ok, W, stride_w, rows, r_ok, w0,
           ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr,
           DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -219,27 +252,119 @@ def _norm_task(A, stride_a, G, DEST, b, hidden, eps, NORM_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
-              sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, head, pblock, batch, hidden,
-              wait_idx, wait_target, spin_limit,
+def _rstd_task(A, stride_a, RSTD, b, hidden, eps, NORM_BLOCK: tl.constexpr):
+    """``RSTD[b] = 1 / rms(A[b])`` in fp32: with the norm weights folded into the QKV weights the
+    QKV tasks scale their dot by it (``NORM_BLOCK`` values a step)."""
+    offs = tl.arange(0, NORM_BLOCK)
+    row = A + b.to(tl.int64) * stride_a
+    ss = tl.zeros([NORM_BLOCK], dtype=tl.float32)
+    for k0 in range(0, hidden, NORM_BLOCK):
+        a = tl.load(row + k0 + offs, mask=k0 + offs < hidden, other=0.0, cache_modifier=".cg").to(tl.float32)
+        ss += a * a
+    tl.store(RSTD + b, 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps))
+
+
+@triton.jit
+def _fold_out(h, HB, WS_SS, col, offs_b, offs_n, mask, N, BLOCK_B: tl.constexpr):
+    """An O column block's h, for the FFN norm folded into the gate/up weights: h in HB's dtype
+    (the gate/up dot's operand, as an unfused layer rounds h) and its sum of squares per row."""
+    hb = h.to(HB.dtype.element_ty)
+    tl.store(HB + offs_b[:, None] * N + offs_n[None, :], hb, mask=mask)
+    hf = tl.where(mask, hb.to(tl.float32), 0.0)
+    tl.store(WS_SS + col * BLOCK_B + offs_b, tl.sum(hf * hf, 1))
+
+
+@triton.jit
+def _fold_rstd(WS_SS, n_cols, offs_b, hidden, eps, COLS_PAD: tl.constexpr, BLOCK_B: tl.constexpr):
+    """``1 / rms(h)`` per row from the ``n_cols`` O column blocks' sums of squares (summed in one
+    fixed order: the same bits in every gate/up task)."""
+    offs_c = tl.arange(0, COLS_PAD)
+    ss = tl.load(WS_SS + offs_c[:, None] * BLOCK_B + offs_b[None, :], mask=(offs_c < n_cols)[:, None], other=0.0,
+                 cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(ss, 0) / hidden + eps)
+
+
+@triton.jit
+def _qkv_rows_scaled(acc, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS: tl.constexpr,
+                     FENCED_SYNC: tl.constexpr, FOLDED: tl.constexpr):
+    """A QKV tile's dot of x as it is (FOLDED: the norm weight is in the weights) scaled by each
+    row's ``1 / rms(x)``, once the norm row has stored it (a wait that passes at once by then);
+    without FOLDED the dot was of the normalised rows and is returned as it is."""
+    if FOLDED:
+        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+        rstd = tl.load(RSTD + offs_b, mask=b_ok, other=0.0, cache_modifier=".cg")
+        return acc * rstd[None, :]
+    else:
+        return acc
+
+
+@triton.jit
+def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, WS_QKV,
+              sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, head, pblock, split, batch, hidden,
+              wait_idx, wait_target, signal_idx, merge_idx, epoch, spin_limit,
               HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QKV_PAIRS: tl.constexpr,
-              BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr,
-              GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr, DOT_FP32: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr):
+              QKV_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              LAYOUT: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr,
+              DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr,
+              FOLDED: tl.constexpr):
     """``QKV_PAIRS`` rotary pairs of head ``head`` from the normalised rows XN: the pair's two
     weight rows interleaved in one tile (one dot), RoPE, then q to the workspace, k and v into
-    the cache. The first weight chunk loads before the wait on XN."""
+    the cache; then the task signals. The first weight chunk loads before the wait on XN.
+    FOLDED (the norm weight folded into the weights): the dot is of x as it is, with no wait
+    before it, and the rows are scaled by ``RSTD`` (the norm row's) before RoPE.
+
+    ``QKV_SPLIT`` > 1: this task is K slice ``split`` of the tile; it stores its fp32 partial at
+    ``WS_QKV[tile·QKV_SPLIT + split]`` and arrives on counter ``merge_idx``, and the slice that
+    arrives last adds the partials in slice order (the same bits whoever adds them), ropes,
+    stores and signals."""
     HALF: tl.constexpr = HEAD_DIM // 2
+    ROWS: tl.constexpr = 2 * QKV_PAIRS
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
-    offs_r = tl.arange(0, 2 * QKV_PAIRS)
+    offs_r = tl.arange(0, ROWS)
     rows = head * HEAD_DIM + pblock * QKV_PAIRS + offs_r // 2 + (offs_r % 2) * HALF
     r_ok = pblock * QKV_PAIRS + offs_r // 2 < HALF
-    k_first = _k_first(0, hidden, (head * (HALF // QKV_PAIRS) + pblock) * STAGGER, BLOCK_K)
-    w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, hidden, BLOCK_K)
-    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
-    acc = _gemv(XN, hidden, 0, hidden, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
-                2 * QKV_PAIRS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
+    tile = head * (HALF // QKV_PAIRS) + pblock
+    k_lo, k_hi = _k_slice(hidden, split, QKV_SPLIT, BLOCK_K)
+    k_first = _k_first(k_lo, k_hi, tile * STAGGER, BLOCK_K)
+    w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, k_hi, BLOCK_K)
+    if FOLDED:
+        acc = _gemv(X, stride_x, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
+                    ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
+    else:
+        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+        acc = _gemv(XN, hidden, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
+                    ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
+    if QKV_SPLIT == 1:
+        acc = _qkv_rows_scaled(acc, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS,
+                               FENCED_SYNC, FOLDED)
+        _qkv_store(acc, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
+                   head, pblock, offs_b, b_ok, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, PAGE_SIZE, LAYOUT)
+        _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
+    else:
+        piece = offs_r[:, None] * BLOCK_B + offs_b[None, :]
+        part = WS_QKV + (tile * QKV_SPLIT).to(tl.int64) * (ROWS * BLOCK_B)
+        tl.store(part + split * (ROWS * BLOCK_B) + piece, acc)
+        if _arrive_last(SYNC, merge_idx, epoch, QKV_SPLIT, spin_limit, THREADS, FENCED_SYNC):
+            total = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
+            for i in range(QKV_SPLIT):
+                total += tl.load(part + i * (ROWS * BLOCK_B) + piece, cache_modifier=".cg")
+            total = _qkv_rows_scaled(total, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS,
+                                     FENCED_SYNC, FOLDED)
+            _qkv_store(total, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
+                       head, pblock, offs_b, b_ok, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, PAGE_SIZE,
+                       LAYOUT)
+            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
+
+
+@triton.jit
+def _qkv_store(acc, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
+               head, pblock, offs_b, b_ok, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+               QKV_PAIRS: tl.constexpr, BLOCK_B: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr):
+    """A QKV tile's epilogue: the ``(2·QKV_PAIRS, BLOCK_B)`` tile of interleaved pair rows, roped
+    at each row's position (q and k heads), q to the fp32 workspace, k and v appended to the
+    cache at ``cache_seqlens[b]``."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     acc1, acc2 = _pairs(acc, BLOCK_B, QKV_PAIRS)
     offs_p = pblock * QKV_PAIRS + tl.arange(0, QKV_PAIRS)
     rows1 = head * HEAD_DIM + offs_p
@@ -319,13 +444,7 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
                  mask=row_valid[:, None])
         tl.store(WS_ML + piece * (2 * BLOCK_R) + offs_r, m_i, mask=row_valid)
         tl.store(WS_ML + piece * (2 * BLOCK_R) + BLOCK_R + offs_r, l_i, mask=row_valid)
-        _thread_release(SYNC, THREADS, FENCED_SYNC)
-        tl.debug_barrier()
-        merge_idx = merge_off + bh
-        arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
-        last = (epoch + 1) * NUM_SPLITS
-        if arrived == last - 1:
-            _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED_SYNC)   # passes at once: the per-thread acquire
+        if _arrive_last(SYNC, merge_off + bh, epoch, NUM_SPLITS, spin_limit, THREADS, FENCED_SYNC):
             acc_t, l_t, m_t = merge_partials(WS_ACC, WS_ML, bh, offs_r, offs_d, row_valid, BLOCK_R, HEAD_DIM,
                                              NUM_SPLITS, True, ".cg")
             tl.store(out_ptrs, normalize(acc_t, l_t), mask=row_valid[:, None])
@@ -335,10 +454,12 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
 @triton.jit
 def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride_dest, col, split, K, N,
                   batch, wait_idx, wait_target, signal_idx, spin_limit, WS_PART, merge_idx, epoch,
+                  HB, WS_SS, n_cols, eps,
                   GATED: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_B: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
                   THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  FENCED_SYNC: tl.constexpr):
+                  FENCED_SYNC: tl.constexpr, FOLD_OUT: tl.constexpr = False, FOLD_IN: tl.constexpr = False,
+                  COLS_PAD: tl.constexpr = 1):
     """Columns ``[col·BLOCK_N, +BLOCK_N)`` of a GEMV stage: GATED (gate/up): ``silu(g) ∘ u`` of
     the normalised rows A against gate rows ``col`` of WA and the up rows N further, interleaved
     in one tile; otherwise ``RES + A · WAᵀ`` (the O and down projections with their residual).
@@ -348,14 +469,16 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
     whole ``BLOCK_K`` chunks); it stores its fp32 partial at ``WS_PART[col·SPLIT_K + split]``,
     releases and arrives on counter ``merge_idx`` with one ``acq_rel`` atomic, and the slice
     that arrives last adds the partials in slice order (the same bits whoever adds them) to the
-    residual, stores and signals: the stage counter counts column blocks, whatever SPLIT_K."""
+    residual, stores and signals: the stage counter counts column blocks, whatever SPLIT_K.
+
+    Folded FFN norm: FOLD_OUT (O) also stores h in HB's dtype and its sums of squares per row
+    in ``WS_SS[col]`` (:func:`_fold_out`); FOLD_IN (gate/up, A = HB, the norm weight in the
+    weights) scales the dot by ``1 / rms(h)`` from the ``n_cols`` blocks' sums."""
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-    k_lo = split * k_per
-    k_hi = tl.minimum(K, k_lo + k_per)
+    k_lo, k_hi = _k_slice(K, split, SPLIT_K, BLOCK_K)
     k_first = _k_first(k_lo, k_hi, col * STAGGER, BLOCK_K)
     if GATED:   # gate row i and up row i (N rows further) as rows 2i and 2i + 1 of one tile
         offs_r = tl.arange(0, 2 * BLOCK_N)
@@ -364,9 +487,14 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
         rows = cols + (offs_r % 2) * N
         w0 = _w_rows(WA, stride_w, rows, r_ok, k_first, k_hi, BLOCK_K)
         _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+        if FOLD_IN:
+            rstd = _fold_rstd(WS_SS, n_cols, offs_b, K, eps, COLS_PAD, BLOCK_B)
         acc = _gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, rows, r_ok, w0,
                     2 * BLOCK_N, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
         acc_a, acc_b = _pairs(acc, BLOCK_B, BLOCK_N)
+        if FOLD_IN:
+            acc_a = acc_a * rstd[:, None]
+            acc_b = acc_b * rstd[:, None]
     else:
         w0 = _w_rows(WA, stride_w, offs_n, n_ok, k_first, k_hi, BLOCK_K)
         _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
@@ -381,24 +509,25 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
     elif SPLIT_K == 1:
         res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
                       cache_modifier=".cg")
-        tl.store(dest, (res.to(tl.float32) + acc_a).to(DEST.dtype.element_ty), mask=mask)
+        h = res.to(tl.float32) + acc_a
+        tl.store(dest, h.to(DEST.dtype.element_ty), mask=mask)
+        if FOLD_OUT:
+            _fold_out(h, HB, WS_SS, col, offs_b, offs_n, mask, N, BLOCK_B)
         _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     else:
         tile = offs_b[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         part = WS_PART + (col * SPLIT_K).to(tl.int64) * (BLOCK_B * BLOCK_N)
         tl.store(part + split * (BLOCK_B * BLOCK_N) + tile, acc_a)
-        _thread_release(SYNC, THREADS, FENCED_SYNC)
-        tl.debug_barrier()
-        arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
-        last = (epoch + 1) * SPLIT_K
-        if arrived == last - 1:
-            _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED_SYNC)   # passes at once: the per-thread acquire
+        if _arrive_last(SYNC, merge_idx, epoch, SPLIT_K, spin_limit, THREADS, FENCED_SYNC):
             total = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
             for i in range(SPLIT_K):
                 total += tl.load(part + i * (BLOCK_B * BLOCK_N) + tile, cache_modifier=".cg")
             res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
                           cache_modifier=".cg")
-            tl.store(dest, (res.to(tl.float32) + total).to(DEST.dtype.element_ty), mask=mask)
+            h = res.to(tl.float32) + total
+            tl.store(dest, h.to(DEST.dtype.element_ty), mask=mask)
+            if FOLD_OUT:
+                _fold_out(h, HB, WS_SS, col, offs_b, offs_n, mask, N, BLOCK_B)
             _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
 
 
@@ -411,17 +540,18 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
 def decode_layer_kernel(
     X, OUT, TASKS, SYNC, CACHE_SEQLENS, BT, COS, SIN,
     W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN,
-    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, TRACE_BUF,
-    batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, spin_limit,
+    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, WS_QKV, RSTD, WS_SS, TRACE_BUF,
+    batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, qkv_merge_off,
+    spin_limit,
     stride_x, stride_out, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
     stride_wqkv, stride_wo, stride_wgu, stride_wd,
     eps, qk_scale_log2,
     HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, QKV_PAIRS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
+    QKV_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_KV: tl.constexpr,
     BLOCK_B: tl.constexpr, BLOCK_R: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLIT_K: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
     NORM_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
-    FENCED_SYNC: tl.constexpr = False,
+    FENCED_SYNC: tl.constexpr = False, FOLDED: tl.constexpr = False, COLS_PAD: tl.constexpr = 1,
 ):
     """One decode step of a decoder layer: the task table's tasks by ticket (module docstring).
 
@@ -437,7 +567,8 @@ def decode_layer_kernel(
     acquires (it reads h besides act); ``h1_count`` is also the number of O / down column
     blocks. ``SPLIT_K``: K slices per O / down column block (:func:`_columns_task`), their
     partials in ``WS_PART``, their arrivals on the counters from ``col_merge_off`` (O's column
-    blocks, then down's). Workspaces: XN, ATT, HN and ACT (the GEMVs' activations) in x's
+    blocks, then down's). ``QKV_SPLIT``: K slices per QKV tile, their partials in ``WS_QKV``,
+    their arrivals on the counters from ``qkv_merge_off`` (one a tile). Workspaces: XN, ATT, HN and ACT (the GEMVs' activations) in x's
     dtype, q, h and the partials in fp32; OUT in x's dtype. TRACE: each ticket's
     ``(start ns, end ns, SM, stage)`` into ``TRACE_BUF`` (int64, 4 words a task; GPU only).
     """
@@ -458,11 +589,11 @@ def decode_layer_kernel(
         if TRACE:
             t_start = globaltimer()
         if stage == _QKV:
-            _qkv_task(SYNC, XN, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN,
-                      sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, batch, hidden, wait_idx, wait_target, spin_limit,
-                      HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
-                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC)
-            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
+            _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, WS_QKV,
+                      sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, c, batch, hidden,
+                      wait_idx, wait_target, signal_idx, qkv_merge_off + a * (HEAD_DIM // 2 // QKV_PAIRS) + b, epoch,
+                      spin_limit, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, QKV_SPLIT, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
+                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED)
         elif stage == _ATTN:
             _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
                        wait_idx, wait_target, signal_idx, merge_off, spin_limit,
@@ -472,26 +603,28 @@ def decode_layer_kernel(
         elif stage == _OPROJ:
             _columns_task(SYNC, ATT, HEADS * HEAD_DIM, W_O, stride_wo, X, stride_x, H1, hidden,
                           a, b, HEADS * HEAD_DIM, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
-                          WS_PART, col_merge_off + a, epoch,
+                          WS_PART, col_merge_off + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, FENCED_SYNC)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, False, COLS_PAD)
         elif stage == _GATEUP:
             _columns_task(SYNC, HN, hidden, W_GU, stride_wgu, H1, hidden, ACT, inter,
                           a, 0, hidden, inter, batch, wait_idx, wait_target, signal_idx, spin_limit,
-                          WS_PART, 0, epoch,
+                          WS_PART, 0, epoch, HN, WS_SS, h1_count, eps,
                           True, 1, BLOCK_B, BLOCK_I, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, FENCED_SYNC)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, FOLDED, COLS_PAD)
         elif stage == _DOWN:
             # h (the residual) is read besides act: acquire its counter too (already complete)
             _wait(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, FENCED_SYNC)
             _columns_task(SYNC, ACT, inter, W_DOWN, stride_wd, H1, hidden, OUT, stride_out,
                           a, b, inter, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
-                          WS_PART, col_merge_off + h1_count + a, epoch,
+                          WS_PART, col_merge_off + h1_count + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
                           DOT_FP32, DOT_PRECISION, FENCED_SYNC)
         else:   # a norm row: a = 0, x's attention norm into XN; a = 1, h's FFN norm into HN
             _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
-            if a == 0:
+            if FOLDED:   # only x's: 1 / rms per row (the QKV tasks scale by it)
+                _rstd_task(X, stride_x, RSTD, b, hidden, eps, NORM_BLOCK)
+            elif a == 0:
                 _norm_task(X, stride_x, G_ATTN, XN, b, hidden, eps, NORM_BLOCK)
             else:
                 _norm_task(H1, hidden, G_FFN, HN, b, hidden, eps, NORM_BLOCK)
@@ -517,7 +650,7 @@ class Counters:
     results per O K slice (``parts`` words from ``o_ready``), O column blocks, gate/up tiles per
     down K slice (``parts`` words from ``act_ready``), down column blocks, rows of XN, rows of
     HN, then the K slices' arrivals per O column block and per down column block (``columns``
-    each)."""
+    each), then per QKV tile (``qkv_tiles``)."""
     attn_ready: int
     merge: int
     o_ready: int
@@ -527,19 +660,32 @@ class Counters:
     xn_ready: int
     hn_ready: int
     col_merge: int
+    qkv_merge: int
     words: int
 
 
-def counters(config, batch: int, columns: int = 0, parts: int = 1) -> Counters:
+def counters(config, batch: int, columns: int = 0, parts: int = 1, qkv_tiles: int = 0) -> Counters:
     """The counters of a layer at ``batch`` rows; ``columns``: the O / down column blocks whose
     K slices arrive on counters of their own (0 without split-K); ``parts``: the K slices of
-    the O and down projections (their inputs counted per slice)."""
+    the O and down projections (their inputs counted per slice); ``qkv_tiles``: the QKV tiles
+    whose K slices arrive on counters of their own (0 without)."""
     hk = config.kv_heads
     o = CNT_OFF + hk + batch * hk
     act = o + parts + 1
     base = act + parts
-    return Counters(CNT_OFF, CNT_OFF + hk, o, o + parts, act, base, base + 1, base + 2, base + 3,
-                    base + 3 + 2 * columns)
+    qkv = base + 3 + 2 * columns
+    return Counters(CNT_OFF, CNT_OFF + hk, o, o + parts, act, base, base + 1, base + 2, base + 3, qkv,
+                    qkv + qkv_tiles)
+
+
+def qkv_tiles(config, tiles) -> int:
+    """The QKV tiles of a layer: ``QKV_PAIRS`` rotary pairs of one q, k or v head each."""
+    return (config.heads + 2 * config.kv_heads) * (config.head_dim // 2 // tiles.QKV_PAIRS)
+
+
+def qkv_split(tiles) -> int:
+    """K slices per QKV tile (``tiles.QKV_SPLIT``; 1 for tiles without the field)."""
+    return getattr(tiles, "QKV_SPLIT", 1)
 
 
 def k_slices(k: int, tiles) -> tuple[int, int]:
@@ -563,14 +709,17 @@ def split_k(tiles) -> int:
 
 
 def build_tasks(config, batch: int, num_splits: int, tiles,
-                shuffle=None) -> list[tuple]:
+                shuffle=None, folded: bool = False) -> list[tuple]:
     """The task rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)`` in ticket order:
-    the rows of XN (``(NORM, 0, row)``), QKV tiles (by KV group: its query heads, its key head,
-    its value head), attention tasks, O-projection tiles, the rows of HN (``(NORM, 1, row)``),
+    the rows of XN (``(NORM, 0, row)``), QKV tiles (``(head, pair block, K slice)``, by KV group:
+    its query heads, its key head, its value head; a tile's slices side by side), attention tasks, O-projection tiles, the rows of HN (``(NORM, 1, row)``),
     gate/up and down tiles (O and down: ``(column block, K slice)``, slice by slice). With K
     slices whose producers each lie inside one slice (:func:`_parts`), an O slice waits only on
-    its KV heads' attention and a down slice only on its gate/up tiles. ``shuffle`` (a seed): a random topological order instead, for
-    tests (the outputs do not depend on the order)."""
+    its KV heads' attention and a down slice only on its gate/up tiles. ``folded`` (the norm
+    weights folded into the QKV and gate/up weights): the norm rows of x give 1 / rms only, and
+    there are no norm rows of h (a gate/up task waits on every O column block). ``shuffle`` (a
+    seed): a random topological order instead, for tests (the outputs do not depend on the
+    order)."""
     c = config
     sk = split_k(tiles)
     group = c.heads // c.kv_heads
@@ -581,13 +730,14 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
     # slice on the gate/up tiles of its columns (when those lie inside one slice)
     o_parts, o_width = _parts(c.heads * d, group * d, tiles)
     d_parts, d_width = _parts(c.intermediate, tiles.BLOCK_I, tiles)
-    cnt = counters(config, batch, n_o, sk)
+    cnt = counters(config, batch, n_o, sk, qkv_tiles(config, tiles))
     o_part = [kvh * group * d // o_width for kvh in range(c.kv_heads)]
     gu_part = [j * tiles.BLOCK_I // d_width for j in range(n_gu)]
     tasks = [(NORM, 0, b, 0, cnt.xn_ready, 0, cnt.xn_ready, 0) for b in range(batch)]
     for kvh in range(c.kv_heads):
         heads = [kvh * group + i for i in range(group)] + [c.heads + kvh, c.heads + c.kv_heads + kvh]
-        tasks += [(QKV, h, p, 0, cnt.xn_ready, batch, cnt.attn_ready + kvh, 0) for h in heads for p in range(per_head)]
+        tasks += [(QKV, h, p, s, cnt.xn_ready, batch, cnt.attn_ready + kvh, 0)
+                  for h in heads for p in range(per_head) for s in range(qkv_split(tiles))]
     for kvh in range(c.kv_heads):
         tasks += [(ATTN, b, kvh, s, cnt.attn_ready + kvh, (group + 2) * per_head, cnt.o_ready + o_part[kvh], 0)
                   for b in range(batch) for s in range(num_splits)]
@@ -595,8 +745,11 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
     for s in range(sk):
         p = s if o_parts > 1 else 0
         tasks += [(OPROJ, j, s, 0, cnt.o_ready + p, batch * o_part.count(p), cnt.h1_ready, 0) for j in range(n_o)]
-    tasks += [(NORM, 1, b, 0, cnt.h1_ready, n_o, cnt.hn_ready, 0) for b in range(batch)]
-    tasks += [(GATEUP, j, 0, 0, cnt.hn_ready, batch, cnt.act_ready + gu_part[j], 0) for j in range(n_gu)]
+    if folded:
+        tasks += [(GATEUP, j, 0, 0, cnt.h1_ready, n_o, cnt.act_ready + gu_part[j], 0) for j in range(n_gu)]
+    else:
+        tasks += [(NORM, 1, b, 0, cnt.h1_ready, n_o, cnt.hn_ready, 0) for b in range(batch)]
+        tasks += [(GATEUP, j, 0, 0, cnt.hn_ready, batch, cnt.act_ready + gu_part[j], 0) for j in range(n_gu)]
     for s in range(sk):
         p = s if d_parts > 1 else 0
         tasks += [(DOWN, j, s, 0, cnt.act_ready + p, gu_part.count(p), cnt.done, 0) for j in range(n_o)]
@@ -606,10 +759,10 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
 
 
 def _merged(t) -> tuple | None:
-    """What a task's partial merges into: an attention task's (sequence, KV head), an O / down
-    K slice's column block; None for a task that signals alone."""
-    if t[0] == ATTN:
-        return (ATTN, t[1], t[2])
+    """What a task's partial merges into: an attention task's (sequence, KV head), a QKV K
+    slice's tile, an O / down K slice's column block; None for a task that signals alone."""
+    if t[0] in (ATTN, QKV):
+        return (t[0], t[1], t[2])
     if t[0] in (OPROJ, DOWN):
         return (t[0], t[1])
     return None

@@ -3,7 +3,8 @@
 * :class:`LayerConfig` — a Llama / Qwen-style layer's sizes (GQA, RoPE, SwiGLU, RMSNorm);
   :data:`TINY_LLAMA` (the CPU tests) and :data:`LLAMA3_8B` (the bench).
 * :class:`LayerWeights` — one layer's weights in ``nn.Linear`` layout (q/k/v and gate/up
-  concatenated); :func:`random_layer_weights`.
+  concatenated); :func:`random_layer_weights`; :func:`fold_norms` (the RMSNorm weights folded
+  into the QKV and gate/up weights, for a plan built with ``folded_norms=True``).
 * :class:`DecodeLayerPlan` — built once per (config, batch, cache capacity, cache layout): the
   task table (:func:`build_tasks`), the grid, the fp32 workspaces, the synchronisation counters
   and the RoPE tables; :meth:`DecodeLayerPlan.run` every step: no host synchronisation (but the
@@ -27,7 +28,7 @@ import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
 from flashflow.kernels.decode_layer import (STAGES, TASK_WORDS, build_tasks, counters, decode_layer_kernel,
-                                            dependency_violations)
+                                            dependency_violations, qkv_tiles)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
 from flashflow.kernels.mlp import MAX_THREADS, SYNC_ERR
@@ -88,13 +89,19 @@ class LayerWeights:
     """One layer's weights, ``nn.Linear`` layout: ``qkv`` = cat(q_proj, k_proj, v_proj)
     ``(heads·d + 2·kv_heads·d, hidden)``, ``o`` ``(hidden, heads·d)``, ``gate_up`` =
     cat(gate_proj, up_proj) ``(2·intermediate, hidden)``, ``down`` ``(hidden, intermediate)``;
-    ``attn_norm`` and ``ffn_norm`` ``(hidden,)``."""
-    attn_norm: torch.Tensor
+    ``attn_norm`` and ``ffn_norm`` ``(hidden,)``, both None in weights whose norm weights are
+    folded into ``qkv`` and ``gate_up`` (:func:`fold_norms`)."""
+    attn_norm: Optional[torch.Tensor]
     qkv: torch.Tensor
     o: torch.Tensor
-    ffn_norm: torch.Tensor
+    ffn_norm: Optional[torch.Tensor]
     gate_up: torch.Tensor
     down: torch.Tensor
+
+    @property
+    def folded(self) -> bool:
+        """Whether the norm weights are folded into ``qkv`` and ``gate_up`` (both norms None)."""
+        return self.attn_norm is None and self.ffn_norm is None
 
     def shapes(self, c: LayerConfig) -> dict:
         return {"attn_norm": (c.hidden,), "qkv": (c.qkv_rows, c.hidden), "o": (c.hidden, c.heads * c.head_dim),
@@ -103,6 +110,34 @@ class LayerWeights:
 
     def as_dict(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def fold_norms(weights: LayerWeights) -> LayerWeights:
+    """The same layer with each RMSNorm weight folded into the projection that reads the norm's
+    output: ``qkv[:, j] · attn_norm[j]`` and ``gate_up[:, j] · ffn_norm[j]`` (in fp32, rounded
+    once to the weights' dtype), the norms None. A plan built with ``folded_norms=True`` runs
+    these: its GEMVs take the un-normalised rows and scale by ``1 / rms`` after the dot, which
+    takes the norm rows off the step's critical path. New tensors: the weights given are left
+    as they are. Rounding: one rounding of each folded weight, where the unfolded layer rounds
+    the normalised activation; both against float64 in the tests."""
+    if not isinstance(weights, LayerWeights):
+        raise TypeError(f"weights must be a flashflow LayerWeights, got {type(weights).__name__}")
+    if weights.attn_norm is None or weights.ffn_norm is None:
+        raise ValueError("weights: the norm weights are already folded (attn_norm / ffn_norm is None)")
+    out = {}
+    for proj, norm in (("qkv", "attn_norm"), ("gate_up", "ffn_norm")):
+        w, g = getattr(weights, proj), getattr(weights, norm)
+        for name, t in ((proj, w), (norm, g)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"weights.{name} must be a torch.Tensor, got {type(t).__name__}")
+        if g.dim() != 1 or w.dim() != 2 or w.shape[1] != g.shape[0]:
+            raise ValueError(f"weights.{norm} must have shape ({w.shape[-1]},) to fold into weights.{proj} "
+                             f"{tuple(w.shape)}, got {tuple(g.shape)}")
+        if g.device != w.device:
+            raise ValueError(f"weights.{norm} must be on {w.device} (weights.{proj}'s device), got {g.device}")
+        with torch.no_grad():
+            out[proj] = (w.float() * g.float()[None, :]).to(w.dtype)
+    return LayerWeights(None, out["qkv"], weights.o, None, out["gate_up"], weights.down)
 
 
 def random_layer_weights(config: LayerConfig, dtype=torch.bfloat16, device="cuda", seed: int = 0) -> LayerWeights:
@@ -178,6 +213,9 @@ class DecodeLayerPlan:
         trace: record every task's start and end (the GPU's global timer, ns), SM and stage
             into ``plan.trace`` (``(tasks, 4)`` int64, ticket order) on each run: the step's
             timeline (:func:`flashflow.ops.decode_layer.trace_summary`). GPU only.
+        folded_norms: the plan runs weights whose norm weights are folded into the QKV and
+            gate/up weights (:func:`fold_norms`; ``run`` refuses the other kind): the norm rows
+            leave the step's critical path.
 
     A plan's counters are shared by every call made with it: calls on one plan must be
     stream-ordered (one stream), as a serving loop's are. One plan serves every layer of a
@@ -187,7 +225,7 @@ class DecodeLayerPlan:
     def __init__(self, config: LayerConfig, batch: int, capacity: int, *, device="cuda", dtype=torch.bfloat16,
                  page_size: Optional[int] = None, num_splits: int = 0, num_programs: Optional[int] = None,
                  shuffle: Optional[int] = None, config_tiles: Optional[DecodeLayerConfig] = None,
-                 spin_limit: Optional[int] = None, trace: bool = False):
+                 spin_limit: Optional[int] = None, trace: bool = False, folded_norms: bool = False):
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config must be a flashflow LayerConfig, got {type(config).__name__}")
         device = torch.device(device)
@@ -222,14 +260,19 @@ class DecodeLayerPlan:
         sms = device_num_sms(device)
         asked = num_splits or num_splits_heuristic(batch * config.kv_heads, capacity, sms, tiles.BLOCK_KV)
         self.num_splits = cap_splits(asked, capacity, tiles.BLOCK_KV)
-        if not isinstance(tiles.SPLIT_K, int) or tiles.SPLIT_K < 1:
-            raise ValueError(f"SPLIT_K must be an int >= 1, got {tiles.SPLIT_K!r}")
+        for field in ("SPLIT_K", "QKV_SPLIT"):
+            v = getattr(tiles, field)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{field} must be an int >= 1, got {v!r}")
         if not isinstance(tiles.GEMV_STAGES, int) or tiles.GEMV_STAGES < 0:
             raise ValueError(f"GEMV_STAGES must be an int >= 0 (0: num_stages), got {tiles.GEMV_STAGES!r}")
         if tiles.STAGGER not in (0, 1) or isinstance(tiles.STAGGER, bool):
             raise ValueError(f"STAGGER must be 0 or 1, got {tiles.STAGGER!r}")
-        self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), tiles.SPLIT_K)
-        self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle)
+        check_flag("folded_norms", folded_norms)
+        self.folded_norms = folded_norms
+        self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), tiles.SPLIT_K,
+                                 qkv_tiles(config, tiles))
+        self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle, folded_norms)
         bad = dependency_violations(self.task_list, self.num_splits)
         assert not bad, f"task table not topological at tickets {bad[:8]}"
         self.num_tasks = len(self.task_list)
@@ -246,11 +289,15 @@ class DecodeLayerPlan:
         self.block_b = max(16, next_pow2(batch))
         self.block_r = max(16, next_pow2(c.heads // c.kv_heads))
         act = dict(dtype=dtype, device=device)   # the GEMVs' activations, rounded as an unfused layer rounds them
-        self.xn = torch.empty(batch, c.hidden, **act)
+        self.xn = torch.empty(1 if folded_norms else batch * c.hidden, **act)
         self.q_ws = torch.empty(batch, c.heads * c.head_dim, **f32)
         self.attn = torch.empty(batch, c.heads * c.head_dim, **act)
         self.h1 = torch.empty(batch, c.hidden, **f32)
-        self.hn = torch.empty(batch, c.hidden, **act)
+        self.hn = torch.empty(batch, c.hidden, **act)   # folded: h in x's dtype (the gate/up dot's operand)
+        # folded: 1 / rms(x) per row, and the O column blocks' sums of squares of h per row
+        n_o = cdiv(c.hidden, tiles.BLOCK_N)
+        self.rstd = torch.empty(batch if folded_norms else 1, **f32)
+        self.ws_ss = torch.empty(n_o * self.block_b if folded_norms else 1, **f32)
         self.act = torch.empty(batch, c.intermediate, **act)
         pieces = batch * c.kv_heads * self.num_splits
         self.ws_acc = torch.empty(pieces * self.block_r * c.head_dim, **f32)
@@ -258,6 +305,9 @@ class DecodeLayerPlan:
         # the O / down K slices' partials (one column block's slices side by side)
         self.ws_part = torch.empty(cdiv(c.hidden, tiles.BLOCK_N) * tiles.SPLIT_K * self.block_b * tiles.BLOCK_N
                                    if tiles.SPLIT_K > 1 else 1, **f32)
+        # the QKV K slices' partials (one tile's slices side by side)
+        self.ws_qkv = torch.empty(qkv_tiles(c, tiles) * tiles.QKV_SPLIT * self.block_b * 2 * tiles.QKV_PAIRS
+                                  if tiles.QKV_SPLIT > 1 else 1, **f32)
         inv_freq = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
         angles = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq[None, :]
         self.cos = angles.cos().to(**f32).contiguous()
@@ -265,7 +315,8 @@ class DecodeLayerPlan:
 
     def __repr__(self) -> str:
         return (f"DecodeLayerPlan(batch={self.batch}, capacity={self.capacity}, tasks={self.num_tasks}, "
-                f"programs={self.programs}, num_splits={self.num_splits}, {self.tiles})")
+                f"programs={self.programs}, num_splits={self.num_splits}, folded_norms={self.folded_norms}, "
+                f"{self.tiles})")
 
     # ---------------------------------------------------------------------------------- checks
 
@@ -275,9 +326,20 @@ class DecodeLayerPlan:
         check_runs_here("x", x)
         if not isinstance(weights, LayerWeights):
             raise TypeError(f"weights must be a flashflow LayerWeights, got {type(weights).__name__}")
+        norms = {"attn_norm": weights.attn_norm, "ffn_norm": weights.ffn_norm}
+        for name, t in norms.items():
+            if self.folded_norms and t is not None:
+                raise ValueError(f"weights.{name} is given, but the plan was built with folded_norms=True: pass "
+                                 f"fold_norms(weights), whose norm weights are in qkv and gate_up")
+            if not self.folded_norms and t is None:
+                raise ValueError(f"weights.{name} is None (folded norm weights), but the plan was built with "
+                                 f"folded_norms=False: build it with folded_norms=True")
         w = {name: unit_last_stride(_tensor(f"weights.{name}", t, weights.shapes(c)[name], self.dtype, dev))
-             for name, t in weights.as_dict().items()}
-        w["attn_norm"], w["ffn_norm"] = w["attn_norm"].contiguous(), w["ffn_norm"].contiguous()
+             for name, t in weights.as_dict().items() if t is not None}
+        if self.folded_norms:   # not read: the kernel takes a placeholder
+            w["attn_norm"] = w["ffn_norm"] = self.rstd
+        else:
+            w["attn_norm"], w["ffn_norm"] = w["attn_norm"].contiguous(), w["ffn_norm"].contiguous()
         tail = (c.kv_heads, c.head_dim)
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             if not isinstance(t, torch.Tensor):
@@ -348,20 +410,23 @@ class DecodeLayerPlan:
         args = (x, out, self.tasks, self.sync, seqlens, table if paged else seqlens, self.cos, self.sin,
                 w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"],
                 k_cache, v_cache, self.xn, self.q_ws, self.attn, self.h1, self.hn, self.act, self.ws_acc, self.ws_ml,
-                self.ws_part, self.trace if self.trace is not None else self.sync,
+                self.ws_part, self.ws_qkv, self.rstd, self.ws_ss, self.trace if self.trace is not None else self.sync,
                 self.batch, c.hidden, c.intermediate, self.num_tasks, self.programs, self.counters.merge,
-                self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.counters.col_merge, self.spin_limit,
+                self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.counters.col_merge, self.counters.qkv_merge,
+                self.spin_limit,
                 x.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
                 table.stride(0) if paged else 0,
                 w["qkv"].stride(0), w["o"].stride(0), w["gate_up"].stride(0), w["down"].stride(0),
                 float(c.eps), LOG2E / math.sqrt(c.head_dim))
         constexprs = dict(HEADS=c.heads, KV_HEADS=c.kv_heads, HEAD_DIM=c.head_dim, QKV_PAIRS=t.QKV_PAIRS,
+                          QKV_SPLIT=t.QKV_SPLIT,
                           BLOCK_N=t.BLOCK_N, BLOCK_I=t.BLOCK_I, BLOCK_K=t.BLOCK_K, BLOCK_KV=t.BLOCK_KV,
                           BLOCK_B=self.block_b, BLOCK_R=self.block_r, NUM_SPLITS=self.num_splits, SPLIT_K=t.SPLIT_K,
                           PAGE_SIZE=self.page_size or 1, LAYOUT=1 if paged else 0, THREADS=t.num_warps * 32,
                           GEMV_STAGES=t.GEMV_STAGES or t.num_stages, STAGGER=t.STAGGER, NORM_BLOCK=norm_block(c.hidden),
                           TRACE=self.trace is not None,
-                          FENCED_SYNC=not on_interp,
+                          FENCED_SYNC=not on_interp, FOLDED=self.folded_norms,
+                          COLS_PAD=next_pow2(cdiv(c.hidden, t.BLOCK_N)),
                           DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
                           DOT_PRECISION=dot_precision(self.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
         launch_by_arguments(_LAUNCH, (self.programs, 1, 1), args, constexprs)
@@ -406,11 +471,12 @@ def decode_layer(x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, conf
         capacity = block_table.shape[1] * page
     else:
         capacity = k_cache.shape[1]
-    key = (config, x.shape[0], capacity, page, x.device, x.dtype, stream_key(x.device))
+    folded = isinstance(weights, LayerWeights) and weights.folded
+    key = (config, x.shape[0], capacity, page, x.device, x.dtype, folded, stream_key(x.device))
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = DecodeLayerPlan(config, x.shape[0], capacity, device=x.device, dtype=x.dtype,
-                                             page_size=page)
+                                             page_size=page, folded_norms=folded)
         if len(_PLANS) > _PLANS_MAX:
             _PLANS.popitem(last=False)
     else:

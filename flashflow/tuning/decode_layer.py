@@ -23,6 +23,7 @@ class DecodeLayerConfig(Config):
     SPLIT_K: int = 1  # K slices per O / down column block (their partials merged by the last slice)
     GEMV_STAGES: int = 0  # pipeline stages of the GEMV tasks' weight loops (0: num_stages)
     STAGGER: int = 0  # 1: a GEMV task starts its K loop at chunk (task index mod chunks), 0: at its first
+    QKV_SPLIT: int = 1  # K slices per QKV tile (their partials merged, roped and stored by the last slice)
 
 
 CONFIGS = ConfigTable(TABLE, DecodeLayerConfig, keys=("head_dim",), what="decode layer")

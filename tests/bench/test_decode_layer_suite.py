@@ -22,8 +22,8 @@ def test_registered_with_its_shapes_providers_and_options():
     assert runner.module == "flashflow.bench.decode_layer_suite"
     assert runner.options == {"quick", "providers", "warmup", "rep"}
     assert spec("decode-layer").suite == "decode-layer"
-    assert dl.PROVIDERS == ("flashflow-megakernel", "flashflow-kernels", "torch-eager", "torch+graph",
-                            "torch.compile")
+    assert dl.PROVIDERS == ("flashflow-megakernel", "flashflow-megakernel-folded", "flashflow-kernels", "torch-eager",
+                            "torch+graph", "torch.compile")
     assert {b for b, _ in dl.SHAPES} == {1, 16} and {s for _, s in dl.SHAPES} == {1024, 4096, 8192, 32768}
     assert (LLAMA3_8B.hidden, LLAMA3_8B.heads, LLAMA3_8B.kv_heads, LLAMA3_8B.head_dim,
             LLAMA3_8B.intermediate) == (4096, 32, 8, 128, 14336)
@@ -58,6 +58,8 @@ def test_a_row_on_the_cpu_with_a_fake_clock(monkeypatch):
         assert row["rel_err"][n] < 1e-5, (n, row["rel_err"][n])
         assert row["tbs"][n] == pytest.approx(row["bytes"] / (ms[n] * 1e-3) / 1e12)
     assert row["speedup"] == {n: pytest.approx(ms[n] / ms[dl.MEGAKERNEL]) for n in names if n != dl.MEGAKERNEL}
+    assert row["speedup_folded"] == {n: pytest.approx(ms[n] / ms[dl.FOLDED]) for n in names
+                                     if n not in (dl.MEGAKERNEL, dl.FOLDED)}
     result = {"suite": "decode-layer", "providers": names, "timing": {"discipline": "cold-l2"}, "rows": [row]}
     table = dl.report(result)
     assert "| 2 | 24 |" in table and "flashflow-kernels ÷" in table and "0.50" not in table.split("\n")[-1][:12]

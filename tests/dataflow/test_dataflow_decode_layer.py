@@ -133,3 +133,27 @@ def test_cli_split_k(capsys):
     assert main(["dataflow", "decode-layer", "--split-k", "4"]) == 0
     out = capsys.readouterr().out
     assert "SPLIT_K=4" in out and "1.20x" in out
+
+
+def test_qkv_slices_jobs_and_bytes():
+    """QKV tiles in K slices: a tile's slices read its weight chunks once between them, the last
+    waits on its siblings and reads their partials; DRAM bytes grow by the partials' write-back."""
+    tiles = replace(TINY_TILES, QKV_SPLIT=3)
+    jobs = layer_jobs(TINY, 3, 40, tiles, 2)
+    tasks = build_tasks(TINY, 3, 2, tiles)
+    assert [j.name[0] for j in jobs] == [STAGES[t[0]] for t in tasks]
+    assert all(d < i for i, j in enumerate(jobs) for w in j.waits for d in w)
+    pairs = TINY.head_dim // 2 // tiles.QKV_PAIRS
+    heads = TINY.heads + 2 * TINY.kv_heads
+    for h in range(heads):
+        for p in range(pairs):
+            idx = [i for i, j in enumerate(jobs) if j.name[:3] == ("qkv", h, p)]
+            assert len(idx) == 3
+            chunks = [k for i in idx for step in jobs[i].steps for k, _ in step if k[0] == "Wqkv"]
+            assert sorted(chunks) == [("Wqkv", h, p, k) for k in range(cdiv(TINY.hidden, tiles.BLOCK_K))]
+            assert sorted(jobs[idx[-1]].waits[-1]) == idx[:-1]
+    one = model_layer(TINY, 3, 40, TINY_TILES, 2, num_slots=8, l2_bytes=64 * 2**20)
+    three = model_layer(TINY, 3, 40, tiles, 2, num_slots=8, l2_bytes=64 * 2**20)
+    partials = heads * pairs * 3 * 3 * 2 * tiles.QKV_PAIRS * 4
+    assert three.dram_bytes == one.dram_bytes + partials
+    assert three.read_bytes == one.read_bytes

@@ -2,15 +2,16 @@
 over several steps with ragged, growing caches (contiguous and paged), outputs poisoned with NaN;
 the same bits from fewer programs and from shuffled task orders; staggered K loops and deeper GEMV
 pipelines; a CUDA graph of the step replayed with the epochs advancing on the device; the traced
-timeline; the Llama-3-8B layer at batch 1 and 16; non-contiguous inputs and NaN / inf staying in
-their sequence, with the GPU's fenced synchronisation."""
+timeline; the Llama-3-8B layer at batch 1 and 16 (its tiles in QKV K slices), weights as given and
+with their norm weights folded; QKV K slices and folded norms at the mid-sized layer; non-contiguous
+inputs and NaN / inf staying in their sequence, with the GPU's fenced synchronisation."""
 import pytest
 import torch
 
 import dataclasses
 
-from flashflow.ops.decode_layer import (LLAMA3_8B, DecodeLayerPlan, LayerConfig, LayerWeights, random_layer_weights,
-                                        trace_summary)
+from flashflow.ops.decode_layer import (LLAMA3_8B, DecodeLayerPlan, LayerConfig, LayerWeights, fold_norms,
+                                        random_layer_weights, trace_summary)
 from flashflow.reference.decode_layer import decode_layer_reference
 
 pytestmark = pytest.mark.gpu
@@ -103,13 +104,43 @@ def test_cuda_graph_replays_advance_the_epochs():
     assert int(plan.sync[0]) == 4 * per   # the warm-up launch and three replays: nothing reset
 
 
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
 @pytest.mark.parametrize("batch", [1, 16])
-def test_llama3_8b_layer(batch):
+def test_llama3_8b_layer(batch, folded):
     w, kc, vc, seqlens, _ = _state(LLAMA3_8B, batch, torch.bfloat16, [CAP - 1 - b for b in range(batch)])
     x = torch.randn(batch, LLAMA3_8B.hidden, device="cuda", dtype=torch.bfloat16)
     ref = _ref(LLAMA3_8B, x, w, kc, vc, seqlens, None)
-    out = DecodeLayerPlan(LLAMA3_8B, batch, CAP, device="cuda", dtype=torch.bfloat16).run(x, w, kc, vc, seqlens)
+    plan = DecodeLayerPlan(LLAMA3_8B, batch, CAP, device="cuda", dtype=torch.bfloat16, folded_norms=folded)
+    out = plan.run(x, fold_norms(w) if folded else w, kc, vc, seqlens)
     assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("qkv_split", [1, 2, 3])
+def test_folded_norms_and_qkv_slices_against_float64(qkv_split):
+    """Folded norm weights over four steps with growing ragged caches (the rms of x changing),
+    QKV tiles in K slices (3: one slice short); the same bits from other program counts and a
+    shuffled order."""
+    w, kc, vc, seqlens, _ = _state(MID, 4, torch.bfloat16, [0, 17, 500, 1000])
+    folded = fold_norms(w)
+    tiles = dataclasses.replace(DecodeLayerPlan(MID, 4, CAP, device="cuda").tiles, QKV_SPLIT=qkv_split)
+    kw = dict(device="cuda", dtype=torch.bfloat16, config_tiles=tiles, folded_norms=True)
+    plan = DecodeLayerPlan(MID, 4, CAP, **kw)
+    g = torch.Generator(device="cpu").manual_seed(6)
+    for step in range(4):
+        x = (torch.randn(4, MID.hidden, generator=g) * (1 + step)).to(dtype=torch.bfloat16, device="cuda")
+        ref = _ref(MID, x, w, kc, vc, seqlens, None)
+        out = torch.full((4, MID.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        plan.run(x, folded, kc, vc, seqlens, out=out)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        assert out.isfinite().all() and rel < 2e-2, (step, rel)
+        seqlens += 1
+    x = torch.randn(4, MID.hidden, device="cuda", dtype=torch.bfloat16)
+    outs = []
+    for extra in ({}, {"num_programs": 5}, {"shuffle": 3}):
+        k2, v2 = kc.clone(), vc.clone()
+        outs.append((DecodeLayerPlan(MID, 4, CAP, **kw, **extra).run(x, folded, k2, v2, seqlens), k2, v2))
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
 
 
 def test_staggered_and_deeper_gemv_loops_against_float64():

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from flashflow.ops.decode_layer import (TINY_LLAMA, DecodeLayerPlan, LayerConfig, LayerWeights, build_tasks,
                                         decode_layer, decode_layer_bytes, decode_step, dependency_violations,
-                                        random_layer_weights, LLAMA3_8B)
+                                        fold_norms, random_layer_weights, LLAMA3_8B)
 from flashflow.kernels.decode_layer import _norm_task, counters
 from flashflow.reference.decode_layer import decode_layer_reference
 
@@ -438,6 +438,198 @@ def test_split_k_task_table():
     assert dependency_violations(bad, 3) == [first_hn - 1]
 
 
+# --------------------------------------------------------------------------------------------
+# QKV tiles in K slices, merged, roped and stored by the last slice to arrive
+# --------------------------------------------------------------------------------------------
+
+
+def _qkv_tiles(qkv_split, split_k=1):
+    import dataclasses
+    return dataclasses.replace(_split_tiles(split_k), QKV_SPLIT=qkv_split)
+
+
+@pytest.mark.parametrize("qkv_split", [2, 3], ids=["2-slices", "3-slices-one-empty"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_qkv_slices_steps_match_the_float64_reference(qkv_split, paged):
+    """QKV tiles over K = 128 in 2 slices of 64, or 3 (the last empty), over three steps with the
+    caches growing: RoPE and the append after the merge; every merge counter counts its slices,
+    the attention counters count tiles."""
+    batch = 3
+    w, kc, vc, lens, table = _case(batch, paged=paged)
+    plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
+                           num_splits=2, config_tiles=_qkv_tiles(qkv_split))
+    wd, kref, vref = _ref_state(w, kc, vc, table)
+    g = torch.Generator().manual_seed(8)
+    steps = 3
+    for step in range(steps):
+        x = torch.randn(batch, C.hidden, generator=g)
+        got = plan.run(x, w, kc, vc, lens, table, out=torch.full((batch, C.hidden), float("nan")))
+        ref = _ref_step(x, wd, kref, vref, lens)
+        err = (got.double() - ref).abs().max().item()
+        assert err < 2e-5 * ref.abs().max().item(), (step, err)
+        for b, n in enumerate(lens.tolist()):   # the appended key (roped) and value
+            kn = _logical(kc, table)[b, n].double()
+            assert (kn - kref[b, n]).abs().max() < 2e-5 * kref[b, n].abs().max(), (step, b)
+        lens += 1
+    sync, cnt = plan.sync, plan.counters
+    tiles = (C.heads + 2 * C.kv_heads) * (C.head_dim // 2 // plan.tiles.QKV_PAIRS)
+    assert cnt.words - cnt.qkv_merge == tiles
+    assert sync[cnt.qkv_merge:cnt.words].tolist() == [steps * qkv_split] * tiles
+    per_group = (C.heads // C.kv_heads + 2) * (C.head_dim // 2 // plan.tiles.QKV_PAIRS)
+    assert sync[cnt.attn_ready:cnt.attn_ready + C.kv_heads].tolist() == [steps * per_group] * C.kv_heads
+
+
+def test_qkv_slices_any_program_count_and_order_give_the_same_bits():
+    w, kc, vc, lens, table = _case(3, paged=True)
+    kw = dict(device="cpu", dtype=torch.float32, num_splits=2, page_size=PAGE, config_tiles=_qkv_tiles(3, 2))
+    plain = DecodeLayerPlan(C, 3, CAP, **kw)
+    base = _run(plain, w, kc, vc, lens, table)
+    for programs in (1, 2):
+        got = _run(DecodeLayerPlan(C, 3, CAP, num_programs=programs, **kw), w, kc, vc, lens, table)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), programs
+    plan = DecodeLayerPlan(C, 3, CAP, shuffle=5, num_programs=3, **kw)
+    assert plan.task_list != plain.task_list and dependency_violations(plan.task_list, 2) == []
+    got = _run(plan, w, kc, vc, lens, table)
+    assert all(torch.equal(a, b) for a, b in zip(got, base))
+
+
+def test_qkv_slices_task_table():
+    tiles = _qkv_tiles(2)
+    tasks = build_tasks(C, 2, 3, tiles)
+    per_head = C.head_dim // 2 // tiles.QKV_PAIRS
+    qkv = [t for t in tasks if t[0] == 0]
+    # by KV group (its query heads, its key head, its value head), a tile's slices side by side
+    heads = [h for kvh in range(C.kv_heads) for h in [kvh * 2, kvh * 2 + 1, C.heads + kvh, C.heads + C.kv_heads + kvh]]
+    assert [t[1:4] for t in qkv] == [(h, p, s) for h in heads for p in range(per_head) for s in range(2)]
+    assert dependency_violations(tasks, 3) == []
+    # KV head 0's attention needs both slices of each of its tiles: one moved after it breaks it
+    first_att = [t[0] for t in tasks].index(1)
+    last_slice = max(i for i, t in enumerate(tasks) if t[0] == 0 and t[6] == qkv[0][6])
+    bad = tasks[:last_slice] + tasks[last_slice + 1:first_att + 1] + [tasks[last_slice]] + tasks[first_att + 1:]
+    assert dependency_violations(bad, 3) == [first_att - 1]
+
+
+# --------------------------------------------------------------------------------------------
+# folded norms: the norm weights in the QKV and gate/up weights, 1 / rms applied after the dot
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qkv_split,split_k", [(1, 1), (2, 2), (3, 3)], ids=["one-slice", "2-slices", "3-slices"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_folded_norms_steps_match_the_float64_reference(qkv_split, split_k, paged):
+    """A folded plan on fold_norms' weights, three steps with the caches growing, against the
+    float64 layer of the unfolded weights; no norm rows of h, the gate/up tasks counted."""
+    batch = 3
+    w, kc, vc, lens, table = _case(batch, paged=paged)
+    plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
+                           num_splits=2, config_tiles=_qkv_tiles(qkv_split, split_k), folded_norms=True)
+    folded = fold_norms(w)
+    wd, kref, vref = _ref_state(w, kc, vc, table)
+    g = torch.Generator().manual_seed(9)
+    steps = 3
+    for step in range(steps):
+        x = torch.randn(batch, C.hidden, generator=g) * (1 + step)   # the rms changes from step to step
+        got = plan.run(x, folded, kc, vc, lens, table, out=torch.full((batch, C.hidden), float("nan")))
+        ref = _ref_step(x, wd, kref, vref, lens)
+        err = (got.double() - ref).abs().max().item()
+        assert err < 2e-5 * ref.abs().max().item(), (step, err)
+        for b, n in enumerate(lens.tolist()):
+            for cache, r in ((kc, kref), (vc, vref)):
+                assert (_logical(cache, table)[b, n].double() - r[b, n]).abs().max() < 2e-5 * r[b, n].abs().max()
+        lens += 1
+    assert [t[1] for t in plan.task_list if t[0] == 5] == [0] * batch   # the norm rows of x only
+    sync, cnt = plan.sync, plan.counters
+    columns = C.hidden // plan.tiles.BLOCK_N
+    assert int(sync[cnt.hn_ready]) == 0 and int(sync[cnt.xn_ready]) == steps * batch
+    assert int(sync[cnt.h1_ready]) == int(sync[cnt.done]) == steps * columns
+    assert int(sync[0]) == steps * (plan.num_tasks + plan.programs)
+
+
+def test_folded_norms_any_program_count_and_order_give_the_same_bits():
+    w, kc, vc, lens, table = _case(3, paged=True)
+    folded = fold_norms(w)
+    kw = dict(device="cpu", dtype=torch.float32, num_splits=2, page_size=PAGE, config_tiles=_qkv_tiles(2, 3),
+              folded_norms=True)
+    plain = DecodeLayerPlan(C, 3, CAP, **kw)
+    base = _run(plain, folded, kc, vc, lens, table)
+    for extra in ({"num_programs": 1}, {"num_programs": 2}, {"shuffle": 4, "num_programs": 3}):
+        plan = DecodeLayerPlan(C, 3, CAP, **kw, **extra)
+        assert dependency_violations(plan.task_list, 2) == []
+        got = _run(plan, folded, kc, vc, lens, table)
+        assert all(torch.equal(a, b) for a, b in zip(got, base)), extra
+
+
+def test_folded_norms_task_table():
+    tiles = _split_tiles(2)
+    tasks = build_tasks(C, 2, 3, tiles, folded=True)
+    plain = build_tasks(C, 2, 3, tiles)
+    stages = [t[0] for t in tasks]
+    cnt = counters(C, 2, C.hidden // tiles.BLOCK_N, 2)
+    assert stages.count(5) == 2 and stages[:2] == [5, 5]   # the norm rows of x, none of h
+    assert [t for t in plain if not (t[0] == 5 and t[1] == 1) and t[0] != 3] == [t for t in tasks if t[0] != 3]
+    gu = [t for t in tasks if t[0] == 3]
+    assert {(t[4], t[5]) for t in gu} == {(cnt.h1_ready, C.hidden // tiles.BLOCK_N)}
+    assert dependency_violations(tasks, 3) == []
+    # a gate/up task needs every O column block merged: moved before the last O slice, it breaks
+    first_gu = stages.index(3)
+    assert stages[first_gu - 1] == 2
+    bad = tasks[:first_gu - 1] + [tasks[first_gu], tasks[first_gu - 1]] + tasks[first_gu + 1:]
+    assert dependency_violations(bad, 3) == [first_gu - 1]
+
+
+def test_fold_norms_scales_the_weight_columns_and_leaves_the_weights_given():
+    w = random_layer_weights(C, torch.bfloat16, "cpu", seed=3)
+    before = {k: v.clone() for k, v in w.as_dict().items()}
+    f = fold_norms(w)
+    assert f.folded and not w.folded and f.attn_norm is None and f.ffn_norm is None
+    assert f.o is w.o and f.down is w.down
+    assert torch.equal(f.qkv, (w.qkv.float() * w.attn_norm.float()).bfloat16())
+    assert torch.equal(f.gate_up, (w.gate_up.float() * w.ffn_norm.float()).bfloat16())
+    assert all(torch.equal(v, before[k]) for k, v in w.as_dict().items())
+    with pytest.raises(ValueError, match="already folded"):
+        fold_norms(f)
+    with pytest.raises(TypeError, match="weights must be a flashflow LayerWeights"):
+        fold_norms(w.as_dict())
+    with pytest.raises(ValueError, match=r"weights.ffn_norm must have shape \(128,\) to fold into weights.gate_up"):
+        fold_norms(LayerWeights(**{**w.as_dict(), "ffn_norm": w.ffn_norm[:-1]}))
+    with pytest.raises(TypeError, match="weights.attn_norm must be a torch.Tensor"):
+        fold_norms(LayerWeights(**{**w.as_dict(), "attn_norm": [1.0] * C.hidden}))
+
+
+def test_folded_and_unfolded_weights_need_their_own_plan():
+    w, kc, vc, lens, _ = _case(2)
+    x = torch.randn(2, C.hidden)
+    folded = DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32, folded_norms=True)
+    plain = DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match="weights.attn_norm is given, but the plan was built with folded_norms=True"):
+        folded.run(x, w, kc, vc, lens)
+    with pytest.raises(ValueError, match=r"weights.attn_norm is None \(folded norm weights\), but the plan was built"):
+        plain.run(x, fold_norms(w), kc, vc, lens)
+    half = LayerWeights(**{**fold_norms(w).as_dict(), "ffn_norm": w.ffn_norm})
+    with pytest.raises(ValueError, match="weights.ffn_norm is given"):
+        folded.run(x, half, kc, vc, lens)
+    with pytest.raises(TypeError, match="folded_norms must be True or False, got 1"):
+        DecodeLayerPlan(C, 2, CAP, device="cpu", dtype=torch.float32, folded_norms=1)
+    assert int(folded.sync.abs().sum()) == int(plain.sync.abs().sum()) == 0   # nothing launched
+
+
+def test_bfloat16_folded_weights_match_the_reference_as_the_unfolded_ones_do():
+    """bf16: the folded weights' one rounding against the normalised activation's; both against
+    float64, through decode_layer (a folded plan picked for folded weights)."""
+    w, kc, vc, lens, _ = _case(3, dtype=torch.bfloat16)
+    wd, kref, vref = _ref_state(w, kc, vc, None)
+    x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(3)).bfloat16()
+    k2, v2 = kc.clone(), vc.clone()
+    plain = decode_layer(x, w, k2, v2, lens, C)
+    out = decode_layer(x, fold_norms(w), kc, vc, lens, C)
+    ref = _ref_step(x, wd, kref, vref, lens)
+    rel = ((out.double() - ref).norm() / ref.norm()).item()
+    rel_plain = ((plain.double() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2 and rel < 2 * rel_plain, (rel, rel_plain)
+    for b in range(3):
+        assert (kc[b, int(lens[b])].double() - kref[b, int(lens[b])]).abs().max() < 0.05
+
+
 def test_split_k_must_be_a_positive_int():
     with pytest.raises(ValueError, match=r"SPLIT_K must be an int >= 1, got 0"):
         DecodeLayerPlan(C, 1, CAP, device="cpu", dtype=torch.float32, config_tiles=_split_tiles(0))
@@ -473,7 +665,9 @@ def test_trace_needs_a_gpu():
 
 
 @pytest.mark.parametrize("field,value,match", [("GEMV_STAGES", -1, "GEMV_STAGES must be an int >= 0"),
-                                               ("STAGGER", 2, "STAGGER must be 0 or 1")])
+                                               ("STAGGER", 2, "STAGGER must be 0 or 1"),
+                                               ("QKV_SPLIT", 0, "QKV_SPLIT must be an int >= 1, got 0"),
+                                               ("QKV_SPLIT", True, "QKV_SPLIT must be an int >= 1, got True")])
 def test_gemv_fields_are_checked(field, value, match):
     import dataclasses
     tiles = dataclasses.replace(_split_tiles(1), **{field: value})
