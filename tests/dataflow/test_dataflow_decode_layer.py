@@ -14,7 +14,7 @@ from flashflow.tuning.decode_layer import decode_layer_config
 
 LLAMA = SimpleNamespace(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336)
 TINY = SimpleNamespace(hidden=128, heads=4, kv_heads=2, head_dim=32, intermediate=192)
-TILES = replace(decode_layer_config("sm90", 128), SPLIT_K=1)   # one K slice: what split-K is compared with
+TILES = replace(decode_layer_config("sm90", 128), SPLIT_K=1, QKV_PAIRS=32, QKV_SPLIT=1)   # one K slice, 64-row QKV tiles unsplit: what split-K is compared with
 TINY_TILES = replace(decode_layer_config("interpreter", 32), BLOCK_K=32, BLOCK_KV=16)
 
 
@@ -132,7 +132,8 @@ def test_split_k_fills_the_narrow_stages_at_llama_size():
 def test_cli_split_k(capsys):
     assert main(["dataflow", "decode-layer", "--split-k", "4"]) == 0
     out = capsys.readouterr().out
-    assert "SPLIT_K=4" in out and "1.20x" in out
+    # the shipped tiles besides: QKV tiles of 64 rotary pairs in 4 K slices
+    assert "SPLIT_K=4" in out and "QKV_SPLIT=4" in out and "1.18x" in out
 
 
 def test_qkv_slices_jobs_and_bytes():
