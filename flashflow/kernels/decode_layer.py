@@ -182,6 +182,23 @@ def _arrive_last(SYNC, merge_idx, epoch, PARTS: tl.constexpr, spin_limit, THREAD
 
 
 @triton.jit
+def _merge_slices(acc, part, split, offs, SLICES: tl.constexpr, SIZE: tl.constexpr, SYNC, merge_idx, epoch, spin_limit,
+                  THREADS: tl.constexpr, FENCED_SYNC: tl.constexpr):
+    """K slice ``split`` of a tile: store its fp32 partial ``acc`` at ``part[split]`` (``SIZE``
+    values a slice, ``offs`` into it) and arrive (:func:`_arrive_last`). Returns ``(last, total)``:
+    for the slice that arrives last, True and the partials added in slice order (the same bits
+    whoever adds them); for the others False (and their own partial)."""
+    tl.store(part + split * SIZE + offs, acc)
+    last = _arrive_last(SYNC, merge_idx, epoch, SLICES, spin_limit, THREADS, FENCED_SYNC)
+    total = acc
+    if last:
+        total = tl.zeros_like(acc)
+        for i in range(SLICES):
+            total += tl.load(part + i * SIZE + offs, cache_modifier=".cg")
+    return last, total
+
+
+@triton.jit
 def _gemv(A, stride_a, K_LO, K_HI, K_FIRST, offs_b, b_ok, W, stride_w, rows, r_ok, w0,
           ROWS: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr,
           DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -342,13 +359,10 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
                    head, pblock, offs_b, b_ok, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, PAGE_SIZE, LAYOUT)
         _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     else:
-        piece = offs_r[:, None] * BLOCK_B + offs_b[None, :]
-        part = WS_QKV + (tile * QKV_SPLIT).to(tl.int64) * (ROWS * BLOCK_B)
-        tl.store(part + split * (ROWS * BLOCK_B) + piece, acc)
-        if _arrive_last(SYNC, merge_idx, epoch, QKV_SPLIT, spin_limit, THREADS, FENCED_SYNC):
-            total = tl.zeros([ROWS, BLOCK_B], dtype=tl.float32)
-            for i in range(QKV_SPLIT):
-                total += tl.load(part + i * (ROWS * BLOCK_B) + piece, cache_modifier=".cg")
+        last, total = _merge_slices(acc, WS_QKV + (tile * QKV_SPLIT).to(tl.int64) * (ROWS * BLOCK_B), split,
+                                    offs_r[:, None] * BLOCK_B + offs_b[None, :], QKV_SPLIT, ROWS * BLOCK_B,
+                                    SYNC, merge_idx, epoch, spin_limit, THREADS, FENCED_SYNC)
+        if last:
             total = _qkv_rows_scaled(total, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS,
                                      FENCED_SYNC, FOLDED)
             _qkv_store(total, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
@@ -515,13 +529,10 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
             _fold_out(h, HB, WS_SS, col, offs_b, offs_n, mask, N, BLOCK_B)
         _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     else:
-        tile = offs_b[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        part = WS_PART + (col * SPLIT_K).to(tl.int64) * (BLOCK_B * BLOCK_N)
-        tl.store(part + split * (BLOCK_B * BLOCK_N) + tile, acc_a)
-        if _arrive_last(SYNC, merge_idx, epoch, SPLIT_K, spin_limit, THREADS, FENCED_SYNC):
-            total = tl.zeros([BLOCK_B, BLOCK_N], dtype=tl.float32)
-            for i in range(SPLIT_K):
-                total += tl.load(part + i * (BLOCK_B * BLOCK_N) + tile, cache_modifier=".cg")
+        last, total = _merge_slices(acc_a, WS_PART + (col * SPLIT_K).to(tl.int64) * (BLOCK_B * BLOCK_N), split,
+                                    offs_b[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], SPLIT_K,
+                                    BLOCK_B * BLOCK_N, SYNC, merge_idx, epoch, spin_limit, THREADS, FENCED_SYNC)
+        if last:
             res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
                           cache_modifier=".cg")
             h = res.to(tl.float32) + total

@@ -108,6 +108,24 @@ def test_bfloat16_inputs_match_the_reference_to_bf16_rounding():
         assert (kc[b, int(lens[b])].double() - kref[b, int(lens[b])]).abs().max() < 0.05
 
 
+def _steps(plan, w, kc, vc, lens, table, seed, steps=3, weights=None):
+    """``steps`` steps of ``plan`` (on ``weights``, default ``w``) against the float64 layer of
+    ``w``, the caches growing, outputs poisoned with NaN; x's rms changes from step to step.
+    Checks each output and appended key and value."""
+    wd, kref, vref = _ref_state(w, kc, vc, table)
+    g = torch.Generator().manual_seed(seed)
+    for step in range(steps):
+        x = torch.randn(plan.batch, C.hidden, generator=g) * (1 + step)
+        got = plan.run(x, weights or w, kc, vc, lens, table, out=torch.full((plan.batch, C.hidden), float("nan")))
+        ref = _ref_step(x, wd, kref, vref, lens)
+        err = (got.double() - ref).abs().max().item()
+        assert err < 2e-5 * ref.abs().max().item(), (step, err)
+        for b, n in enumerate(lens.tolist()):
+            for cache, r in ((kc, kref), (vc, vref)):
+                assert (_logical(cache, table)[b, n].double() - r[b, n]).abs().max() < 2e-5 * r[b, n].abs().max()
+        lens += 1
+
+
 def _run(plan, w, kc, vc, lens, table=None, x=None):
     kc, vc = kc.clone(), vc.clone()
     if x is None:
@@ -353,16 +371,8 @@ def test_split_k_steps_match_the_float64_reference(split_k, paged):
     w, kc, vc, lens, table = _case(batch, paged=paged)
     plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
                            num_splits=2, config_tiles=_split_tiles(split_k))
-    wd, kref, vref = _ref_state(w, kc, vc, table)
-    g = torch.Generator().manual_seed(7)
     steps = 3
-    for step in range(steps):
-        x = torch.randn(batch, C.hidden, generator=g)
-        got = plan.run(x, w, kc, vc, lens, table, out=torch.full((batch, C.hidden), float("nan")))
-        ref = _ref_step(x, wd, kref, vref, lens)
-        err = (got.double() - ref).abs().max().item()
-        assert err < 2e-5 * ref.abs().max().item(), (step, err)
-        lens += 1
+    _steps(plan, w, kc, vc, lens, table, 7, steps)
     sync, cnt = plan.sync, plan.counters
     columns = C.hidden // plan.tiles.BLOCK_N
     assert sync[cnt.col_merge:cnt.col_merge + 2 * columns].tolist() == [steps * split_k] * (2 * columns)
@@ -458,19 +468,8 @@ def test_qkv_slices_steps_match_the_float64_reference(qkv_split, paged):
     w, kc, vc, lens, table = _case(batch, paged=paged)
     plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
                            num_splits=2, config_tiles=_qkv_tiles(qkv_split))
-    wd, kref, vref = _ref_state(w, kc, vc, table)
-    g = torch.Generator().manual_seed(8)
     steps = 3
-    for step in range(steps):
-        x = torch.randn(batch, C.hidden, generator=g)
-        got = plan.run(x, w, kc, vc, lens, table, out=torch.full((batch, C.hidden), float("nan")))
-        ref = _ref_step(x, wd, kref, vref, lens)
-        err = (got.double() - ref).abs().max().item()
-        assert err < 2e-5 * ref.abs().max().item(), (step, err)
-        for b, n in enumerate(lens.tolist()):   # the appended key (roped) and value
-            kn = _logical(kc, table)[b, n].double()
-            assert (kn - kref[b, n]).abs().max() < 2e-5 * kref[b, n].abs().max(), (step, b)
-        lens += 1
+    _steps(plan, w, kc, vc, lens, table, 8, steps)   # the appended key roped after the merge
     sync, cnt = plan.sync, plan.counters
     tiles = (C.heads + 2 * C.kv_heads) * (C.head_dim // 2 // plan.tiles.QKV_PAIRS)
     assert cnt.words - cnt.qkv_merge == tiles
@@ -523,20 +522,8 @@ def test_folded_norms_steps_match_the_float64_reference(qkv_split, split_k, page
     w, kc, vc, lens, table = _case(batch, paged=paged)
     plan = DecodeLayerPlan(C, batch, CAP, device="cpu", dtype=torch.float32, page_size=PAGE if paged else None,
                            num_splits=2, config_tiles=_qkv_tiles(qkv_split, split_k), folded_norms=True)
-    folded = fold_norms(w)
-    wd, kref, vref = _ref_state(w, kc, vc, table)
-    g = torch.Generator().manual_seed(9)
     steps = 3
-    for step in range(steps):
-        x = torch.randn(batch, C.hidden, generator=g) * (1 + step)   # the rms changes from step to step
-        got = plan.run(x, folded, kc, vc, lens, table, out=torch.full((batch, C.hidden), float("nan")))
-        ref = _ref_step(x, wd, kref, vref, lens)
-        err = (got.double() - ref).abs().max().item()
-        assert err < 2e-5 * ref.abs().max().item(), (step, err)
-        for b, n in enumerate(lens.tolist()):
-            for cache, r in ((kc, kref), (vc, vref)):
-                assert (_logical(cache, table)[b, n].double() - r[b, n]).abs().max() < 2e-5 * r[b, n].abs().max()
-        lens += 1
+    _steps(plan, w, kc, vc, lens, table, 9, steps, weights=fold_norms(w))
     assert [t[1] for t in plan.task_list if t[0] == 5] == [0] * batch   # the norm rows of x only
     sync, cnt = plan.sync, plan.counters
     columns = C.hidden // plan.tiles.BLOCK_N
