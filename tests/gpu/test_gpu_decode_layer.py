@@ -4,7 +4,8 @@ the same bits from fewer programs and from shuffled task orders; staggered K loo
 pipelines; a CUDA graph of the step replayed with the epochs advancing on the device; the traced
 timeline; the Llama-3-8B layer at batch 1 and 16 (its tiles in QKV K slices), weights as given and
 with their norm weights folded; QKV K slices and folded norms at the mid-sized layer; non-contiguous
-inputs and NaN / inf staying in their sequence, with the GPU's fenced synchronisation."""
+inputs and NaN / inf staying in their sequence (both kinds of weights), with the GPU's fenced
+synchronisation."""
 import pytest
 import torch
 
@@ -79,13 +80,15 @@ def test_program_counts_and_shuffled_orders_give_the_same_bits():
         assert all(torch.equal(a, b) for a, b in zip(got, outs[0]))
 
 
-def test_cuda_graph_replays_advance_the_epochs():
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_cuda_graph_replays_advance_the_epochs(folded):
     w, kc, vc, seqlens, _ = _state(MID, 2, torch.bfloat16, [10, 400])
-    plan = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16)
+    w = fold_norms(w) if folded else w
+    plan = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16, folded_norms=folded)
     x = torch.randn(2, MID.hidden, device="cuda", dtype=torch.bfloat16)
     eager_k, eager_v, eager_lens = kc.clone(), vc.clone(), seqlens.clone()
     expected = []
-    ref_plan = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16)
+    ref_plan = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16, folded_norms=folded)
     for _ in range(3):
         expected.append(ref_plan.run(x, w, eager_k, eager_v, eager_lens).clone())
         eager_lens += 1
@@ -172,17 +175,19 @@ def test_trace_records_every_task_and_changes_nothing():
     assert 0 < s["busy_fraction"] <= 1 and s["stages"]["down"]["last_end_us"] == s["span_us"]
 
 
-def test_non_contiguous_inputs_give_the_same_bits():
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_non_contiguous_inputs_give_the_same_bits(folded):
     """x with a non-unit last stride, weights as transposed views, the norm weights a stride-0
     row, out a slice of a wider buffer, and a row broadcast to the batch (stride 0): the bits of
-    the contiguous call."""
+    the contiguous call (folded: x is the QKV dot's operand as given)."""
     w, kc, vc, seqlens, _ = _state(MID, 3, torch.bfloat16, [5, 300, 900])
+    w = fold_norms(w) if folded else w
     x = torch.randn(3, MID.hidden, device="cuda", dtype=torch.bfloat16)
-    plan = DecodeLayerPlan(MID, 3, CAP, device="cuda", dtype=torch.bfloat16)
+    plan = DecodeLayerPlan(MID, 3, CAP, device="cuda", dtype=torch.bfloat16, folded_norms=folded)
     k1, v1 = kc.clone(), vc.clone()
     base = plan.run(x, w, k1, v1, seqlens)
-    wt = LayerWeights(**{k: (v.t().contiguous().t() if v.dim() == 2 else v[None].expand(2, -1)[1])
-                         for k, v in w.as_dict().items()})
+    wt = LayerWeights(**{k: (None if v is None else v.t().contiguous().t() if v.dim() == 2
+                             else v[None].expand(2, -1)[1]) for k, v in w.as_dict().items()})
     xt = x.t().contiguous().t()
     assert xt.stride(-1) != 1 and wt.qkv.stride(-1) != 1
     wide = torch.full((3, 2 * MID.hidden), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -195,12 +200,14 @@ def test_non_contiguous_inputs_give_the_same_bits():
     assert torch.equal(got, plan.run(x1.contiguous(), w, kc.clone(), vc.clone(), seqlens))
 
 
-def test_nan_and_inf_stay_in_their_sequence():
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_nan_and_inf_stay_in_their_sequence(folded):
     """A NaN in one row of x, an inf in another and a NaN cached value of a third sequence: the
     untouched sequence's output and appended rows stay finite and equal those of a clean call."""
     w, kc, vc, seqlens, _ = _state(MID, 4, torch.bfloat16, [5, 300, 900, 40])
+    w = fold_norms(w) if folded else w
     x = torch.randn(4, MID.hidden, device="cuda", dtype=torch.bfloat16)
-    plan = DecodeLayerPlan(MID, 4, CAP, device="cuda", dtype=torch.bfloat16, num_splits=4)
+    plan = DecodeLayerPlan(MID, 4, CAP, device="cuda", dtype=torch.bfloat16, num_splits=4, folded_norms=folded)
     k1, v1 = kc.clone(), vc.clone()
     clean = plan.run(x, w, k1, v1, seqlens)
     xb = x.clone()

@@ -197,15 +197,18 @@ def test_task_table_counts():
     assert [t[1] for t in tasks if t[0] == 5] == [0, 0, 1, 1]
 
 
-def test_layouts_non_contiguous_inputs_are_taken():
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_layouts_non_contiguous_inputs_are_taken(folded):
+    """Folded: x is the QKV dot's operand as given (no norm row in between), strides and all."""
     w, kc, vc, lens, _ = _case(3)
+    w = fold_norms(w) if folded else w
     x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(5))
-    plan = DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32)
+    plan = DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, folded_norms=folded)
     base = _run(plan, w, kc, vc, lens, x=x)
     # x with a non-unit last stride, weights as transposed views, out a slice of a wider buffer
     xt = x.t().contiguous().t()
-    wt = LayerWeights(**{k: (v.t().contiguous().t() if v.dim() == 2 else v[None].expand(2, -1)[1])
-                         for k, v in w.as_dict().items()})
+    wt = LayerWeights(**{k: (None if v is None else v.t().contiguous().t() if v.dim() == 2
+                             else v[None].expand(2, -1)[1]) for k, v in w.as_dict().items()})
     assert xt.stride(-1) != 1 and wt.qkv.stride(-1) != 1
     kc2, vc2 = kc.clone(), vc.clone()
     wide = torch.full((3, 2 * C.hidden), float("nan"))
@@ -224,28 +227,31 @@ def test_layouts_non_contiguous_inputs_are_taken():
         plan.run(x, w, kc.transpose(-1, -2).contiguous().transpose(-1, -2), vc.clone(), lens)
 
 
-def test_nan_in_one_row_stays_in_its_sequence():
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_nan_in_one_row_stays_in_its_sequence(folded):
     w, kc, vc, lens, _ = _case(3)
     x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(5))
     x[1, 7] = float("nan")
-    out, k2, v2 = _run(DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2), w, kc, vc, lens,
-                       x=x)
+    plan = DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2, folded_norms=folded)
+    out, k2, v2 = _run(plan, fold_norms(w) if folded else w, kc, vc, lens, x=x)
     assert out[1].isnan().all() and out[[0, 2]].isfinite().all()
     assert k2[1, int(lens[1])].isnan().all() and v2[1, int(lens[1])].isnan().all()
     assert k2[[0, 2]].isfinite().all() and v2[[0, 2]].isfinite().all()
 
 
-def test_inf_in_a_row_and_nan_in_a_cache_stay_in_their_sequence():
-    """An inf in x (its norm row turns NaN, as torch's RMSNorm does) and a NaN cached value of
-    another sequence: the other sequences' outputs and appended rows stay finite."""
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_inf_in_a_row_and_nan_in_a_cache_stay_in_their_sequence(folded):
+    """An inf in x (its norm row turns NaN, as torch's RMSNorm does; folded: 1 / rms is 0 and
+    the dot inf) and a NaN cached value of another sequence: the other sequences' outputs and
+    appended rows stay finite."""
     w, kc, vc, lens, _ = _case(3)
     x = torch.randn(3, C.hidden, generator=torch.Generator().manual_seed(6))
     x[0, 3] = float("inf")
     vc = vc.clone()
     vc[2, 1, 0, 5] = float("nan")   # a cached value of sequence 2 (4 tokens cached)
     lens = torch.tensor([5, 17, 4], dtype=torch.int32)
-    out, k2, v2 = _run(DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2), w, kc, vc, lens,
-                       x=x)
+    plan = DecodeLayerPlan(C, 3, CAP, device="cpu", dtype=torch.float32, num_splits=2, folded_norms=folded)
+    out, k2, v2 = _run(plan, fold_norms(w) if folded else w, kc, vc, lens, x=x)
     assert not out[0].isfinite().any() and not out[2].isfinite().any() and out[1].isfinite().all()
     assert not k2[0, 5].isfinite().any() and k2[1, 17].isfinite().all() and k2[2, 4].isfinite().all()
 
