@@ -398,7 +398,7 @@ def cmd_decode_layer(args) -> int:
     tiles = decode_layer_config("sm90", args.head_dim)
     tiles = replace(tiles, **{k: v for k, v in (("QKV_PAIRS", args.qkv_pairs), ("BLOCK_N", args.block_n),
                                                 ("BLOCK_I", args.block_i), ("BLOCK_K", args.block_k),
-                                                ("SPLIT_K", args.split_k))
+                                                ("SPLIT_K", args.split_k), ("QKV_SPLIT", args.qkv_split))
                               if v is not None})
     if (args.head_dim // 2) % tiles.QKV_PAIRS:
         raise ValueError(f"--qkv-pairs ({tiles.QKV_PAIRS}) must divide head_dim / 2 ({args.head_dim // 2})")
@@ -406,10 +406,11 @@ def cmd_decode_layer(args) -> int:
     splits = args.splits or cap_splits(num_splits_heuristic(args.batch * args.kv_heads, capacity, args.sms,
                                                             tiles.BLOCK_KV), capacity, tiles.BLOCK_KV)
     r = _decode_layer.model_layer(layer, args.batch, args.cache_len, tiles, splits, args.sms, args.cache,
-                                  args.elem_bytes)
+                                  args.elem_bytes, args.folded_norms)
     print(f"decode layer hidden={args.hidden} heads={args.heads}/{args.kv_heads} d={args.head_dim} "
           f"intermediate={args.intermediate}, batch {args.batch}, {args.cache_len} cached keys, {splits} splits; "
-          f"{args.sms} programs, L2 {fmt_bytes(args.cache)}; tiles {tiles}")
+          f"{args.sms} programs, L2 {fmt_bytes(args.cache)}; tiles {tiles}"
+          + ("; folded norms" if args.folded_norms else ""))
     rows = [[st.name, st.tasks, f"{st.steps_per_task:.0f}", st.span, f"{st.busy_fraction:.0%}",
              fmt_bytes(st.weight_bytes)] for st in r.stages]
     print(_table(["stage", "tasks", "K-steps a task", "span (K-steps)", "SMs busy", "weights"], rows))
@@ -520,5 +521,9 @@ def add_parser(subparsers) -> None:
     d.add_argument("--block-k", type=_positive, default=None, help="K chunk (default: sm90's)")
     d.add_argument("--split-k", type=_positive, default=None,
                    help="K slices an O / down column block, merged by the last (default: sm90's)")
+    d.add_argument("--qkv-split", type=_positive, default=None,
+                   help="K slices a QKV tile, merged by the last (default: sm90's)")
+    d.add_argument("--folded-norms", action="store_true",
+                   help="the norm weights folded into the QKV and gate/up weights (no norm rows of h)")
     d.add_argument("--elem-bytes", type=_positive, default=2, help="bytes an element (2: bf16)")
     _add_machine(d)

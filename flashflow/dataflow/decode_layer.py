@@ -67,20 +67,24 @@ class LayerReport:
     stages: tuple[StageReport, ...]
 
 
-def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, itemsize: int = 2) -> list[Job]:
+def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, itemsize: int = 2,
+               folded: bool = False) -> list[Job]:
     """The plan's task table (:func:`flashflow.kernels.decode_layer.build_tasks`) as jobs, in
     ticket order. ``config``: the layer's sizes (hidden, heads, kv_heads, head_dim,
     intermediate, as :class:`flashflow.ops.decode_layer.LayerConfig`); ``cache_len`` keys in
     the cache before this step's token. A job waits on the tasks that signal the counter its
     task waits on (the table's own dependencies). A workspace block is keyed by its writer (a
     norm row's K chunks, the attention output per (sequence, KV head), h per O task, the
-    activation per gate/up task); a reader's K chunk reads every writer block it overlaps."""
+    activation per gate/up task); a reader's K chunk reads every writer block it overlaps.
+    ``folded`` (folded norm weights): the norm rows of x read x and write only ``1 / rms``, the
+    QKV tasks read x itself, the O tasks write h in the weights' dtype besides, which the gate/up
+    tasks read (there are no norm rows of h)."""
     c, e, bk = config, itemsize, tiles.BLOCK_K
     d, group = c.head_dim, c.heads // c.kv_heads
     keys = cache_len + 1
     chunk = cdiv(cdiv(keys, num_splits), tiles.BLOCK_KV) * tiles.BLOCK_KV
     pairs = d // 2 // tiles.QKV_PAIRS
-    tasks = build_tasks(c, batch, num_splits, tiles)
+    tasks = build_tasks(c, batch, num_splits, tiles, folded=folded)
     signals: dict[int, list[int]] = {}
     for i, t in enumerate(tasks):
         signals.setdefault(t[6], []).append(i)
@@ -88,11 +92,19 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
     def waits_of(t) -> tuple:
         return (tuple(signals.get(t[4], ())),) if t[5] else ((),)
 
+    def late(waits, steps) -> tuple:
+        """Folded norms: a QKV task waits on the norm rows of x after its K loop, before its
+        last step (a slice that does not merge, not at all)."""
+        return ((),) * (len(steps) - 1) + (waits[0],)
+
     def written(src, k):
         """The workspace blocks that K chunk ``k`` of source ``src`` overlaps."""
         lo, hi = k * bk, (k + 1) * bk
-        if src in ("xn", "hn"):   # the norm rows, chunk by chunk
+        if src in ("xn", "hn", "x"):   # the norm rows (or x), chunk by chunk
             return tuple(((src, b, k), (min(hi, c.hidden) - lo) * e) for b in range(batch))
+        if src == "hb":   # folded: h in the weights' dtype, per O column block
+            return tuple((("hb", j), batch * min(tiles.BLOCK_N, c.hidden - j * tiles.BLOCK_N) * e)
+                         for j in range(lo // tiles.BLOCK_N, cdiv(min(hi, c.hidden), tiles.BLOCK_N)))
         if src == "att":
             width = group * d
             return tuple((("att", b, h), group * d * e) for b in range(batch)
@@ -115,7 +127,7 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
             slices.setdefault((QKV, t[1], t[2]), []).append(i)
     n_h = cdiv(c.hidden, tiles.BLOCK_N)
 
-    def sliced(i, t, name, wkey, k_total, rows, src, n_slices, part_bytes, result, store_bytes):
+    def sliced(i, t, name, wkey, k_total, rows, src, n_slices, part_bytes, result, store_bytes, waits_late=False):
         """K slice ``name[-1]`` of ``n_slices`` (whole BLOCK_K chunks, as the kernel cuts them)
         of the tile whose weight chunks are keyed ``wkey``: it writes an fp32 partial; the last
         slice in ticket order, once the others are done, reads their partials (its own, just
@@ -126,10 +138,11 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
         part_key = (name[0] + "-part",) + tile
         siblings = slices[(t[0],) + tile]
         merging = siblings[-1] == i
-        waits = waits_of(t)
+        waits = ((),) if waits_late else waits_of(t)
         if merging:
             steps = steps + (tuple((part_key + (j,), part_bytes) for j in range(n_slices) if j != s),)
-            waits = waits + ((),) * (len(steps) - 2) + (tuple(j for j in siblings if j != i),)
+            last = tuple(j for j in siblings if j != i) + (waits_of(t)[0] if waits_late else ())
+            waits = waits + ((),) * (len(steps) - 2) + (last,)
         return Job(name, steps, writes=((part_key + (s,), part_bytes),) + (result if merging else ()),
                    store_bytes=store_bytes if merging else 0, waits=waits)
 
@@ -143,8 +156,8 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
             else:
                 reads = tuple((("h", j), batch * min(tiles.BLOCK_N, c.hidden - j * tiles.BLOCK_N) * F32)
                               for j in range(n_h))
-            out = tuple((("xn" if a == 0 else "hn", b, k), (min((k + 1) * bk, c.hidden) - k * bk) * e)
-                        for k in range(n))
+            out = ((("rstd", b), F32),) if folded else \
+                tuple((("xn" if a == 0 else "hn", b, k), (min((k + 1) * bk, c.hidden) - k * bk) * e) for k in range(n))
             jobs.append(Job(("norm", a, b), (reads,), writes=out, waits=waits_of(t)))
         elif stage == QKV:
             rows = batch * 2 * tiles.QKV_PAIRS
@@ -152,12 +165,14 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
             # v rows into the cache
             result = ((("q", a, b), rows * F32),) if a < c.heads else ()
             store = 0 if a < c.heads else rows * e
+            src = "x" if folded else "xn"
             if qs > 1:
-                jobs.append(sliced(i, t, ("qkv", a, b, s), ("Wqkv", a, b), c.hidden, 2 * tiles.QKV_PAIRS, "xn", qs,
-                                   rows * F32, result, store))
+                jobs.append(sliced(i, t, ("qkv", a, b, s), ("Wqkv", a, b), c.hidden, 2 * tiles.QKV_PAIRS, src, qs,
+                                   rows * F32, result, store, waits_late=folded))
                 continue
-            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), "xn")
-            jobs.append(Job(("qkv", a, b), steps, writes=result, store_bytes=store, waits=waits_of(t)))
+            steps = chunks(c.hidden, 2 * tiles.QKV_PAIRS, ("Wqkv", a, b), src)
+            jobs.append(Job(("qkv", a, b), steps, writes=result, store_bytes=store,
+                            waits=late(waits_of(t), steps) if folded else waits_of(t)))
         elif stage == ATTN:
             lo, hi = s * chunk, min((s + 1) * chunk, keys)
             q_blocks = tuple((("q", h, p), batch * 2 * tiles.QKV_PAIRS * F32)
@@ -175,13 +190,14 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
             if stage == OPROJ:
                 k_total, rows, width, src = c.heads * d, tiles.BLOCK_N, tiles.BLOCK_N, "att"
             elif stage == GATEUP:
-                k_total, rows, width, src = c.hidden, 2 * tiles.BLOCK_I, tiles.BLOCK_I, "hn"
+                k_total, rows, width, src = c.hidden, 2 * tiles.BLOCK_I, tiles.BLOCK_I, "hb" if folded else "hn"
             else:
                 k_total, rows, width, src = c.intermediate, tiles.BLOCK_N, tiles.BLOCK_N, "act"
             total = c.intermediate if stage == GATEUP else c.hidden
             cols = batch * min(width, total - a * width)
             result = (() if stage == DOWN else
-                      ((("h", a), cols * F32),) if stage == OPROJ else ((("act", a), cols * e),))
+                      ((("h", a), cols * F32),) + (((("hb", a), cols * e),) if folded else ()) if stage == OPROJ
+                      else ((("act", a), cols * e),))
             if stage == GATEUP or sk == 1:
                 steps = chunks(k_total, rows, (STAGES[stage], a), src)
                 jobs.append(Job((STAGES[stage], a), steps, writes=result,
@@ -193,11 +209,11 @@ def layer_jobs(config, batch: int, cache_len: int, tiles, num_splits: int, items
 
 
 def model_layer(config, batch: int, cache_len: int, tiles, num_splits: int, num_slots: int = 132,
-                l2_bytes: int = 50 * 2**20, itemsize: int = 2) -> LayerReport:
+                l2_bytes: int = 50 * 2**20, itemsize: int = 2, folded: bool = False) -> LayerReport:
     """Schedule one step's jobs on ``num_slots`` programs, replay it through an LRU L2 of
     ``l2_bytes``: the DRAM bytes, the makespan against every slot busy, and each stage's
     span and busy slots."""
-    jobs = layer_jobs(config, batch, cache_len, tiles, num_splits, itemsize)
+    jobs = layer_jobs(config, batch, cache_len, tiles, num_splits, itemsize, folded)
     sched = schedule(jobs, num_slots)
     traffic = replay(sched, jobs, l2_bytes)
     total_steps = sum(len(j.steps) for j in jobs)
@@ -218,6 +234,8 @@ def model_layer(config, batch: int, cache_len: int, tiles, num_splits: int, num_
     reports = []
     for name in ("norm-x", "qkv", "attn", "oproj", "norm-h", "gateup", "down"):
         idx = [i for i, s in enumerate(stage_of) if s == name]
+        if not idx:   # folded norms: no norm rows of h
+            continue
         span = last[name] - first[name] + 1
         weights = sum(size for i in idx for step in jobs[i].steps for key, size in step
                       if key[0] in ("Wqkv", "oproj", "gateup", "down"))

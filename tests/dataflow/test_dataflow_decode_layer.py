@@ -158,3 +158,36 @@ def test_qkv_slices_jobs_and_bytes():
     partials = heads * pairs * 3 * 3 * 2 * tiles.QKV_PAIRS * 4
     assert three.dram_bytes == one.dram_bytes + partials
     assert three.read_bytes == one.read_bytes
+
+
+def test_folded_norms_jobs_and_bytes():
+    """Folded norm weights: no norm rows of h, the QKV tasks read x itself and wait on the norm
+    rows of x only before their last step (a non-merging slice not at all), the gate/up tasks
+    read h as the O tasks wrote it in the weights' dtype; DRAM bytes: the normalised rows'
+    write-back gives way to h's and 1 / rms."""
+    for tiles in (TINY_TILES, replace(TINY_TILES, QKV_SPLIT=2)):
+        jobs = layer_jobs(TINY, 3, 40, tiles, 2, folded=True)
+        tasks = build_tasks(TINY, 3, 2, tiles, folded=True)
+        assert [j.name[0] for j in jobs] == [STAGES[t[0]] for t in tasks]
+        assert [j.name[1] for j in jobs if j.name[0] == "norm"] == [0, 0, 0]
+        assert all(d < i for i, j in enumerate(jobs) for w in j.waits for d in w)
+        norms = {i for i, j in enumerate(jobs) if j.name[0] == "norm"}
+        for j in jobs:
+            if j.name[0] == "qkv":
+                assert not set(j.waits[0]) & norms or len(j.steps) == 1
+                assert {k[0] for step in j.steps for k, _ in step} <= {"Wqkv", "x", "qkv-part"}
+            if j.name[0] == "gateup":
+                assert {k[0] for step in j.steps for k, _ in step} == {"gateup", "hb"}
+        merging = [j for j in jobs if j.name[0] == "qkv" and j.waits and set(j.waits[-1]) & norms]
+        assert len(merging) == (TINY.heads + 2 * TINY.kv_heads) * (TINY.head_dim // 2 // tiles.QKV_PAIRS)
+    plain = model_layer(TINY, 3, 40, TINY_TILES, 2, num_slots=8, l2_bytes=64 * 2**20)
+    folded = model_layer(TINY, 3, 40, TINY_TILES, 2, num_slots=8, l2_bytes=64 * 2**20, folded=True)
+    assert folded.read_bytes == plain.read_bytes
+    assert folded.dram_bytes == plain.dram_bytes - 3 * TINY.hidden * 2 + 3 * 4
+    assert "norm-h" not in {s.name for s in folded.stages}
+
+
+def test_cli_folded_norms(capsys):
+    assert main(["dataflow", "decode-layer", "--folded-norms", "--qkv-split", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "folded norms" in out and "QKV_SPLIT=2" in out and "norm-h" not in out
