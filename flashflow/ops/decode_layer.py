@@ -136,7 +136,13 @@ def fold_norms(weights: LayerWeights) -> LayerWeights:
         if g.device != w.device:
             raise ValueError(f"weights.{norm} must be on {w.device} (weights.{proj}'s device), got {g.device}")
         with torch.no_grad():
-            out[proj] = (w.float() * g.float()[None, :]).to(w.dtype)
+            folded = (w.float() * g.float()[None, :]).to(w.dtype)
+            # a product past the dtype's range would be a silent inf weight (a host read-back,
+            # once per layer at load time)
+            if not bool(torch.isfinite(folded).all()) and bool(torch.isfinite(w).all() & torch.isfinite(g).all()):
+                raise ValueError(f"weights.{proj} · weights.{norm} overflows {w.dtype}: fold in a wider dtype, "
+                                 f"or keep the norm weights apart (folded_norms=False)")
+            out[proj] = folded
     return LayerWeights(None, out["qkv"], weights.o, None, out["gate_up"], weights.down)
 
 

@@ -587,6 +587,15 @@ def test_fold_norms_scales_the_weight_columns_and_leaves_the_weights_given():
         fold_norms(LayerWeights(**{**w.as_dict(), "ffn_norm": w.ffn_norm[:-1]}))
     with pytest.raises(TypeError, match="weights.attn_norm must be a torch.Tensor"):
         fold_norms(LayerWeights(**{**w.as_dict(), "attn_norm": [1.0] * C.hidden}))
+    # a product past fp16's range is refused, not folded into an inf weight
+    h = LayerWeights(**{k: v.half() for k, v in w.as_dict().items()})
+    gate_up = h.gate_up.clone()
+    gate_up[0, 0] = 4.0
+    big = LayerWeights(**{**h.as_dict(), "gate_up": gate_up, "ffn_norm": torch.full((C.hidden,), 3e4,
+                                                                                      dtype=torch.float16)})
+    with pytest.raises(ValueError, match=r"weights.gate_up · weights.ffn_norm overflows torch.float16"):
+        fold_norms(big)
+    assert fold_norms(h).gate_up.isfinite().all()
 
 
 def test_folded_and_unfolded_weights_need_their_own_plan():
