@@ -100,7 +100,7 @@ from triton.language.extra.cuda import globaltimer, smid
 from flashflow.device import cdiv
 
 from flashflow.kernels.decode import _attend, _kv_ptrs, _split_bounds
-from flashflow.kernels.mlp import CNT_OFF, _TICKET, _act, _signal, _thread_release, _wait
+from flashflow.kernels.mlp import CNT_OFF, _TICKET, _act, _arrive_last, _signal, _wait
 from flashflow.kernels.softmax import merge_partials, normalize
 
 # stage codes of the task table
@@ -163,22 +163,6 @@ def _k_slice(K, split, SLICES: tl.constexpr, BLOCK_K: tl.constexpr):
     k_per = tl.cdiv(tl.cdiv(K, SLICES), BLOCK_K) * BLOCK_K
     k_lo = split * k_per
     return k_lo, tl.minimum(K, k_lo + k_per)
-
-
-@triton.jit
-def _arrive_last(SYNC, merge_idx, epoch, PARTS: tl.constexpr, spin_limit, THREADS: tl.constexpr,
-                 FENCED_SYNC: tl.constexpr):
-    """A partial is stored: release it and arrive on counter ``merge_idx`` (one ``acq_rel``
-    atomic). True for the program that arrives last of the launch's ``PARTS``, which has then
-    acquired every partial in every thread (its wait passes at once): it merges them."""
-    _thread_release(SYNC, THREADS, FENCED_SYNC)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
-    last = (epoch + 1) * PARTS
-    is_last = arrived == last - 1
-    if is_last:
-        _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED_SYNC)
-    return is_last
 
 
 @triton.jit

@@ -51,7 +51,10 @@ The decode-layer megakernel uses a fenced form of the same protocol on the GPU (
 in ``_signal`` / ``_wait``: a ``fence.acq_rel.gpu`` per thread instead of its release atomic,
 an ``ld.acquire.gpu`` per thread instead of its acquire atomic, int64 counters): each thread
 orders its own accesses as in the atomic form, without the atomics that 132 CTAs crossing a
-stage boundary together queue on one L2 line. The kernels here keep the atomic form.
+stage boundary together queue on one L2 line. The kernels here keep the atomic form. Its
+partials merged by the last to arrive (``_arrive_last``: every thread releases, one ``acq_rel``
+add on an epoch counter, the last arrival acquiring in every thread) serve the megakernel's
+split-KV attention and its K slices.
 
 Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
 counter): every other program has then passed all its waits and signals, and the next launch
@@ -140,6 +143,24 @@ def _wait(SYNC, idx, target, spin_limit, THREADS: tl.constexpr, FENCED: tl.const
     short = tl.sum((seen < target).to(tl.int32), axis=0)
     if short > 0:
         tl.atomic_xchg(SYNC + _ERR, 1)
+
+
+@triton.jit
+def _arrive_last(SYNC, merge_idx, epoch, PARTS: tl.constexpr, spin_limit, THREADS: tl.constexpr,
+                 FENCED: tl.constexpr = False):
+    """A partial is stored: release it (every thread, as :func:`_signal` does) and arrive on
+    counter ``merge_idx`` (one ``acq_rel`` atomic). Epoch counters, never reset: a counter
+    bumped ``PARTS`` times a launch. True for the program that arrives last of the launch's
+    ``PARTS``, which has then acquired every partial in every thread (its wait passes at once):
+    it merges them."""
+    _thread_release(SYNC, THREADS, FENCED)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(SYNC + merge_idx, 1, sem="acq_rel", scope="gpu")
+    last = (epoch + 1) * PARTS
+    is_last = arrived == last - 1
+    if is_last:
+        _wait(SYNC, merge_idx, last, spin_limit, THREADS, FENCED)
+    return is_last
 
 
 @triton.jit
