@@ -725,3 +725,14 @@ def test_on_sm90_waits_acquire_with_loads_and_signals_fence_each_thread():
     assert got["ld.acquire.gpu"] > 0 and got["fence.acq_rel.gpu"] > 0, got
     assert got["atom.global.gpu.acquire"] == 0, got
     assert got["atom.global.gpu.release"] > 0 and got["atom.global.gpu.acq_rel"] > 0, got
+
+
+def test_shipped_tiles_take_every_supported_head_dim():
+    """Each family's entry for each head_dim the plan supports holds whole rotary pairs a head
+    (head_dim 32 has 16 pairs: a 32-pair tile would be refused)."""
+    from flashflow.ops.decode_layer import HEAD_DIMS
+    from flashflow.tuning.decode_layer import decode_layer_config
+    for family in ("sm90", "sm80", "interpreter"):
+        for d in HEAD_DIMS:
+            tiles = decode_layer_config(family, d)
+            assert (d // 2) % tiles.QKV_PAIRS == 0, (family, d, tiles.QKV_PAIRS)
