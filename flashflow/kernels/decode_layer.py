@@ -107,12 +107,14 @@ from flashflow.kernels.softmax import merge_partials, normalize
 QKV, ATTN, OPROJ, GATEUP, DOWN, NORM = 0, 1, 2, 3, 4, 5
 STAGES = ("qkv", "attn", "oproj", "gateup", "down", "norm")
 TASK_WORDS = 8   # int32 words per task row
+TRACE_WORDS = 5  # int64 words a traced task: start, end, SM, stage, ready
 _QKV = tl.constexpr(QKV)
 _ATTN = tl.constexpr(ATTN)
 _OPROJ = tl.constexpr(OPROJ)
 _GATEUP = tl.constexpr(GATEUP)
 _DOWN = tl.constexpr(DOWN)
 _TASK_WORDS = tl.constexpr(TASK_WORDS)
+_TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 
 
 # ------------------------------------------------------------------------------------------
@@ -154,6 +156,21 @@ def _k_first(K_LO, K_HI, rot, BLOCK_K: tl.constexpr):
     that tasks running side by side read different columns of their weight rows."""
     n = tl.maximum(tl.cdiv(K_HI - K_LO, BLOCK_K), 1)
     return K_LO + (rot % n) * BLOCK_K
+
+
+@triton.jit
+def _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS: tl.constexpr, FENCED_SYNC: tl.constexpr, TR,
+                TRACE: tl.constexpr):
+    """A task's wait on its inputs (:func:`flashflow.kernels.mlp._wait`); TRACE: then the time
+    it passed (the global timer, ns) into ``TR`` (the task's trace word of when it was ready)."""
+    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+    _stamp(TR, TRACE)
+
+
+@triton.jit
+def _stamp(TR, TRACE: tl.constexpr):
+    if TRACE:
+        tl.store(TR, globaltimer())
 
 
 @triton.jit
@@ -307,7 +324,7 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
               QKV_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr,
               LAYOUT: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr,
               DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr,
-              FOLDED: tl.constexpr):
+              FOLDED: tl.constexpr, TR, TRACE: tl.constexpr):
     """``QKV_PAIRS`` rotary pairs of head ``head`` from the normalised rows XN: the pair's two
     weight rows interleaved in one tile (one dot), RoPE, then q to the workspace, k and v into
     the cache; then the task signals. The first weight chunk loads before the wait on XN.
@@ -329,11 +346,12 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
     k_lo, k_hi = _k_slice(hidden, split, QKV_SPLIT, BLOCK_K)
     k_first = _k_first(k_lo, k_hi, tile * STAGGER, BLOCK_K)
     w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, k_hi, BLOCK_K)
-    if FOLDED:
+    if FOLDED:   # ready at once: x is an input
+        _stamp(TR, TRACE)
         acc = _gemv(X, stride_x, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
                     ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
     else:
-        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+        _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, TR, TRACE)
         acc = _gemv(XN, hidden, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
                     ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
     if QKV_SPLIT == 1:
@@ -401,9 +419,10 @@ def _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, b, kvh,
                sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, qk_scale_log2,
                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
                BLOCK_KV: tl.constexpr, NUM_SPLITS: tl.constexpr, PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr,
-               THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr):
+               THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr,
+               TR, TRACE: tl.constexpr):
     GROUP: tl.constexpr = HEADS // KV_HEADS
-    _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+    _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, TR, TRACE)
     total = tl.load(CACHE_SEQLENS + b) + 1   # keys after this step's append
     offs_r = tl.arange(0, BLOCK_R)
     row_valid = offs_r < GROUP
@@ -457,7 +476,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
                   THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   FENCED_SYNC: tl.constexpr, FOLD_OUT: tl.constexpr = False, FOLD_IN: tl.constexpr = False,
-                  COLS_PAD: tl.constexpr = 1):
+                  COLS_PAD: tl.constexpr = 1, TR=None, TRACE: tl.constexpr = False):
     """Columns ``[col·BLOCK_N, +BLOCK_N)`` of a GEMV stage: GATED (gate/up): ``silu(g) ∘ u`` of
     the normalised rows A against gate rows ``col`` of WA and the up rows N further, interleaved
     in one tile; otherwise ``RES + A · WAᵀ`` (the O and down projections with their residual).
@@ -484,7 +503,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
         r_ok = cols < N
         rows = cols + (offs_r % 2) * N
         w0 = _w_rows(WA, stride_w, rows, r_ok, k_first, k_hi, BLOCK_K)
-        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+        _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, TR, TRACE)
         if FOLD_IN:
             rstd = _fold_rstd(WS_SS, n_cols, offs_b, K, eps, COLS_PAD, BLOCK_B)
         acc = _gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, rows, r_ok, w0,
@@ -495,7 +514,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
             acc_b = acc_b * rstd[:, None]
     else:
         w0 = _w_rows(WA, stride_w, offs_n, n_ok, k_first, k_hi, BLOCK_K)
-        _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+        _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, TR, TRACE)
         acc_a = tl.trans(_gemv(A, stride_a, k_lo, k_hi, k_first, offs_b, b_ok, WA, stride_w, offs_n, n_ok, w0,
                                BLOCK_N, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION))
     mask = b_ok[:, None] & n_ok[None, :]
@@ -565,7 +584,9 @@ def decode_layer_kernel(
     blocks, then down's). ``QKV_SPLIT``: K slices per QKV tile, their partials in ``WS_QKV``,
     their arrivals on the counters from ``qkv_merge_off`` (one a tile). Workspaces: XN, ATT, HN and ACT (the GEMVs' activations) in x's
     dtype, q, h and the partials in fp32; OUT in x's dtype. TRACE: each ticket's
-    ``(start ns, end ns, SM, stage)`` into ``TRACE_BUF`` (int64, 4 words a task; GPU only).
+    ``(start ns, end ns, SM, stage, ready ns)`` into ``TRACE_BUF`` (int64, ``TRACE_WORDS`` a
+    task; ready: when its wait on its inputs passed, the start for a task that does not wait
+    before its work; GPU only).
     """
     t0 = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
     per_launch = num_tasks + num_programs
@@ -581,6 +602,7 @@ def decode_layer_kernel(
         wait_idx = tl.load(row + 4)
         wait_target = (epoch + 1) * tl.load(row + 5)
         signal_idx = tl.load(row + 6)
+        ready = TRACE_BUF + t * _TRACE_WORDS + 4   # when the task's wait passed (TRACE)
         if TRACE:
             t_start = globaltimer()
         if stage == _QKV:
@@ -588,25 +610,25 @@ def decode_layer_kernel(
                       sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, c, batch, hidden,
                       wait_idx, wait_target, signal_idx, qkv_merge_off + a * (HEAD_DIM // 2 // QKV_PAIRS) + b, epoch,
                       spin_limit, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, QKV_SPLIT, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
-                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED)
+                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, ready, TRACE)
         elif stage == _ATTN:
             _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
                        wait_idx, wait_target, signal_idx, merge_off, spin_limit,
                        sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, qk_scale_log2,
                        HEADS, KV_HEADS, HEAD_DIM, BLOCK_R, BLOCK_KV, NUM_SPLITS, PAGE_SIZE, LAYOUT,
-                       THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC)
+                       THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, ready, TRACE)
         elif stage == _OPROJ:
             _columns_task(SYNC, ATT, HEADS * HEAD_DIM, W_O, stride_wo, X, stride_x, H1, hidden,
                           a, b, HEADS * HEAD_DIM, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, col_merge_off + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, False, COLS_PAD)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, False, COLS_PAD, ready, TRACE)
         elif stage == _GATEUP:
             _columns_task(SYNC, HN, hidden, W_GU, stride_wgu, H1, hidden, ACT, inter,
                           a, 0, hidden, inter, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, 0, epoch, HN, WS_SS, h1_count, eps,
                           True, 1, BLOCK_B, BLOCK_I, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, FOLDED, COLS_PAD)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, FOLDED, COLS_PAD, ready, TRACE)
         elif stage == _DOWN:
             # h (the residual) is read besides act: acquire its counter too (already complete)
             _wait(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, FENCED_SYNC)
@@ -614,9 +636,9 @@ def decode_layer_kernel(
                           a, b, inter, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, col_merge_off + h1_count + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, FENCED_SYNC)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, False, 1, ready, TRACE)
         else:   # a norm row: a = 0, x's attention norm into XN; a = 1, h's FFN norm into HN
-            _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
+            _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, ready, TRACE)
             if FOLDED:   # only x's: 1 / rms per row (the QKV tasks scale by it)
                 _rstd_task(X, stride_x, RSTD, b, hidden, eps, NORM_BLOCK)
             elif a == 0:
@@ -625,10 +647,10 @@ def decode_layer_kernel(
                 _norm_task(H1, hidden, G_FFN, HN, b, hidden, eps, NORM_BLOCK)
             _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
         if TRACE:
-            tl.store(TRACE_BUF + t * 4, t_start)
-            tl.store(TRACE_BUF + t * 4 + 1, globaltimer())
-            tl.store(TRACE_BUF + t * 4 + 2, smid().to(tl.int64))
-            tl.store(TRACE_BUF + t * 4 + 3, stage.to(tl.int64))
+            tl.store(TRACE_BUF + t * _TRACE_WORDS, t_start)
+            tl.store(TRACE_BUF + t * _TRACE_WORDS + 1, globaltimer())
+            tl.store(TRACE_BUF + t * _TRACE_WORDS + 2, smid().to(tl.int64))
+            tl.store(TRACE_BUF + t * _TRACE_WORDS + 3, stage.to(tl.int64))
         t = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu") - base
 
 

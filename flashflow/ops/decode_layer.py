@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
-from flashflow.kernels.decode_layer import (STAGES, TASK_WORDS, build_tasks, counters, decode_layer_kernel,
-                                            dependency_violations, qkv_tiles)
+from flashflow.kernels.decode_layer import (STAGES, TASK_WORDS, TRACE_WORDS, build_tasks, counters,
+                                            decode_layer_kernel, dependency_violations, qkv_tiles)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
 from flashflow.kernels.mlp import MAX_THREADS, SYNC_ERR
@@ -216,9 +216,10 @@ class DecodeLayerPlan:
         config_tiles: a :class:`DecodeLayerConfig` instead of the shipped one.
         spin_limit: polls before a wait gives up and the call raises (None: 2000 in the
             interpreter, else ``FLASHFLOW_DECODE_LAYER_SPIN_LIMIT`` or 0, unbounded).
-        trace: record every task's start and end (the GPU's global timer, ns), SM and stage
-            into ``plan.trace`` (``(tasks, 4)`` int64, ticket order) on each run: the step's
-            timeline (:func:`flashflow.ops.decode_layer.trace_summary`). GPU only.
+        trace: record every task's start and end (the GPU's global timer, ns), SM, stage and
+            the time its wait on its inputs passed into ``plan.trace`` (``(tasks, 5)`` int64,
+            ticket order) on each run: the step's timeline
+            (:func:`flashflow.ops.decode_layer.trace_summary`). GPU only.
         folded_norms: the plan runs weights whose norm weights are folded into the QKV and
             gate/up weights (:func:`fold_norms`; ``run`` refuses the other kind): the norm rows
             leave the step's critical path.
@@ -289,7 +290,7 @@ class DecodeLayerPlan:
         check_flag("trace", trace)
         if trace and (device.type != "cuda" or interpreting()):
             raise ValueError("trace=True reads the GPU's global timer: a CUDA device, not the interpreter")
-        self.trace = torch.zeros(self.num_tasks, 4, dtype=torch.int64, device=device) if trace else None
+        self.trace = torch.zeros(self.num_tasks, TRACE_WORDS, dtype=torch.int64, device=device) if trace else None
         c = config
         f32 = dict(dtype=torch.float32, device=device)
         self.block_b = max(16, next_pow2(batch))
@@ -516,15 +517,17 @@ def decode_step(plan: DecodeLayerPlan, layers, caches, x, cache_seqlens, block_t
 
 def trace_summary(plan: DecodeLayerPlan) -> dict:
     """A traced plan's last step (``DecodeLayerPlan(..., trace=True)``), in µs from the first
-    task's start: per stage its tasks, first start, last end and mean task time; the step's span
-    and the fraction of (programs × span) spent inside tasks. Reads the trace back (a host
-    synchronisation)."""
+    task's start: per stage its tasks, first start, last end, mean task time and its two parts,
+    the mean wait on the task's inputs (start to ready) and the mean work after it (ready to
+    end; a split or K slice's merge included); the step's span and the fraction of (programs ×
+    span) spent inside tasks. Reads the trace back (a host synchronisation)."""
     if not isinstance(plan, DecodeLayerPlan) or plan.trace is None:
         raise ValueError("plan must be a DecodeLayerPlan built with trace=True")
     tr = plan.trace.cpu()
     t0 = int(tr[:, 0].min())
     start = (tr[:, 0] - t0).double() / 1e3
     end = (tr[:, 1] - t0).double() / 1e3
+    ready = (tr[:, 4] - t0).double() / 1e3
     span = float(end.max())
     stages = {}
     for code, name in enumerate(STAGES):
@@ -532,6 +535,8 @@ def trace_summary(plan: DecodeLayerPlan) -> dict:
         if bool(sel.any()):
             stages[name] = {"tasks": int(sel.sum()), "first_start_us": round(float(start[sel].min()), 2),
                             "last_end_us": round(float(end[sel].max()), 2),
-                            "mean_task_us": round(float((end[sel] - start[sel]).mean()), 2)}
+                            "mean_task_us": round(float((end[sel] - start[sel]).mean()), 2),
+                            "mean_wait_us": round(float((ready[sel] - start[sel]).mean()), 2),
+                            "mean_work_us": round(float((end[sel] - ready[sel]).mean()), 2)}
     busy = float((end - start).sum()) / (plan.programs * span) if span > 0 else 0.0
     return {"span_us": round(span, 2), "busy_fraction": round(busy, 3), "stages": stages}

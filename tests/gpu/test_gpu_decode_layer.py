@@ -159,20 +159,29 @@ def test_staggered_and_deeper_gemv_loops_against_float64():
         assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-2, tiles
 
 
-def test_trace_records_every_task_and_changes_nothing():
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_trace_records_every_task_and_changes_nothing(folded):
+    """Each ticket's start, end, SM, stage and the time its wait passed (start ≤ ready ≤ end),
+    the outputs the untraced plan's bits; the summary splits a task into wait and work."""
     w, kc, vc, seqlens, _ = _state(MID, 2, torch.bfloat16, [7, 600])
+    w = fold_norms(w) if folded else w
     x = torch.randn(2, MID.hidden, device="cuda", dtype=torch.bfloat16)
-    plain = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16)
-    traced = DecodeLayerPlan(MID, 2, CAP, device="cuda", dtype=torch.bfloat16, trace=True)
+    kw = dict(device="cuda", dtype=torch.bfloat16, folded_norms=folded)
+    plain = DecodeLayerPlan(MID, 2, CAP, **kw)
+    traced = DecodeLayerPlan(MID, 2, CAP, trace=True, **kw)
     a = plain.run(x, w, kc.clone(), vc.clone(), seqlens)
     b = traced.run(x, w, kc.clone(), vc.clone(), seqlens)
     assert torch.equal(a, b)
     tr = traced.trace.cpu()
-    assert (tr[:, 1] >= tr[:, 0]).all() and (tr[:, 0] > 0).all()
+    assert tr.shape == (traced.num_tasks, 5)
+    assert (tr[:, 1] >= tr[:, 4]).all() and (tr[:, 4] >= tr[:, 0]).all() and (tr[:, 0] > 0).all()
     assert tr[:, 3].tolist() == [t[0] for t in traced.task_list]   # each ticket's own stage
     s = trace_summary(traced)
     assert sum(v["tasks"] for v in s["stages"].values()) == traced.num_tasks
     assert 0 < s["busy_fraction"] <= 1 and s["stages"]["down"]["last_end_us"] == s["span_us"]
+    for v in s["stages"].values():
+        assert v["mean_wait_us"] >= 0 and v["mean_work_us"] >= 0
+        assert abs(v["mean_wait_us"] + v["mean_work_us"] - v["mean_task_us"]) < 0.02
 
 
 @pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
