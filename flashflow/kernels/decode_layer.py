@@ -50,7 +50,7 @@ step, so the load overlaps the producers' tail.
 
 Synchronisation
 ---------------
-:mod:`flashflow.kernels.mlp`'s words and protocol, imported: the ticket at ``SYNC[0]``, the
+:mod:`flashflow.kernels.sync`'s words and protocol, imported: the ticket at ``SYNC[0]``, the
 error word at ``SYNC[2]`` (a bounded spin that ran out), and its signal and wait in their
 fenced form on a GPU (``FENCED_SYNC``): to signal, every thread fences (``fence.acq_rel.gpu``),
 a CTA barrier, then one scalar release add; to wait, a relaxed spin, then every thread acquires
@@ -100,7 +100,8 @@ from triton.language.extra.cuda import globaltimer, smid
 from flashflow.device import cdiv
 
 from flashflow.kernels.decode import _attend, _kv_ptrs, _split_bounds
-from flashflow.kernels.mlp import CNT_OFF, _TICKET, _act, _arrive_last, _signal, _wait
+from flashflow.kernels.mlp import _act
+from flashflow.kernels.sync import CNT_OFF, _TICKET, _arrive_last, _signal, _wait
 from flashflow.kernels.softmax import merge_partials, normalize
 
 # stage codes of the task table
@@ -161,7 +162,7 @@ def _k_first(K_LO, K_HI, rot, BLOCK_K: tl.constexpr):
 @triton.jit
 def _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS: tl.constexpr, FENCED_SYNC: tl.constexpr, TR,
                 TRACE: tl.constexpr):
-    """A task's wait on its inputs (:func:`flashflow.kernels.mlp._wait`); TRACE: then the time
+    """A task's wait on its inputs (:func:`flashflow.kernels.sync._wait`); TRACE: then the time
     it passed (the global timer, ns) into ``TR`` (the task's trace word of when it was ready)."""
     _wait(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC)
     _stamp(TR, TRACE)
@@ -662,7 +663,7 @@ def decode_layer_kernel(
 
 @dataclass(frozen=True)
 class Counters:
-    """Word offsets of the counters in the int64 SYNC buffer (after :mod:`flashflow.kernels.mlp`'s
+    """Word offsets of the counters in the int64 SYNC buffer (after :mod:`flashflow.kernels.sync`'s
     fixed words): QKV tiles per KV head, split arrivals per (sequence, KV head), the attention
     results per O K slice (``parts`` words from ``o_ready``), O column blocks, gate/up tiles per
     down K slice (``parts`` words from ``act_ready``), down column blocks, rows of XN, rows of

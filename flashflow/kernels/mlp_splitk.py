@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from flashflow.kernels.mlp import _TICKET, _act, _last_out_resets, _signal, _wait
+from flashflow.kernels.mlp import _act
+from flashflow.kernels.sync import _TICKET, _last_out_resets, _signal, _wait
 
 
 @triton.jit
@@ -138,7 +139,7 @@ def mlp_splitk_grouped_kernel(
     hidden · 4`` instead of ``n_slices · M · hidden · 4``; h goes through L2 (M · inter · e
     written once, read ``n_chunks`` times).
 
-    Memory ordering: ``flashflow.kernels.mlp``'s producer/consumer protocol (per-thread release
+    Memory ordering: ``flashflow.kernels.sync``'s producer/consumer protocol (per-thread release
     then CTA barrier then a release add; relaxed spin then per-thread acquire), and its
     deadlock argument: an item waits only on slices with smaller tickets, taken by running
     programs. The last program out resets the ticket, the group counters and the done counter

@@ -31,7 +31,7 @@ from flashflow.kernels.decode_layer import (STAGES, TASK_WORDS, TRACE_WORDS, bui
                                             decode_layer_kernel, dependency_violations, qkv_tiles)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
-from flashflow.kernels.mlp import MAX_THREADS, SYNC_ERR
+from flashflow.kernels.sync import MAX_THREADS, SYNC_ERR
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments, stream_key, unit_last_stride
 from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here, overlaps_itself

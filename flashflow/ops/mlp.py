@@ -43,9 +43,10 @@ from typing import Optional
 import torch
 
 from flashflow.device import capability, capturing, cdiv, gpu_family, interpreting, num_sms, on_gpu
-from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, CNT_OFF, MAX_THREADS, SYNC_ERR, mlp_gemm0_kernel,
-                                   mlp_gemm1_kernel, mlp_persistent_kernel)
+from flashflow.kernels.mlp import (ACTIVATION_CODE, ACTIVATIONS, mlp_gemm0_kernel, mlp_gemm1_kernel,
+                                   mlp_persistent_kernel)
 from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grouped_kernel, mlp_splitk_kernel
+from flashflow.kernels.sync import CNT_OFF, MAX_THREADS, SYNC_ERR
 from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
                                          parse_order)
 from flashflow.ops.common import (Launcher, dot_precision, launch_by_arguments, stream_key, tma_compatible,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashflow.kernels.mlp import CNT_OFF
+from flashflow.kernels.sync import CNT_OFF
 from flashflow.kernels.tile_order import (HALFROW, MULTIROW, SEQSPLIT, SEQUENTIAL, dependency_violations, issue_order,
                                           mlp_ticket_map_kernel)
 from flashflow.ops import mlp
