@@ -736,3 +736,21 @@ def test_shipped_tiles_take_every_supported_head_dim():
         for d in HEAD_DIMS:
             tiles = decode_layer_config(family, d)
             assert (d // 2) % tiles.QKV_PAIRS == 0, (family, d, tiles.QKV_PAIRS)
+
+
+def test_fold_norms_takes_any_strides_and_keeps_nan_where_it_was():
+    """Transposed weight views and stride-0 norm weights fold to the contiguous inputs' bits; a
+    NaN in a weight stays in its column (refused is only a finite product past the range)."""
+    w = random_layer_weights(C, torch.float32, "cpu", seed=5)
+    base = fold_norms(w)
+    odd = LayerWeights(**{k: v.t().contiguous().t() if v.dim() == 2 else v[None].expand(2, -1)[1]
+                          for k, v in w.as_dict().items()})
+    assert odd.qkv.stride(-1) != 1 and odd.gate_up.stride(-1) != 1
+    got = fold_norms(odd)
+    assert torch.equal(got.qkv, base.qkv) and torch.equal(got.gate_up, base.gate_up)
+    stride0 = LayerWeights(**{**w.as_dict(), "attn_norm": torch.ones(1).expand(C.hidden)})
+    assert stride0.attn_norm.stride(0) == 0 and torch.equal(fold_norms(stride0).qkv, w.qkv)
+    nan = LayerWeights(**{**w.as_dict(), "qkv": w.qkv.clone()})
+    nan.qkv[3, 7] = float("nan")
+    f = fold_norms(nan)
+    assert f.qkv[3, 7].isnan() and f.qkv.isnan().sum() == 1
