@@ -74,7 +74,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled
-from flashflow.kernels.tile_order import attention_tile
+from flashflow.kernels.tile_order import attention_tile, next_tile
 
 
 # ----------------------------------------------------------------------------- scores
@@ -117,19 +117,43 @@ def _refill(desc, smem, bar, k_row0, k_col, j, stage, n_blocks, BLOCK_N: gl.cons
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
-              q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
-              num_m_blocks, num_tiles, masked_keys, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr):
-    """The load warp: for each tile of this CTA, Q into one of ``Q_BUFS`` buffers once the
-    consumers are done with the tile that used it last, then every K and V block into its ring, each buffer
-    once the consumers have marked it free. Ring position ``g`` runs on across tiles, so the
-    next tile's blocks load while the consumers finish this one. A pass over a ring waits for
-    the consumers' arrivals of the pass before; the first goes straight through (parity 1 of a
-    fresh barrier)."""
+def _publish_tile(tile_ids, qi, tile):
+    """The load warp writes the tile of Q buffer ``qi`` beside it, before the Q buffer's
+    mbarrier arrival (a release) that the MMA partitions wait on."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    tile_ids.index(qi).store(gl.full([1], tile, gl.int32, layout))
+
+
+@gluon.jit
+def _read_tile(tile_ids, q_bar, it, Q_BUFS: gl.constexpr, num_warps: gl.constexpr):
+    """An MMA partition's ``it``-th tile: what the load warp published beside Q buffer
+    ``it % Q_BUFS``, read once that buffer's mbarrier (Q's bytes, or the load warp's arrival
+    alone at the end) has passed; a tile past the last ends the walk."""
+    qi = it % Q_BUFS
+    mbarrier.wait(q_bar.index(qi), (it // Q_BUFS) & 1)
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+    return gl.max(tile_ids.index(qi).load(layout), axis=0)
+
+
+@gluon.jit
+def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, tile_ids,
+              tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads,
+              kv_group, num_m_blocks, num_tiles, masked_keys, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+              DYNAMIC: gl.constexpr):
+    """The load warp: for each tile of this CTA (tile_order.py's ``next_tile``, the next one
+    claimed before this one's loads), Q into one of ``Q_BUFS`` buffers once the consumers are
+    done with the tile that used it last, the tile's number published beside it, then every K
+    and V block into its ring, each buffer once the consumers have marked it free. Ring position
+    ``g`` runs on across tiles, so the next tile's blocks load while the consumers finish this
+    one. A pass over a ring waits for the consumers' arrivals of the pass before; the first
+    goes straight through (parity 1 of a fresh barrier). After the last tile, a number past the
+    end is published with an arrival alone."""
     g = 0
     it = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    tile = gl.program_id(0)
+    while tile < num_tiles:
+        nxt = next_tile(tile, tile_counter, num_tiles, DYNAMIC)
         m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, BLOCK_M)
         n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, BLOCK_M,
                                                   BLOCK_N)
@@ -137,6 +161,7 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
         k_col = kv_head * k_col_h
         qi = it % Q_BUFS
         mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
+        _publish_tile(tile_ids, qi, tile)
         mbarrier.expect(q_bar.index(qi), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch * q_row_b + head * q_row_h + m_start, head * q_col_h],
                                         q_bar.index(qi), q_smem.index(qi))
@@ -149,6 +174,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
             load_block(v_desc, v_smem, v_bar, k_row0 + j * BLOCK_N, k_col, stage)
         g += n_blocks
         it += 1
+        tile = nxt
+    qi = it % Q_BUFS
+    mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
+    _publish_tile(tile_ids, qi, num_tiles)
+    mbarrier.arrive(q_bar.index(qi))
 
 
 @gluon.jit
@@ -324,7 +354,7 @@ def _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL: gl.constexpr,
 
 @gluon.jit
 def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                    k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                     k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
                     qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
@@ -332,14 +362,15 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                     NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
                     RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
-    of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles in the load warp's order,
+    of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
     takes Q from the buffer the load warp filled, hands it back once the tile's MMAs are done
     and stores from the MMA layout (the ring may already hold the next tile's blocks); the
     tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``."""
     g = 0
     it = 0
     t = 0
-    for tile in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
+    while tile < num_tiles:
         m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
         n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
         if KEY_PADDING:
@@ -364,18 +395,19 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
         it += 1
         if n_blocks > 0:
             t += n_blocks + 1
+        tile = _read_tile(tile_ids, q_bar, it, Q_BUFS, num_warps)
 
 
 @gluon.jit
 def attention_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, O, LSE, KEY_PADDING_MASK,
+    q_desc, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, TILE_COUNTER,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_kpm,
     q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
     seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles, mask_keys, qk_scale_log2,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
-    PERSISTENT: gl.constexpr, num_warps: gl.constexpr,
+    PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
@@ -406,6 +438,7 @@ def attention_fwd_gluon_kernel(
     k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # each consumer partition arrives once when it has read a buffer
     consumers: gl.constexpr = 2 if SPLIT_WARPGROUPS else 1
     for s in gl.static_range(2):
@@ -421,19 +454,19 @@ def attention_fwd_gluon_kernel(
 
     if WARP_SPECIALIZE:
         producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
-                         q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
+                         tile_ids, TILE_COUNTER, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
                          num_m_blocks, num_tiles, masked_keys, CAUSAL, HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         Q_BUFS)
+                         Q_BUFS, DYNAMIC)
         if SPLIT_WARPGROUPS:
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, PINGPONG, RETURN_LSE, 4)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
@@ -443,7 +476,7 @@ def attention_fwd_gluon_kernel(
         else:
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,

@@ -1,4 +1,5 @@
-"""Tile orders, defined once: the attention kernels' tile map (:func:`attention_tile`) and the
+"""Tile orders, defined once: the attention kernels' tile map (:func:`attention_tile`), the
+persistent attention forward's tile scheduler (:func:`next_tile`: static or by tickets) and the
 persistent FFN kernel's ticket order (which tile ticket ``t`` runs).
 
 ``ticket_to_tile`` is the kernel's map (``@triton.jit``, called by
@@ -65,6 +66,27 @@ def attention_tile(tile, num_m_blocks, heads, HEAVY_FIRST: tl.constexpr):
     if HEAVY_FIRST:
         pid_m = num_m_blocks - 1 - pid_m
     return pid_m, head, batch
+
+
+@triton.jit
+def next_tile(tile, counter, num_tiles, DYNAMIC: tl.constexpr):
+    """The tile a persistent CTA of the attention forward runs after ``tile`` (a CTA starts
+    at its program id; a tile past ``num_tiles - 1`` ends its walk). Static: ``tile +
+    num_programs``, CTA p runs p, p + P, p + 2P, .... ``DYNAMIC``: the next tile of
+    :func:`attention_tile`'s order no CTA has claimed, ``P +`` a ticket taken from ``counter``
+    (one int32, zero before the launch), so that a CTA that finishes early takes the next tile,
+    as the hardware hands out the blocks of a grid of one CTA a tile (with ``HEAVY_FIRST``, the
+    longest first). Every CTA takes one ticket a tile it runs, the last one past the end, so the
+    launch takes exactly ``num_tiles`` tickets; the CTA holding ticket ``num_tiles - 1``, the
+    last taken, puts the counter back to zero for the next launch on the stream."""
+    if DYNAMIC:
+        ticket = tl.atomic_add(counter, 1, sem="relaxed")
+        if ticket == num_tiles - 1:
+            tl.atomic_xchg(counter, 0, sem="relaxed")
+        nxt = tl.num_programs(0) + ticket
+    else:
+        nxt = tile + tl.num_programs(0)
+    return nxt
 
 
 @triton.jit

@@ -32,7 +32,7 @@ import torch
 
 from flashflow.device import cdiv, gpu_family, interpreting, num_sms, on_gpu
 from flashflow.kernels.softmax import LOG2E
-from flashflow.ops.common import Launcher, aligned16, contiguous_strides, rows_view, tma_strides_ok
+from flashflow.ops.common import Launcher, aligned16, contiguous_strides, rows_view, stream_scratch, tma_strides_ok
 from flashflow.tuning import NoConfigError
 from flashflow.tuning.attention_gluon import GluonAttentionConfig, gluon_attention_config
 
@@ -147,6 +147,8 @@ class GluonPlan:
     (:meth:`launch`); the plan keeps no tensor."""
 
     __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape", "_descriptor_of", "_launch")
+    # with ``dynamic`` tiles the launch takes the tile counter, one zeroed int32 word the kernel
+    # leaves zeroed, from the stream's scratch (ops/common.py); without, any pointer stands in
 
     def __init__(self, q, k, v, kpm, mask_keys, causal, return_lse, heavy_first, config, out):
         from flashflow.kernels.attention_gluon import descriptor, descriptor_of, descriptor_spec
@@ -174,7 +176,7 @@ class GluonPlan:
             HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
             KEY_PADDING=kpm is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
             WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
-            PERSISTENT=cfg.persistent, num_warps=cfg.num_warps)
+            PERSISTENT=cfg.persistent, DYNAMIC=cfg.dynamic, num_warps=cfg.num_warps)
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
         """Allocate the call's outputs and launch; returns ``(out, lse)``."""
@@ -182,8 +184,9 @@ class GluonPlan:
             out = q.new_empty(q.shape)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         make, (qs, ks, vs) = self._descriptor_of, self.descs
+        counter = stream_scratch("attention-tiles", 1, q.device) if self.cfg.dynamic else q
         self._launch(launch_key, self.grid, (make(q, qs), make(k, ks), make(v, vs), out, lse,
-                                             q if kpm is None else kpm, *self.ints, softmax_scale * LOG2E),
+                                             q if kpm is None else kpm, counter, *self.ints, softmax_scale * LOG2E),
                      self.constexprs)
         return out, lse
 

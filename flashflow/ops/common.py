@@ -3,6 +3,7 @@ alike from their inputs, and :class:`Launcher`, the launch path that does Triton
 once per launch key."""
 from __future__ import annotations
 
+import threading
 from typing import Optional
 
 import torch
@@ -10,7 +11,7 @@ from triton import knobs as _knobs
 from triton.runtime import driver as _driver
 from triton.tools.tensor_descriptor import TensorDescriptor as _TensorDescriptor
 
-from flashflow.device import interpreting, next_pow2
+from flashflow.device import capturing, interpreting, next_pow2
 
 _HOOKS = _knobs.runtime.launch_enter_hook   # Proton's launch hooks: installed, they see every launch
 _Parameter = torch.nn.Parameter
@@ -216,6 +217,29 @@ def stream_key(device: torch.device):
     """The current stream of ``device`` as a cache key (0 off CUDA): per-stream caches (the
     implicit workspaces and plans) keep one entry per stream, whose calls are ordered."""
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+_SCRATCH: dict = {}   # (owner, device, stream) -> a zeroed int32 buffer its kernels leave zeroed
+_SCRATCH_LOCK = threading.Lock()
+
+
+def stream_scratch(owner: str, words: int, device) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``words`` words for ``owner``'s kernels (the FFN's
+    sync words, the attention forward's tile counter), kept per (owner, device, stream) and
+    grown on demand, so a call costs no allocation and no memset. Every such kernel leaves the
+    words it used zeroed, and calls on one stream are ordered. During graph capture a fresh
+    zeroed buffer is made: a graph must not keep a pointer into a buffer this cache may
+    replace."""
+    device = torch.device(device)
+    if capturing(device):
+        return torch.zeros(words, dtype=torch.int32, device=device)
+    key = (owner, str(device), stream_key(device))
+    with _SCRATCH_LOCK:
+        buf = _SCRATCH.get(key)
+        if buf is None or buf.numel() < words:
+            buf = _SCRATCH[key] = torch.zeros(max(words, 2 * (0 if buf is None else buf.numel())),
+                                              dtype=torch.int32, device=device)
+    return buf
 
 
 def dispatch(op, impl, *args):

@@ -37,7 +37,6 @@ per (device, stream) (during graph capture, a fresh zeroed one). Use one workspa
 from __future__ import annotations
 
 import os
-import threading
 from typing import Optional
 
 import torch
@@ -49,8 +48,8 @@ from flashflow.kernels.mlp_splitk import mlp_splitk_cast_kernel, mlp_splitk_grou
 from flashflow.kernels.sync import CNT_OFF, MAX_THREADS, SYNC_ERR
 from flashflow.kernels.tile_order import (DEFAULT_GROUP_ROWS, GROUPED_ORDERS, ORDERS, issue_order, launch_order,
                                          parse_order)
-from flashflow.ops.common import (Launcher, dot_precision, launch_by_arguments, stream_key, tma_compatible,
-                                  unit_last_stride)
+from flashflow.ops.common import (Launcher, dot_precision, launch_by_arguments, stream_scratch,
+                                  tma_compatible, unit_last_stride)
 from flashflow.ops.validate import FLOAT_DTYPES, check_no_grad
 from flashflow.tuning import mlp as tuning
 from flashflow.tuning.mlp import PersistentConfig, SplitKConfig
@@ -155,25 +154,9 @@ class MlpWorkspace:
                 f"device={self.buffer.device}, {self.buffer.numel() * 4} bytes)")
 
 
-_IMPLICIT: dict = {}   # (device, stream) -> the zeroed buffer of calls that passed no workspace
-_IMPLICIT_LOCK = threading.Lock()
-
-
 def _implicit_buffer(words: int, device) -> torch.Tensor:
-    """The workspace of a call that passed none: kept per (device, stream) and grown on demand,
-    so an eager call costs no allocation and no memset. Every kernel leaves it zeroed, and
-    calls on one stream are ordered. During graph capture a fresh zeroed buffer is made as
-    before: a graph must not keep a pointer into a buffer this cache may replace."""
-    device = torch.device(device)
-    if capturing(device):
-        return torch.zeros(words, dtype=torch.int32, device=device)
-    key = (str(device), stream_key(device))
-    with _IMPLICIT_LOCK:
-        buf = _IMPLICIT.get(key)
-        if buf is None or buf.numel() < words:
-            buf = _IMPLICIT[key] = torch.zeros(max(words, 2 * (0 if buf is None else buf.numel())),
-                                               dtype=torch.int32, device=device)
-    return buf
+    """The workspace of a call that passed none (:func:`~flashflow.ops.common.stream_scratch`)."""
+    return stream_scratch("mlp", words, device)
 
 
 def _buffer(workspace: Optional[MlpWorkspace], words: int, device) -> torch.Tensor:

@@ -21,6 +21,7 @@ class GluonAttentionConfig(Config):
     split_warpgroups: bool = False   # 128 rows as two MMA partitions of one warpgroup each
     pingpong: bool = False           # the two partitions take turns issuing their MMAs
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
+    dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 
@@ -32,6 +33,8 @@ class GluonAttentionConfig(Config):
             raise ValueError("split_warpgroups needs warp_specialize and num_warps 4")
         if self.persistent and not self.warp_specialize:
             raise ValueError("persistent needs warp_specialize")
+        if self.dynamic and not self.persistent:
+            raise ValueError("dynamic needs persistent")
         if self.pingpong and not self.split_warpgroups:
             raise ValueError("pingpong needs split_warpgroups")
 

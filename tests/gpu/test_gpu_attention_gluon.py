@@ -13,6 +13,7 @@ from flashflow.device import gpu_family
 from flashflow.ops import attention as attn_ops
 from flashflow.ops import attention_gluon as ag
 from flashflow.ops.attention import _portable_forward
+from flashflow.ops.common import stream_scratch
 from flashflow.tuning.attention_gluon import GluonAttentionConfig as C
 
 pytestmark = pytest.mark.gpu
@@ -25,6 +26,8 @@ CONFIGS = {
     "persistent-8warps": C(128, 128, 8, 2, True, False, False, True),
     "persistent-split-pp": C(128, 128, 4, 2, True, True, True, True),
     "persistent-split": C(128, 128, 4, 2, True, True, False, True),
+    "dynamic-split": C(128, 128, 4, 2, True, True, False, True, dynamic=True),
+    "dynamic-split-pp": C(128, 128, 4, 2, True, True, True, True, dynamic=True),
     "m64-n64": C(64, 64, 4, 2),
     "m128-8warps": C(128, 128, 8, 2),
 }
@@ -280,16 +283,41 @@ def test_graph_replays_and_compile(gpu):
     assert gpu.rel(compiled(q, k, v), _exact(q, k, v, True)) < gpu.tol
 
 
-def test_persistent_tiles_without_an_unmasked_block(gpu):
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_persistent_tiles_without_an_unmasked_block(gpu, dynamic):
     """Persistent CTAs (two MMA partitions) walking more tiles than SMs, where some tiles hold only
     masked blocks (causal diagonals, a sequence shorter than a block) and some no block at all
-    (rows before the first key): every tile against float64."""
-    cfg = C(128, 128, 4, 2, True, True, True, True)
-    for (b, sq, sk, h, causal) in ((3, 1100, 1100, 48, True), (64, 90, 90, 8, False), (2, 700, 260, 96, True)):
+    (rows before the first key): every tile against float64, tiles walked statically or claimed
+    by ticket; the tile counter is zero again after each launch."""
+    cfg = C(128, 128, 4, 2, True, True, True, True, dynamic=dynamic)
+    for (b, sq, sk, h, causal) in ((3, 1100, 1100, 48, True), (64, 90, 90, 8, False), (2, 700, 260, 96, True),
+                                   (1, 300, 300, 2, True)):   # (the last: fewer tiles than SMs)
         torch.manual_seed(b)
         q = torch.randn(b, sq, h, 128, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(b, sk, h, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-        assert b * h * -(-sq // 128) > torch.cuda.get_device_properties(0).multi_processor_count
-        out, _ = _run(q, k, v, cfg, causal, out=gpu.nan_like(q))
-        assert not out.isnan().any()
-        assert gpu.rel(out, _exact(q, k, v, causal)) < gpu.tol
+        for _ in range(2):
+            out, _ = _run(q, k, v, cfg, causal, out=gpu.nan_like(q))
+            assert not out.isnan().any()
+            assert gpu.rel(out, _exact(q, k, v, causal)) < gpu.tol
+            if dynamic:
+                assert int(stream_scratch("attention-tiles", 1, q.device).count_nonzero()) == 0
+
+
+def test_dynamic_tiles_on_a_side_stream_and_in_graph_replays(gpu):
+    """Tiles claimed by ticket: the counter is kept per stream (two streams' launches do not
+    share it) and a captured launch takes its own, which each replay leaves at zero."""
+    cfg = C(128, 128, 4, 2, True, True, True, True, dynamic=True)
+    b, s, h, d = 2, 2100, 16, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    q2 = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        out2, _ = _run(q2, k, v, cfg, True)
+    out, _ = _run(q, k, v, cfg, True)
+    torch.cuda.synchronize()
+    assert gpu.rel(out, _exact(q, k, v, True)) < gpu.tol
+    assert gpu.rel(out2, _exact(q2, k, v, True)) < gpu.tol
+    worst = gpu.worst_over_replays(lambda: _run(q, k, v, cfg, True)[0], q, lambda x: _exact(x, k, v, True),
+                                   replays=12, new_input_every=4)
+    assert worst < gpu.tol

@@ -146,6 +146,8 @@ def test_config_table_and_rules():
     (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, split_warpgroups=True), "needs warp_specialize"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, persistent=True), "needs warp_specialize"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, pingpong=True), "needs split_warpgroups"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, dynamic=True),
+     "dynamic needs persistent"),
 ])
 def test_config_refuses_what_the_kernel_cannot_be(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -171,8 +171,9 @@ def test_repeated_calls_share_one_workspace(device):
 def test_calls_without_a_workspace_share_the_kept_one(device):
     """Calls that pass no workspace take flashflow's, kept per (device, stream) and grown on
     demand: a growth, then smaller calls of every kind, each correct, the buffer left zeroed."""
-    from flashflow.ops import mlp as om
-    om._IMPLICIT.clear()
+    from flashflow.ops import common
+    for key in [key for key in common._SCRATCH if key[0] == "mlp"]:
+        del common._SCRATCH[key]
     w1, w2 = weights("swiglu", 48, 96, device=device)
     calls = [(3, "splitk"), (130, "multirow:2"), (7, "auto"), (64, "halfrow"), (1, "splitk"), (100, "two-streams")]
     sizes = []
@@ -180,7 +181,7 @@ def test_calls_without_a_workspace_share_the_kept_one(device):
         x = tokens(m, 48, seed=seed, device=device)
         out = mlp_two_streams(x, w1, w2, "swiglu") if policy == "two-streams" else fused_mlp(x, w1, w2, "swiglu", policy)
         assert rel_l2(out, ref_of(x, w1, w2, "swiglu")) < TOL, (m, policy)
-        (buf,) = om._IMPLICIT.values()
+        (buf,) = [b for key, b in common._SCRATCH.items() if key[0] == "mlp"]
         assert int(buf.count_nonzero()) == 0, (m, policy)
         sizes.append(buf.numel())
     assert sizes == sorted(sizes) and len(set(sizes)) >= 2     # grew once at least, never shrank
