@@ -225,7 +225,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
               m_start, k_row0, k_col, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi,
               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr, num_warps: gl.constexpr):
+              Q_REGS: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
     """The MMA and softmax warps of ``BLOCK_M`` query rows: ``(acc, l, m)`` over the blocks
     ``[0, n_blocks)`` of the tile's keys, ``[full_lo, full_hi)`` of them unmasked; block j sits
     in ring position ``g + j``, and the tile's ping-pong turns are numbered from ``t0`` (a tile
@@ -246,13 +246,17 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_ready, q_phase)
+    if Q_REGS:   # Q as the register A operand of every Q·Kᵀ: the WGMMAs read only K from shared memory
+        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
+    else:
+        q_op = q_smem
 
     if n_blocks > 0:
         # block 0: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
         stage = g % NUM_STAGES
         mbarrier.wait(k_bar.index(stage), (g // NUM_STAGES) & 1)
         take_turn(turn, t0, PINGPONG, WG)
-        qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
@@ -271,7 +275,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             mbarrier.wait(k_bar.index(stage), phase)
             mbarrier.wait(v_bar.index(prev), prev_phase)
             take_turn(turn, t0 + j, PINGPONG, WG)
-            qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             # ... then block j−1's P·V into the rescaled accumulator
             acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
             pass_turn(turn, PINGPONG, WG)
@@ -359,7 +363,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                     qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                     TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
                     RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
@@ -387,7 +391,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                                   (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc, m_rows, batch * k_row_b + kv_head * k_row_h,
                                   kv_head * k_col_h, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
                                   full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
-                                  PINGPONG, wg, num_warps)
+                                  PINGPONG, Q_REGS, wg, num_warps)
         mbarrier.arrive(q_free.index(qi))
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
@@ -407,7 +411,7 @@ def attention_fwd_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
-    PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, num_warps: gl.constexpr,
+    PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, Q_REGS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
@@ -417,7 +421,9 @@ def attention_fwd_gluon_kernel(
     ``q_desc/k_desc/v_desc``: TMA descriptors over 2-D row views, token s of (b, h) at row
     ``b·row_b + h·row_h + s``, column ``h·col_h`` (blocks ``[BLOCK_M, D]``, ``[BLOCK_N, D]``).
     ``O``: ``(b, sq, h, D)`` strided; ``LSE``: ``(b, h, sq)``. ``KEY_PADDING_MASK``:
-    ``(b, ≥ mask_keys)`` bool, unit stride along the keys, ``stride_kpm`` a batch."""
+    ``(b, ≥ mask_keys)`` bool, unit stride along the keys, ``stride_kpm`` a batch.
+    ``TILE_COUNTER``: with ``DYNAMIC``, one int32 at zero (tile_order.py's ``next_tile``), left at
+    zero; any pointer without."""
     if SPLIT_WARPGROUPS:
         gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 128 and num_warps == 4, "two 64-row partitions")
     else:
@@ -453,8 +459,10 @@ def attention_fwd_gluon_kernel(
     fence_async_shared()
 
     if WARP_SPECIALIZE:
+        # (cast: a constexpr passed through warp_specialize still compiles both sides of its branches)
+        tile_counter = TILE_COUNTER.to(gl.pointer_type(gl.int32))
         producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
-                         tile_ids, TILE_COUNTER, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
+                         tile_ids, tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
                          num_m_blocks, num_tiles, masked_keys, CAUSAL, HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES,
                          Q_BUFS, DYNAMIC)
         if SPLIT_WARPGROUPS:
@@ -464,13 +472,13 @@ def attention_fwd_gluon_kernel(
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
+                                   Q_BUFS, PINGPONG, Q_REGS, RETURN_LSE, 4)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
+                                   Q_BUFS, PINGPONG, Q_REGS, RETURN_LSE, 4)),
                 (_producer, producer_args),
             ], [4, 1], [240, 24])
         else:
@@ -480,7 +488,7 @@ def attention_fwd_gluon_kernel(
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, False, RETURN_LSE, num_warps)),
+                                   Q_BUFS, False, Q_REGS, RETURN_LSE, num_warps)),
                 (_producer, producer_args),
             ], [1], [24])
     else:
@@ -503,7 +511,7 @@ def attention_fwd_gluon_kernel(
         acc, l_i, m_i = _consumer(q_smem.index(0), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(0), 0,
                                   turn, 0, 0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
                                   qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, 0, num_warps)
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, Q_REGS, 0, num_warps)
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, BLOCK_M, HEAD_DIM, RETURN_LSE, True, num_warps)
 

@@ -22,6 +22,7 @@ class GluonAttentionConfig(Config):
     pingpong: bool = False           # the two partitions take turns issuing their MMAs
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
     dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
+    q_in_registers: bool = False     # Q·Kᵀ takes Q from registers (loaded once a tile), not shared memory
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 

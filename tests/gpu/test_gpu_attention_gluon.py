@@ -28,6 +28,8 @@ CONFIGS = {
     "persistent-split": C(128, 128, 4, 2, True, True, False, True),
     "dynamic-split": C(128, 128, 4, 2, True, True, False, True, dynamic=True),
     "dynamic-split-pp": C(128, 128, 4, 2, True, True, True, True, dynamic=True),
+    "dynamic-split-q-registers": C(128, 128, 4, 2, True, True, False, True, dynamic=True, q_in_registers=True),
+    "split-pp-q-registers": C(128, 128, 4, 2, True, True, True, q_in_registers=True),
     "m64-n64": C(64, 64, 4, 2),
     "m128-8warps": C(128, 128, 8, 2),
 }
