@@ -36,8 +36,12 @@ are masked in the scores and, in the block where that happens, V's rows past the
 zeroed in shared memory before P·V (a 0 · NaN there would reach the output); query rows there
 are never stored.
 
-``PERSISTENT`` (with ``WARP_SPECIALIZE``): a CTA walks tiles ``program_id, + num_programs, ...``
-with two Q buffers, its load warp running into the next tile (the shipped non-causal tile).
+Persistent (with ``WARP_SPECIALIZE``, a grid of one CTA an SM): a CTA runs the tiles
+tile_order.py's ``next_tile`` gives it, ``program_id, + num_programs, ...`` or, ``DYNAMIC``, the
+next unclaimed tile by ticket (the causal entry: longest first, a CTA that finishes early
+takes the next); the load warp claims the next tile before this one's loads and publishes
+each tile's number beside its Q buffer, so the MMA partitions walk the same tiles. With two Q
+buffers its loads run into the next tile while the MMA partitions finish this one.
 Written with the masked blocks in loops of their own before and after the pipelined loop, the
 persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
 computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge
@@ -225,7 +229,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
               m_start, k_row0, k_col, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi,
               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
-              Q_REGS: gl.constexpr, WG: gl.constexpr, num_warps: gl.constexpr):
+              WG: gl.constexpr, num_warps: gl.constexpr):
     """The MMA and softmax warps of ``BLOCK_M`` query rows: ``(acc, l, m)`` over the blocks
     ``[0, n_blocks)`` of the tile's keys, ``[full_lo, full_hi)`` of them unmasked; block j sits
     in ring position ``g + j``, and the tile's ping-pong turns are numbered from ``t0`` (a tile
@@ -246,17 +250,13 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
     l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_ready, q_phase)
-    if Q_REGS:   # Q as the register A operand of every Q·Kᵀ: the WGMMAs read only K from shared memory
-        q_op = q_smem.load(gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2))
-    else:
-        q_op = q_smem
 
     if n_blocks > 0:
         # block 0: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
         stage = g % NUM_STAGES
         mbarrier.wait(k_bar.index(stage), (g // NUM_STAGES) & 1)
         take_turn(turn, t0, PINGPONG, WG)
-        qk = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
@@ -275,7 +275,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             mbarrier.wait(k_bar.index(stage), phase)
             mbarrier.wait(v_bar.index(prev), prev_phase)
             take_turn(turn, t0 + j, PINGPONG, WG)
-            qk = warpgroup_mma(q_op, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             # ... then block j−1's P·V into the rescaled accumulator
             acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
             pass_turn(turn, PINGPONG, WG)
@@ -363,7 +363,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                     qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                     TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                    NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr, Q_REGS: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
                     RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
@@ -391,7 +391,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                                   (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc, m_rows, batch * k_row_b + kv_head * k_row_h,
                                   kv_head * k_col_h, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
                                   full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
-                                  PINGPONG, Q_REGS, wg, num_warps)
+                                  PINGPONG, wg, num_warps)
         mbarrier.arrive(q_free.index(qi))
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
@@ -411,13 +411,14 @@ def attention_fwd_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
-    PERSISTENT: gl.constexpr, DYNAMIC: gl.constexpr, Q_REGS: gl.constexpr, num_warps: gl.constexpr,
+    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
-    with it, a CTA takes tiles ``program_id, program_id + num_programs, ...`` (persistent when
-    the grid is smaller than ``num_tiles``, ``PERSISTENT``: two Q buffers), its load warp
-    running ahead into the next tile.
+    with it, a CTA runs the tiles tile_order.py's ``next_tile`` gives it from ``program_id`` on
+    (persistent when the grid is smaller than ``num_tiles``; ``DYNAMIC``: claimed by ticket),
+    its load warp running ahead into the next tile, ``Q_BUFS`` Q buffers (2: the next tile's Q
+    loads under this one).
     ``q_desc/k_desc/v_desc``: TMA descriptors over 2-D row views, token s of (b, h) at row
     ``b·row_b + h·row_h + s``, column ``h·col_h`` (blocks ``[BLOCK_M, D]``, ``[BLOCK_N, D]``).
     ``O``: ``(b, sq, h, D)`` strided; ``LSE``: ``(b, h, sq)``. ``KEY_PADDING_MASK``:
@@ -433,7 +434,6 @@ def attention_fwd_gluon_kernel(
     else:
         masked_keys = 0
 
-    Q_BUFS: gl.constexpr = 2 if PERSISTENT else 1
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -472,13 +472,13 @@ def attention_fwd_gluon_kernel(
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, Q_REGS, RETURN_LSE, 4)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, Q_REGS, RETURN_LSE, 4)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
                 (_producer, producer_args),
             ], [4, 1], [240, 24])
         else:
@@ -488,7 +488,7 @@ def attention_fwd_gluon_kernel(
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, False, Q_REGS, RETURN_LSE, num_warps)),
+                                   Q_BUFS, False, RETURN_LSE, num_warps)),
                 (_producer, producer_args),
             ], [1], [24])
     else:
@@ -511,7 +511,7 @@ def attention_fwd_gluon_kernel(
         acc, l_i, m_i = _consumer(q_smem.index(0), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(0), 0,
                                   turn, 0, 0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
                                   qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, Q_REGS, 0, num_warps)
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, 0, num_warps)
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, BLOCK_M, HEAD_DIM, RETURN_LSE, True, num_warps)
 

@@ -176,8 +176,8 @@ class GluonPlan:
             HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
             KEY_PADDING=kpm is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
             WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
-            PERSISTENT=cfg.persistent, DYNAMIC=cfg.dynamic, Q_REGS=cfg.q_in_registers,
-            num_warps=cfg.num_warps)
+            DYNAMIC=cfg.dynamic,
+            Q_BUFS=cfg.q_buffers if cfg.persistent else 1, num_warps=cfg.num_warps)
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
         """Allocate the call's outputs and launch; returns ``(out, lse)``."""

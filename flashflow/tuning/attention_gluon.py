@@ -22,7 +22,7 @@ class GluonAttentionConfig(Config):
     pingpong: bool = False           # the two partitions take turns issuing their MMAs
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
     dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
-    q_in_registers: bool = False     # Q·Kᵀ takes Q from registers (loaded once a tile), not shared memory
+    q_buffers: int = 2               # persistent: Q buffers (2: the next tile's Q loads under this one)
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 
@@ -36,6 +36,8 @@ class GluonAttentionConfig(Config):
             raise ValueError("persistent needs warp_specialize")
         if self.dynamic and not self.persistent:
             raise ValueError("dynamic needs persistent")
+        if self.q_buffers not in (1, 2):
+            raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.pingpong and not self.split_warpgroups:
             raise ValueError("pingpong needs split_warpgroups")
 

@@ -28,8 +28,7 @@ CONFIGS = {
     "persistent-split": C(128, 128, 4, 2, True, True, False, True),
     "dynamic-split": C(128, 128, 4, 2, True, True, False, True, dynamic=True),
     "dynamic-split-pp": C(128, 128, 4, 2, True, True, True, True, dynamic=True),
-    "dynamic-split-q-registers": C(128, 128, 4, 2, True, True, False, True, dynamic=True, q_in_registers=True),
-    "split-pp-q-registers": C(128, 128, 4, 2, True, True, True, q_in_registers=True),
+    "dynamic-split-one-q": C(128, 128, 4, 2, True, True, False, True, dynamic=True, q_buffers=1),
     "m64-n64": C(64, 64, 4, 2),
     "m128-8warps": C(128, 128, 8, 2),
 }
@@ -98,7 +97,8 @@ def test_against_float64_and_the_portable_lse(gpu, shape, config):
     _check_against_float64_and_the_portable_lse(gpu, SHAPES[shape], CONFIGS[config])
 
 
-D256_CONFIGS = {"shipped": None, "n64-split": C(128, 64, 4, 2, True, True, False)}
+D256_CONFIGS = {"shipped": None, "n64-split": C(128, 64, 4, 2, True, True, False),
+                "n64-dynamic-one-q": C(128, 64, 4, 2, True, True, False, True, dynamic=True, q_buffers=1)}
 D256_SHAPES = {
     "ragged-gqa-causal": (2, 1000, 1000, 4, 2, 256, True, False),
     "causal-sq<sk": (1, 300, 1000, 2, 2, 256, True, False),
