@@ -77,7 +77,7 @@ def unsupported_reason(q, k, v, *, bias=None, cu_seqlens_q=None, softcap=0.0, wi
         return "an empty call"
     causal = window_right is not None
     try:
-        cfg = gluon_attention_config(q.shape[-1], causal, family)
+        cfg = gluon_attention_config(q.shape[-1], causal, family, k.shape[1])
     except NoConfigError:
         return f"head_dim {q.shape[-1]} (no Gluon config)"
     if not (cfg.auto or forced):
@@ -157,7 +157,7 @@ class GluonPlan:
 
         batch, seqlen_q, heads, head_dim = q.shape
         seqlen_k, kv_heads = k.shape[1], k.shape[2]
-        cfg = self.cfg = config or gluon_attention_config(head_dim, causal, gpu_family(q.device))
+        cfg = self.cfg = config or gluon_attention_config(head_dim, causal, gpu_family(q.device), seqlen_k)
         self.lse_shape = (batch, heads, seqlen_q) if return_lse else (0,)
         views = [rows_view(t.shape, t.stride()) for t in (q, k, v)]
         self.descs = tuple(descriptor_spec(vw[3:], [rows, head_dim], q.dtype)

@@ -1,5 +1,5 @@
-"""The Gluon (Hopper) attention forward's config: tiles, warps, stages and warp roles per
-head_dim, causal or not. The numbers are in ``attention_gluon.json`` beside this module;
+"""The Gluon (Hopper) attention forward's config: tiles, warps, stages, warp roles and tile
+scheduler per head_dim, causal or not, and length of the keys. The numbers are in ``attention_gluon.json`` beside this module;
 :func:`gluon_attention_config` is the one lookup."""
 from __future__ import annotations
 
@@ -42,15 +42,16 @@ class GluonAttentionConfig(Config):
             raise ValueError("pingpong needs split_warpgroups")
 
 
-CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal"), what="Gluon attention")
+CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal", "seqlen_k"), what="Gluon attention")
 
 
 def supported_families() -> list[str]:
     return CONFIGS.families()
 
 
-@functools.lru_cache(maxsize=None)
-def gluon_attention_config(head_dim: int, causal: bool, family: str) -> GluonAttentionConfig:
-    """The shipped config for ``head_dim``, causal or not, on ``family``; the first matching
-    entry of ``attention_gluon.json``."""
-    return CONFIGS.config(family, head_dim=head_dim, causal=causal)
+@functools.lru_cache(maxsize=4096)
+def gluon_attention_config(head_dim: int, causal: bool, family: str, seqlen_k: int) -> GluonAttentionConfig:
+    """The shipped config for ``head_dim``, causal or not, ``seqlen_k`` keys, on ``family``: the
+    first matching entry of ``attention_gluon.json`` (an entry with ``seqlen_k_max`` holds up to
+    that many keys)."""
+    return CONFIGS.config(family, head_dim=head_dim, causal=causal, seqlen_k=seqlen_k)

@@ -71,7 +71,7 @@ def _exact(q, k, v, causal, kpm=None):
 def _run(q, k, v, cfg, causal, kpm=None, mask_keys=None, out=None):
     d = q.shape[-1]
     if cfg is None and d != 128:
-        cfg = ag.gluon_attention_config(d, causal, "sm90")
+        cfg = ag.gluon_attention_config(d, causal, "sm90", k.shape[1])
     return ag.gluon_forward(q, k, v, key_padding_mask=kpm, mask_keys=mask_keys, softmax_scale=d ** -0.5,
                             window_right=0 if causal else None, out=out, config=cfg)
 

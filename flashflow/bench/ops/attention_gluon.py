@@ -46,7 +46,8 @@ def info_cases(family: str | None) -> list[InfoCase]:
     for entry in CONFIGS.shipped_entries(family):
         cfg = CONFIGS.from_entry(entry)
         for causal in (False, True) if entry["causal"] is None else (entry["causal"],):
-            label = f"d{entry['head_dim']}{' causal' if causal else ''}{'' if cfg.auto else ' (forced only)'}"
+            keys = f", up to {entry['seqlen_k_max']} keys" if entry.get("seqlen_k_max") else ""
+            label = f"d{entry['head_dim']}{' causal' if causal else ''}{keys}{'' if cfg.auto else ' (forced only)'}"
             cases.append(InfoCase("attention-gluon", label,
                                   lambda device, cfg=cfg, d=entry["head_dim"], causal=causal:
                                   _forward(device, cfg, d, causal),
@@ -75,7 +76,7 @@ def tune_case(s, args) -> TuneCase:
     q, k, v = (torch.randn(s.batch, n, s.heads, s.head_dim, device="cuda", dtype=torch.bfloat16)
                for n in (s.seqlen_q, s.seqlen_k, s.seqlen_k))
     anchor = sdpa_anchor(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), s.causal)
-    base = gluon_attention_config(s.head_dim, s.causal, gpu_family(q.device))
+    base = gluon_attention_config(s.head_dim, s.causal, gpu_family(q.device), s.seqlen_k)
 
     def make(ov):
         if ov and same_as_shipped(base, ov, {}):
@@ -98,7 +99,7 @@ SPEC = OpSpec(
     info_shows_config=True,
     suite="attention",
     axes={"BLOCK_N": (64, 128), "num_stages": (2, 3), "pingpong": (False, True),
-          "split_warpgroups": (False, True), "persistent": (False, True)},
+          "split_warpgroups": (False, True), "persistent": (False, True), "dynamic": (False, True)},
     config_classes=(GluonAttentionConfig,),
     unit="TFLOP/s",
     anchor="sdpa",
