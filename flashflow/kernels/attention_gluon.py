@@ -54,8 +54,8 @@ Budget per warp role (the shipped head_dim-128 tile: 128 rows, 128-key blocks, 2
   (32 packed bf16 pairs), the row state;
 * load warp, 1 warp, 24 registers;
 * shared memory: Q 32 KB (two buffers, 64 KB, persistent), K and V rings 2 × 2 × 32 KB, the
-  mbarriers: 160 KB one CTA a tile (164,248 bytes with the compiler's scratch), 192 KB
-  persistent (197,000 bytes), one CTA an SM.
+  mbarriers and the tile numbers: 160 KB one CTA a tile (164,288 bytes with the compiler's
+  scratch), 192 KB persistent (197,040 bytes), one CTA an SM.
 
 Per 128-key block a thread of an MMA warpgroup issues 467 instructions on the loop's unmasked
 path in the shipped non-causal form (ptxas, sm90; 474 with ping-pong turns): 16
