@@ -189,14 +189,20 @@ def _merge_slices(acc, part, split, offs, SLICES: tl.constexpr, SIZE: tl.constex
     """K slice ``split`` of a tile: store its fp32 partial ``acc`` at ``part[split]`` (``SIZE``
     values a slice, ``offs`` into it) and arrive (:func:`_arrive_last`). Returns ``(last, total)``:
     for the slice that arrives last, True and the partials added in slice order (the same bits
-    whoever adds them); for the others False (and their own partial)."""
-    tl.store(part + split * SIZE + offs, acc)
-    last = _arrive_last(SYNC, merge_idx, epoch, SLICES, spin_limit, THREADS, FENCED_SYNC)
-    total = acc
-    if last:
-        total = tl.zeros_like(acc)
-        for i in range(SLICES):
-            total += tl.load(part + i * SIZE + offs, cache_modifier=".cg")
+    whoever adds them); for the others False (and their own partial). One slice (``SLICES``
+    1): True and ``acc``, with no store and no arrival, so that a task's epilogue is written once,
+    under ``if last``, whatever its slices."""
+    if SLICES == 1:
+        last = True
+        total = acc
+    else:
+        tl.store(part + split * SIZE + offs, acc)
+        last = _arrive_last(SYNC, merge_idx, epoch, SLICES, spin_limit, THREADS, FENCED_SYNC)
+        total = acc
+        if last:
+            total = tl.zeros_like(acc)
+            for i in range(SLICES):
+                total += tl.load(part + i * SIZE + offs, cache_modifier=".cg")
     return last, total
 
 
@@ -355,23 +361,15 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
         _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, TR, TRACE)
         acc = _gemv(XN, hidden, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
                     ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
-    if QKV_SPLIT == 1:
-        acc = _qkv_rows_scaled(acc, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS,
-                               FENCED_SYNC, FOLDED)
-        _qkv_store(acc, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
+    last, total = _merge_slices(acc, WS_QKV + (tile * QKV_SPLIT).to(tl.int64) * (ROWS * BLOCK_B), split,
+                                offs_r[:, None] * BLOCK_B + offs_b[None, :], QKV_SPLIT, ROWS * BLOCK_B,
+                                SYNC, merge_idx, epoch, spin_limit, THREADS, FENCED_SYNC)
+    if last:
+        total = _qkv_rows_scaled(total, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS,
+                                 FENCED_SYNC, FOLDED)
+        _qkv_store(total, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
                    head, pblock, offs_b, b_ok, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, PAGE_SIZE, LAYOUT)
         _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
-    else:
-        last, total = _merge_slices(acc, WS_QKV + (tile * QKV_SPLIT).to(tl.int64) * (ROWS * BLOCK_B), split,
-                                    offs_r[:, None] * BLOCK_B + offs_b[None, :], QKV_SPLIT, ROWS * BLOCK_B,
-                                    SYNC, merge_idx, epoch, spin_limit, THREADS, FENCED_SYNC)
-        if last:
-            total = _qkv_rows_scaled(total, SYNC, RSTD, offs_b, b_ok, wait_idx, wait_target, spin_limit, THREADS,
-                                     FENCED_SYNC, FOLDED)
-            _qkv_store(total, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
-                       head, pblock, offs_b, b_ok, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, BLOCK_B, PAGE_SIZE,
-                       LAYOUT)
-            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
 
 
 @triton.jit
@@ -523,14 +521,6 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
     if GATED:
         out = _act(acc_a, 0) * acc_b
         tl.store(dest, out.to(DEST.dtype.element_ty), mask=mask)
-        _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
-    elif SPLIT_K == 1:
-        res = tl.load(RES + offs_b[:, None] * stride_res + offs_n[None, :], mask=mask, other=0.0,
-                      cache_modifier=".cg")
-        h = res.to(tl.float32) + acc_a
-        tl.store(dest, h.to(DEST.dtype.element_ty), mask=mask)
-        if FOLD_OUT:
-            _fold_out(h, HB, WS_SS, col, offs_b, offs_n, mask, N, BLOCK_B)
         _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
     else:
         last, total = _merge_slices(acc_a, WS_PART + (col * SPLIT_K).to(tl.int64) * (BLOCK_B * BLOCK_N), split,
