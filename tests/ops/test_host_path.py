@@ -364,3 +364,21 @@ def test_launcher_check_refuses_a_key_that_misses_a_specialisation(monkeypatch, 
     finally:
         common.check_launch_keys(previous)
     assert not kernel.fast
+
+
+def test_stream_scratch_is_kept_per_owner_and_grows():
+    """The zeroed int32 words a kernel family leaves zeroed (ops/common.stream_scratch): one
+    buffer per owner, device and stream, the same tensor on a later call, a larger one when a
+    call needs more words (never smaller), another owner's never shared."""
+    from flashflow.ops import common
+
+    for key in [key for key in common._SCRATCH if key[0] in ("test-a", "test-b")]:
+        del common._SCRATCH[key]
+    a = common.stream_scratch("test-a", 3, "cpu")
+    assert a.dtype == torch.int32 and a.numel() >= 3 and int(a.count_nonzero()) == 0
+    assert common.stream_scratch("test-a", 2, "cpu") is a
+    b = common.stream_scratch("test-b", 3, "cpu")
+    assert b.data_ptr() != a.data_ptr()
+    grown = common.stream_scratch("test-a", 100, "cpu")
+    assert grown.numel() >= 100 and grown is not a
+    assert common.stream_scratch("test-a", 5, "cpu") is grown
