@@ -81,7 +81,9 @@ def _check_against_float64_and_the_portable_lse(gpu, shape, cfg):
     q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kpm = torch.rand(b, 200, device="cuda") > 0.3 if kp else None
+    before = [t.clone() for t in (q, k, v)]
     out, lse = _run(q, k, v, cfg, causal, kpm, 200 if kp else None, out=gpu.nan_like(q))
+    assert all(torch.equal(t, t0) for t, t0 in zip((q, k, v), before))   # the inputs as they were
     _, ref_lse = _portable_forward(q, k, v, key_padding_mask=kpm, mask_keys=200 if kp else None,
                                    softmax_scale=d ** -0.5, window_right=0 if causal else None)
     assert not out.isnan().any()
