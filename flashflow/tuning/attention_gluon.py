@@ -1,6 +1,6 @@
 """The Gluon (Hopper) attention forward's config: tiles, warps, stages, warp roles and tile
-scheduler per head_dim, causal or not, and length of the keys. The numbers are in ``attention_gluon.json`` beside this module;
-:func:`gluon_attention_config` is the one lookup."""
+scheduler per head_dim, causal or not, and length of the keys. The numbers are in
+``attention_gluon.json`` beside this module; :func:`gluon_attention_config` is the one lookup."""
 from __future__ import annotations
 
 import functools

@@ -163,9 +163,10 @@ def test_the_next_sequence_past_a_ragged_end_does_not_leak(gpu, config, bad):
         assert gpu.rel(out[0:1], _exact(q[0:1], k[0:1], v[0:1], causal)) < gpu.tol
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])   # (head_dim 256: its persistent entry without a mask)
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_non_finite_inputs_as_the_portable_kernel(which):
-    b, s, h, d = 1, 700, 4, 128
+def test_non_finite_inputs_as_the_portable_kernel(which, head_dim):
+    b, s, h, d = 1, 700, 4, head_dim
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     t = dict(q=q, k=k, v=v)[which]
     t[0, 5, 1, 7] = float("nan")
@@ -205,9 +206,10 @@ def test_dispatch_and_its_override(monkeypatch):
         assert attn_ops.forward_kernel_name(*(q256[:, :300],) * 3, window_right=causal, **kw) == attn_ops.PORTABLE
 
 
+@pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv", "last-stride-2"])
-def test_layouts(gpu, layout):
-    b, s, h, d = 2, 2049, 8, 128
+def test_layouts(gpu, layout, head_dim):
+    b, s, h, d = 2, 2049, 8, head_dim
     if layout == "sdpa-transposed":
         q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
         expect = ag.GLUON
@@ -270,6 +272,28 @@ def test_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which
         monkeypatch.setenv(ag.KERNEL_ENV, choice)
         q, k, v = (t.clone().requires_grad_() for t in base)
         out = flashflow.flash_attn_func(q, k, v, causal=True)
+        out.backward(dout)
+        results[choice] = [out.detach(), q.grad, k.grad, v.grad]
+    for got, ref in zip(results["gluon"], results["portable"]):
+        assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_head_dim_256_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which, bad):
+    """head_dim 256 without a causal mask (the persistent entry, tiles by ticket), on transposed
+    (SDPA-layout) inputs: a NaN or inf in q, k or v gives the output and the three gradients the
+    portable path's non-finite pattern."""
+    b, s, h, d = 1, 1500, 4, 256
+    base = [torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
+    base["qkv".index(which)][0, 700, 1, 5] = float(bad)
+    dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
+    assert attn_ops.forward_kernel_name(*base, softmax_scale=d ** -0.5) == ag.GLUON
+    results = {}
+    for choice in ("gluon", "portable"):
+        monkeypatch.setenv(ag.KERNEL_ENV, choice)
+        q, k, v = (t.detach().clone().requires_grad_() for t in base)
+        out = flashflow.flash_attn_func(q, k, v)
         out.backward(dout)
         results[choice] = [out.detach(), q.grad, k.grad, v.grad]
     for got, ref in zip(results["gluon"], results["portable"]):
