@@ -42,6 +42,13 @@ next unclaimed tile by ticket (the causal entry: longest first, a CTA that finis
 takes the next); the load warp claims the next tile before this one's loads and publishes
 each tile's number beside its Q buffer, so the MMA partitions walk the same tiles. With two Q
 buffers its loads run into the next tile while the MMA partitions finish this one.
+``OVERLAP`` (the persistent entries): once a tile's last P·V is done, the MMA partitions issue
+the next tile's ``S_0 = Q · K_0ᵀ`` and normalise and store the tile's output under it (from a
+layout of 16-byte rows, through a shared-memory exchange); the next tile's loop starts from
+block 0's softmax. That WGMMA is issued whatever the next tile (its result is not read after
+the last tile or for a tile with no key block): issued under a branch, or with the last P·V
+still in flight, or with the output stored from the MMA layout, ptxas serialises every WGMMA
+of the kernel for want of registers (its C7512 note).
 Written with the masked blocks in loops of their own before and after the pipelined loop, the
 persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
 computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge
@@ -55,7 +62,8 @@ Budget per warp role (the shipped head_dim-128 tile: 128 rows, 128-key blocks, 2
 * load warp, 1 warp, 24 registers;
 * shared memory: Q 32 KB (two buffers, 64 KB, persistent), K and V rings 2 × 2 × 32 KB, the
   mbarriers and the tile numbers: 160 KB one CTA a tile (164,288 bytes with the compiler's
-  scratch), 192 KB persistent (197,040 bytes), one CTA an SM.
+  scratch), 192 KB persistent, and 16 KB more for the overlapped store's exchange (213,124
+  bytes), one CTA an SM.
 
 Per 128-key block a thread of an MMA warpgroup issues 467 instructions on the loop's unmasked
 path in the shipped non-causal form (ptxas, sm90; 474 with ping-pong turns): 16
@@ -72,7 +80,7 @@ import functools
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+                                                              warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
@@ -225,6 +233,45 @@ def _v_ready(v_smem, v_bar, stage, phase, j, seqlen_k, BLOCK_N: gl.constexpr, HE
 
 
 @gluon.jit
+def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, turn, g, t0, k_desc,
+                   v_desc, k_row0, k_col, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks,
+                   full_lo, full_hi, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
+                   s_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Blocks ``1 .. n_blocks − 1`` of a tile, block 0's softmax done (``p``, ``alpha``): S_j's
+    WGMMA issued before P_{j−1}·V_{j−1}'s, the softmax of S_j under it. Returns ``(acc, p,
+    alpha, l, m)`` with the last block's P·V still to issue."""
+    for j in range(1, n_blocks):
+        stage = (g + j) % NUM_STAGES
+        phase = ((g + j) // NUM_STAGES) & 1
+        prev = (g + j - 1) % NUM_STAGES
+        prev_phase = ((g + j - 1) // NUM_STAGES) & 1
+        # S_j = Q · K_jᵀ on the tensor cores ...
+        mbarrier.wait(k_bar.index(stage), phase)
+        mbarrier.wait(v_bar.index(prev), prev_phase)
+        take_turn(turn, t0 + j, PINGPONG, WG)
+        qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        # ... then block j−1's P·V into the rescaled accumulator
+        acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
+        pass_turn(turn, PINGPONG, WG)
+        qk = warpgroup_mma_wait(1, deps=[qk])
+        if PRODUCER:
+            mbarrier.arrive(k_free.index(stage))
+        # the softmax of block j under block j−1's P·V
+        p, alpha, l_i, m_i = _block_softmax(qk, j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
+                                            diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        if PRODUCER:
+            mbarrier.arrive(v_free.index(prev))
+        else:
+            # every warp is past its reads of both buffers: refill them
+            gl.thread_barrier()
+            _refill(k_desc, k_smem, k_bar, k_row0, k_col, j, stage, n_blocks, BLOCK_N, NUM_STAGES)
+            _refill(v_desc, v_smem, v_bar, k_row0, k_col, j - 1, prev, n_blocks, BLOCK_N, NUM_STAGES)
+    return acc, p, alpha, l_i, m_i
+
+
+@gluon.jit
 def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_phase, turn, g, t0, k_desc, v_desc,
               m_start, k_row0, k_col, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi,
               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -266,33 +313,11 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             _refill(k_desc, k_smem, k_bar, k_row0, k_col, 0, stage, n_blocks, BLOCK_N, NUM_STAGES)
         p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
-        for j in range(1, n_blocks):
-            stage = (g + j) % NUM_STAGES
-            phase = ((g + j) // NUM_STAGES) & 1
-            prev = (g + j - 1) % NUM_STAGES
-            prev_phase = ((g + j - 1) // NUM_STAGES) & 1
-            # S_j = Q · K_jᵀ on the tensor cores ...
-            mbarrier.wait(k_bar.index(stage), phase)
-            mbarrier.wait(v_bar.index(prev), prev_phase)
-            take_turn(turn, t0 + j, PINGPONG, WG)
-            qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-            # ... then block j−1's P·V into the rescaled accumulator
-            acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
-            pass_turn(turn, PINGPONG, WG)
-            qk = warpgroup_mma_wait(1, deps=[qk])
-            if PRODUCER:
-                mbarrier.arrive(k_free.index(stage))
-            # the softmax of block j under block j−1's P·V
-            p, alpha, l_i, m_i = _block_softmax(qk, j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
-                                                diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            if PRODUCER:
-                mbarrier.arrive(v_free.index(prev))
-            else:
-                # every warp is past its reads of both buffers: refill them
-                gl.thread_barrier()
-                _refill(k_desc, k_smem, k_bar, k_row0, k_col, j, stage, n_blocks, BLOCK_N, NUM_STAGES)
-                _refill(v_desc, v_smem, v_bar, k_row0, k_col, j - 1, prev, n_blocks, BLOCK_N, NUM_STAGES)
+        acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free,
+                                                 v_free, turn, g, t0, k_desc, v_desc, k_row0, k_col, qk_scale_log2,
+                                                 offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks, full_lo,
+                                                 full_hi, CAUSAL, KEY_PADDING, BLOCK_N, NUM_STAGES, PRODUCER, PINGPONG,
+                                                 WG, s_layout, p_layout)
         # the last block's P·V (only the last block can run past the sequence's end)
         last = n_blocks - 1
         stage = (g + last) % NUM_STAGES
@@ -357,6 +382,139 @@ def _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
+def _q_buffer(q_smem, it, wg: gl.constexpr, Q_BUFS: gl.constexpr, ROWS: gl.constexpr, TILE_M: gl.constexpr):
+    """The Q rows of an MMA partition (``ROWS`` from ``ROWS·wg``) in the buffer of its ``it``-th tile."""
+    if ROWS == TILE_M:
+        return q_smem.index(it % Q_BUFS)
+    else:
+        return q_smem.index(it % Q_BUFS).slice(ROWS * wg, ROWS)
+
+
+@gluon.jit
+def _partition_tile(tile, wg: gl.constexpr, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads,
+                    kv_group, num_m_blocks, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr,
+                    HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
+    """An MMA partition's view of a tile: ``(first row, head, batch, n_blocks, full_lo, full_hi,
+    key-padding row)`` (:func:`_tile_coords`, :func:`_tile_blocks`; the tile's blocks, not the
+    partition's rows')."""
+    m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
+    n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
+    if KEY_PADDING:
+        kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
+    else:
+        kpm = KEY_PADDING_MASK
+    return m_start + ROWS * wg, head, batch, n_blocks, full_lo, full_hi, kpm
+
+
+@gluon.jit
+def _first_scores(q_buf, k_smem, k_bar, g, qk_zero, NUM_STAGES: gl.constexpr):
+    """A tile's block 0: ``S_0 = Q · K_0ᵀ`` issued (asynchronous) once K_0 (ring position ``g``) has landed."""
+    stage = g % NUM_STAGES
+    mbarrier.wait(k_bar.index(stage), (g // NUM_STAGES) & 1)
+    return warpgroup_mma(q_buf, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
+                               turn, tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys,
+                               masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
+                               qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
+                               TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
+                               RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, COALESCE: gl.constexpr = True):
+    """:func:`_consumer_tiles` with tiles overlapped (persistent, no ping-pong turns): once a
+    tile's last P·V is done, the next tile's ``S_0 = Q · K_0ᵀ`` is issued and the tile's output
+    normalised and stored (``COALESCE``: 16-byte rows) while that WGMMA runs; the next tile's
+    loop then starts from block 0's softmax. Q's buffer goes back to the load warp as soon as
+    the tile's last Q·Kᵀ is done (before the next tile's Q is waited on, which one Q buffer
+    needs)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    rows = gl.arange(0, ROWS, layout=row_s)
+    diag_offset = seqlen_k - seqlen_q
+    qk_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    m_none = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_none = gl.zeros([ROWS], gl.float32, row_s)
+    g = 0
+    it = 0
+    tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
+    m_rows, head, batch, n_blocks, full_lo, full_hi, kpm = _partition_tile(
+        tile, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+        CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N)
+    p = qk_zero
+    alpha = l_none
+    l_i = l_none
+    m_i = m_none
+    if (tile < num_tiles) & (n_blocks > 0):
+        qk = warpgroup_mma_wait(0, deps=[_first_scores(_q_buffer(q_smem, 0, wg, Q_BUFS, ROWS, TILE_M), k_smem, k_bar,
+                                                       0, qk_zero, NUM_STAGES)])
+        mbarrier.arrive(k_free.index(0))
+        p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, m_rows + rows, seqlen_k,
+                                            diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+    while tile < num_tiles:
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero,
+                                                 _q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem,
+                                                 k_bar, v_bar, k_free, v_free, turn, g, 0, k_desc, v_desc, 0, 0,
+                                                 qk_scale_log2, m_rows + rows, seqlen_k, diag_offset, kpm, mask_keys,
+                                                 n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING, BLOCK_N, NUM_STAGES,
+                                                 True, False, wg, s_layout, p_layout)
+        mbarrier.arrive(q_free.index(it % Q_BUFS))   # the tile's Q·Kᵀ are done
+        last = (g + n_blocks - 1) % NUM_STAGES
+        if n_blocks > 0:
+            _v_ready(v_smem, v_bar, last, ((g + n_blocks - 1) // NUM_STAGES) & 1, n_blocks - 1, seqlen_k, BLOCK_N,
+                     HEAD_DIM, num_warps)
+            acc_t = _issue_pv(acc, alpha, p, v_smem.index(last), p_layout)
+        else:
+            acc_t = warpgroup_mma_init(acc)
+        acc = warpgroup_mma_wait(0, deps=[acc_t])
+        if n_blocks > 0:
+            mbarrier.arrive(v_free.index(last))
+        # the next tile's first Q·Kᵀ, with this tile's output stored under it
+        g_next = g + n_blocks
+        nxt = _read_tile(tile_ids, q_bar, it + 1, Q_BUFS, num_warps)
+        m_next, head_next, batch_next, n_next, lo_next, hi_next, kpm_next = _partition_tile(
+            nxt, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+            CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N)
+        first = (nxt < num_tiles) & (n_next > 0)
+        # issued whatever the next tile (without a block 0 its result is not read): a WGMMA
+        # under a branch would make ptxas serialise every WGMMA of the kernel
+        stage_next = g_next % NUM_STAGES
+        if first:
+            mbarrier.wait(k_bar.index(stage_next), (g_next // NUM_STAGES) & 1)
+        qk_t = warpgroup_mma(_q_buffer(q_smem, it + 1, wg, Q_BUFS, ROWS, TILE_M),
+                             k_smem.index(stage_next).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        # this tile's output under the next tile's first Q·Kᵀ
+        _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
+                   stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, COALESCE, num_warps)
+        qk = warpgroup_mma_wait(0, deps=[qk_t])
+        if first:
+            mbarrier.arrive(k_free.index(stage_next))
+        # block 0's softmax whatever the next tile (p and the row state of a tile without a
+        # block 0, or past the last, are not read; its row state is that of a row with no key)
+        p, alpha, l_i, m_i = _block_softmax(qk, 0, m_none, l_none, lo_next, hi_next, qk_scale_log2, m_next + rows,
+                                            seqlen_k, diag_offset, kpm_next, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N,
+                                            s_layout)
+        l_i = gl.where(first, l_i, l_none)
+        m_i = gl.where(first, m_i, m_none)
+        tile = nxt
+        m_rows = m_next
+        head = head_next
+        batch = batch_next
+        n_blocks = n_next
+        full_lo = lo_next
+        full_hi = hi_next
+        kpm = kpm_next
+        g = g_next
+        it += 1
+
+
+@gluon.jit
 def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                     tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                     k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
@@ -364,42 +522,51 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                     TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
-                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
+                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
     takes Q from the buffer the load warp filled, hands it back once the tile's MMAs are done
     and stores from the MMA layout (the ring may already hold the next tile's blocks); the
-    tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``."""
-    g = 0
-    it = 0
-    t = 0
-    tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
-    while tile < num_tiles:
-        m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
-        n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
-        if KEY_PADDING:
-            kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
-        else:
-            kpm = KEY_PADDING_MASK
-        qi = it % Q_BUFS
-        if ROWS == TILE_M:
-            q_buf = q_smem.index(qi)
-        else:
-            q_buf = q_smem.index(qi).slice(ROWS * wg, ROWS)
-        m_rows = m_start + ROWS * wg
-        acc, l_i, m_i = _consumer(q_buf, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(qi),
-                                  (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc, m_rows, batch * k_row_b + kv_head * k_row_h,
-                                  kv_head * k_col_h, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
-                                  full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
-                                  PINGPONG, wg, num_warps)
-        mbarrier.arrive(q_free.index(qi))
-        _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
-                   stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
-        g += n_blocks
-        it += 1
-        if n_blocks > 0:
-            t += n_blocks + 1
-        tile = _read_tile(tile_ids, q_bar, it, Q_BUFS, num_warps)
+    tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``.
+    ``OVERLAP``: :func:`_consumer_tiles_overlapped` instead."""
+    if OVERLAP:
+        _consumer_tiles_overlapped(wg, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys,
+                                   masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
+                                   qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL,
+                                   KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFS,
+                                   RETURN_LSE, num_warps)
+    else:
+        g = 0
+        it = 0
+        t = 0
+        tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
+        while tile < num_tiles:
+            m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
+            n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
+            if KEY_PADDING:
+                kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
+            else:
+                kpm = KEY_PADDING_MASK
+            qi = it % Q_BUFS
+            if ROWS == TILE_M:
+                q_buf = q_smem.index(qi)
+            else:
+                q_buf = q_smem.index(qi).slice(ROWS * wg, ROWS)
+            m_rows = m_start + ROWS * wg
+            acc, l_i, m_i = _consumer(q_buf, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(qi),
+                                      (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc, m_rows, batch * k_row_b + kv_head * k_row_h,
+                                      kv_head * k_col_h, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
+                                      full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
+                                      PINGPONG, wg, num_warps)
+            mbarrier.arrive(q_free.index(qi))
+            _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
+                       stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
+            g += n_blocks
+            it += 1
+            if n_blocks > 0:
+                t += n_blocks + 1
+            tile = _read_tile(tile_ids, q_bar, it, Q_BUFS, num_warps)
 
 
 @gluon.jit
@@ -411,7 +578,7 @@ def attention_fwd_gluon_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
-    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, num_warps: gl.constexpr,
+    DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
@@ -472,13 +639,13 @@ def attention_fwd_gluon_kernel(
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP)),
                 (_producer, producer_args),
             ], [4, 1], [240, 24])
         else:
@@ -488,7 +655,7 @@ def attention_fwd_gluon_kernel(
                                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, False, RETURN_LSE, num_warps)),
+                                   Q_BUFS, False, RETURN_LSE, num_warps, False)),
                 (_producer, producer_args),
             ], [1], [24])
     else:

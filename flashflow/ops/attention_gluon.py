@@ -177,7 +177,7 @@ class GluonPlan:
             KEY_PADDING=kpm is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
             WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
             DYNAMIC=cfg.dynamic,
-            Q_BUFS=cfg.q_buffers if cfg.persistent else 1, num_warps=cfg.num_warps)
+            Q_BUFS=cfg.q_buffers if cfg.persistent else 1, OVERLAP=cfg.overlap_tiles, num_warps=cfg.num_warps)
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
         """Allocate the call's outputs and launch; returns ``(out, lse)``."""

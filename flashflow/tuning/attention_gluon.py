@@ -23,6 +23,7 @@ class GluonAttentionConfig(Config):
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
     dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
     q_buffers: int = 2               # persistent: Q buffers (2: the next tile's Q loads under this one)
+    overlap_tiles: bool = False      # a tile's output stored under the next tile's first Q·Kᵀ
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 
@@ -40,6 +41,8 @@ class GluonAttentionConfig(Config):
             raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.pingpong and not self.split_warpgroups:
             raise ValueError("pingpong needs split_warpgroups")
+        if self.overlap_tiles and (not self.split_warpgroups or self.pingpong):
+            raise ValueError("overlap_tiles needs split_warpgroups without pingpong")
 
 
 CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal", "seqlen_k"), what="Gluon attention")

@@ -133,13 +133,16 @@ def test_config_table_and_rules():
     assert CONFIGS.problems() == []
     hot = gluon_attention_config(128, False, "sm90", 4096)
     assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 256
+    assert hot.overlap_tiles
     for keys in (512, 8192):   # causal up to 8192 keys: persistent, tiles by ticket
         causal = gluon_attention_config(128, True, "sm90", keys)
         assert causal.auto and causal.min_seqlen_k == 512 and causal.persistent and causal.dynamic
+        assert causal.overlap_tiles
     long = gluon_attention_config(128, True, "sm90", 8193)   # beyond: one CTA a tile, ping-pong turns
-    assert long.auto and not long.persistent and long.pingpong
+    assert long.auto and not long.persistent and long.pingpong and not long.overlap_tiles
     wide = gluon_attention_config(256, False, "sm90", 4096)   # 64-key blocks, persistent with one Q buffer
     assert wide.auto and wide.BLOCK_N == 64 and wide.persistent and wide.dynamic and wide.q_buffers == 1
+    assert wide.overlap_tiles
     wide = gluon_attention_config(256, True, "sm90", 4096)
     assert wide.auto and wide.BLOCK_N == 64 and not wide.persistent and wide.min_seqlen_k == 512
     assert not gluon_attention_config(64, False, "sm90", 4096).auto
@@ -153,6 +156,10 @@ def test_config_table_and_rules():
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, dynamic=True),
      "dynamic needs persistent"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, q_buffers=3), "q_buffers must be 1 or 2"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, overlap_tiles=True),
+     "overlap_tiles needs split_warpgroups without pingpong"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, split_warpgroups=True,
+          pingpong=True, persistent=True, overlap_tiles=True), "overlap_tiles needs split_warpgroups without pingpong"),
 ])
 def test_config_refuses_what_the_kernel_cannot_be(fields, match):
     with pytest.raises(ValueError, match=match):
