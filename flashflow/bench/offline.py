@@ -96,6 +96,25 @@ def cubin_resources(cubin: bytes) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def ptxas_notes(kernel, capability: int = 90) -> list[str]:
+    """ptxas's notes on a compiled kernel's PTX (``-v``, the target Triton compiled for), which
+    Triton does not keep: its performance notes among them, such as C7510-C7520, "wgmma.mma_async
+    instructions are serialized" (every WGMMA of the kernel waited on as soon as issued)."""
+    arch = f"sm_{capability}a" if capability >= 90 else f"sm_{capability}"
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(kernel.asm["ptx"])
+        proc = subprocess.run([_tool("ptxas"), "-lineinfo", "-v", f"--gpu-name={arch}", src, "-o",
+                               os.path.join(d, "k.cubin")], capture_output=True, text=True, check=True)
+    return [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+
+
+def wgmma_serialized(kernel, capability: int = 90) -> list[str]:
+    """The notes in which ptxas says it serialised a kernel's WGMMAs (empty: none)."""
+    return [n for n in ptxas_notes(kernel, capability) if "wgmma" in n and "serialized" in n]
+
+
 def resources_of(kernel, name: str = "") -> Resources:
     """Resources of a compiled kernel (what ``kernel[grid](...)`` returns under
     :func:`offline_target`)."""

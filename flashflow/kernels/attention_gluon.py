@@ -47,8 +47,8 @@ the next tile's ``S_0 = Q · K_0ᵀ`` and normalise and store the tile's output 
 layout of 16-byte rows, through a shared-memory exchange); the next tile's loop starts from
 block 0's softmax. That WGMMA is issued whatever the next tile (its result is not read after
 the last tile or for a tile with no key block): issued under a branch, or with the last P·V
-still in flight, or with the output stored from the MMA layout, ptxas serialises every WGMMA
-of the kernel for want of registers (its C7512 note).
+still in flight, ptxas serialises every WGMMA of the kernel for want of registers (its C7512
+note; ``tests/bench/test_offline.py`` checks every shipped config for it).
 Written with the masked blocks in loops of their own before and after the pipelined loop, the
 persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
 computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge

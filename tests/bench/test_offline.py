@@ -158,3 +158,28 @@ def test_info_offline_reproduces_the_h100_report():
     for r in others:
         assert r["error"] is None and r["n_spills"] == 0 and 0 < r["n_regs"] <= 255, r
         assert r["shared"] <= 232448, r
+
+
+GLUON_CHILD = textwrap.dedent("""
+    import json
+    from flashflow.bench.offline import offline_target, pretend_cuda_capability, wgmma_serialized
+    from flashflow.bench.ops import attention_fp8, attention_gluon
+
+    out = {}
+    cases = attention_gluon.info_cases("sm90") + [c for c in attention_fp8.info_cases("sm90") if "gluon" in c.label]
+    for case in cases:
+        with pretend_cuda_capability((9, 0)), offline_target(90) as compiled:
+            case.launch("cpu")
+        out[case.op + " " + case.label] = [n for k in compiled if k is not None for n in wgmma_serialized(k)]
+    print(json.dumps(out))
+""")
+
+
+def test_gluon_kernels_keep_their_wgmmas_asynchronous():
+    """Every shipped config of the Gluon attention kernels (bf16, and the FP8 study kernel)
+    compiles for sm90 without ptxas serialising its WGMMAs: a WGMMA issued under a branch, a
+    store of many registers while one is in flight, or too few registers leave every WGMMA of the
+    kernel waited on as soon as issued (ptxas note C7510-C7520), which no test of numbers sees."""
+    got = child_json(GLUON_CHILD, timeout=900)
+    assert len(got) >= 8
+    assert {case: notes for case, notes in got.items() if notes} == {}
