@@ -422,10 +422,10 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
                                CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                                TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                               RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, COALESCE: gl.constexpr = True):
+                               RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
     """:func:`_consumer_tiles` with tiles overlapped (persistent, no ping-pong turns): once a
     tile's last P·V is done, the next tile's ``S_0 = Q · K_0ᵀ`` is issued and the tile's output
-    normalised and stored (``COALESCE``: 16-byte rows) while that WGMMA runs; the next tile's
+    normalised and stored (in 16-byte rows, through shared memory) while that WGMMA runs; the next tile's
     loop then starts from block 0's softmax. Q's buffer goes back to the load warp as soon as
     the tile's last Q·Kᵀ is done (before the next tile's Q is waited on, which one Q buffer
     needs)."""
@@ -491,7 +491,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
                              k_smem.index(stage_next).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         # this tile's output under the next tile's first Q·Kᵀ
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
-                   stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, COALESCE, num_warps)
+                   stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, True, num_warps)
         qk = warpgroup_mma_wait(0, deps=[qk_t])
         if first:
             mbarrier.arrive(k_free.index(stage_next))
@@ -517,7 +517,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
 @gluon.jit
 def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                     tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                    k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
+                    seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
                     qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                     TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
@@ -542,21 +542,14 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
         t = 0
         tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
         while tile < num_tiles:
-            m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
-            n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
-            if KEY_PADDING:
-                kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
-            else:
-                kpm = KEY_PADDING_MASK
+            m_rows, head, batch, n_blocks, full_lo, full_hi, kpm = _partition_tile(
+                tile, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group,
+                num_m_blocks, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N)
             qi = it % Q_BUFS
-            if ROWS == TILE_M:
-                q_buf = q_smem.index(qi)
-            else:
-                q_buf = q_smem.index(qi).slice(ROWS * wg, ROWS)
-            m_rows = m_start + ROWS * wg
-            acc, l_i, m_i = _consumer(q_buf, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(qi),
-                                      (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc, m_rows, batch * k_row_b + kv_head * k_row_h,
-                                      kv_head * k_col_h, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
+            # (the K/V blocks' rows and column: the load warp's, unused here)
+            acc, l_i, m_i = _consumer(_q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem, k_bar, v_bar,
+                                      k_free, v_free, q_bar.index(qi), (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc,
+                                      m_rows, 0, 0, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
                                       full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
                                       PINGPONG, wg, num_warps)
             mbarrier.arrive(q_free.index(qi))
@@ -636,13 +629,13 @@ def attention_fwd_gluon_kernel(
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                                   k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                                   k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP)),
@@ -652,7 +645,7 @@ def attention_fwd_gluon_kernel(
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                                   k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, False, RETURN_LSE, num_warps, False)),
