@@ -85,8 +85,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
 from flashflow.kernels.mask import key_allowed
-from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled
-from flashflow.kernels.tile_order import attention_tile, next_tile
+from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled, shift_of
+from flashflow.kernels.sync import acquire_at_least, release_add
+from flashflow.kernels.tile_order import attention_tile, next_tile, piece_blocks, split_unit
 
 
 # ----------------------------------------------------------------------------- scores
@@ -150,9 +151,9 @@ def _read_tile(tile_ids, q_bar, it, Q_BUFS: gl.constexpr, num_warps: gl.constexp
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, tile_ids,
               tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads,
-              kv_group, num_m_blocks, num_tiles, masked_keys, CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-              DYNAMIC: gl.constexpr):
+              kv_group, num_m_blocks, num_tiles, full_units, pieces, masked_keys, CAUSAL: gl.constexpr,
+              HEAVY_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
+              Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, SPLIT: gl.constexpr):
     """The load warp: for each tile of this CTA (tile_order.py's ``next_tile``, the next one
     claimed before this one's loads), Q into one of ``Q_BUFS`` buffers once the consumers are
     done with the tile that used it last, the tile's number published beside it, then every K
@@ -160,16 +161,17 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     ``g`` runs on across tiles, so the next tile's blocks load while the consumers finish this
     one. A pass over a ring waits for the consumers' arrivals of the pass before; the first
     goes straight through (parity 1 of a fresh barrier). After the last tile, a number past the
-    end is published with an arrival alone."""
+    end is published with an arrival alone. With ``SPLIT`` it walks work units (``num_tiles`` of
+    them, :func:`_unit_span`) and loads each unit's key blocks only."""
     g = 0
     it = 0
     tile = gl.program_id(0)
     while tile < num_tiles:
         nxt = next_tile(tile, tile_counter, num_tiles, DYNAMIC)
-        m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, BLOCK_M)
-        n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, BLOCK_M,
-                                                  BLOCK_N)
-        k_row0 = batch * k_row_b + kv_head * k_row_h
+        m_start, head, batch, kv_head, kb0, n_blocks, full_lo, full_hi = _unit_span(
+            tile, full_units, pieces, num_m_blocks, heads, kv_group, seqlen_q, seqlen_k, masked_keys, CAUSAL,
+            HEAVY_FIRST, BLOCK_M, BLOCK_N, SPLIT)
+        k_row0 = batch * k_row_b + kv_head * k_row_h + kb0 * BLOCK_N
         k_col = kv_head * k_col_h
         qi = it % Q_BUFS
         mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
@@ -235,12 +237,13 @@ def _v_ready(v_smem, v_bar, stage, phase, j, seqlen_k, BLOCK_N: gl.constexpr, HE
 @gluon.jit
 def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, turn, g, t0, k_desc,
                    v_desc, k_row0, k_col, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks,
-                   full_lo, full_hi, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
+                   kb0, full_lo, full_hi, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
                    s_layout: gl.constexpr, p_layout: gl.constexpr):
-    """Blocks ``1 .. n_blocks − 1`` of a tile, block 0's softmax done (``p``, ``alpha``): S_j's
-    WGMMA issued before P_{j−1}·V_{j−1}'s, the softmax of S_j under it. Returns ``(acc, p,
-    alpha, l, m)`` with the last block's P·V still to issue."""
+    """Blocks ``1 .. n_blocks − 1`` of a tile (key blocks ``kb0 + j``: a unit's keys start at block
+    ``kb0``), block 0's softmax done (``p``, ``alpha``): S_j's WGMMA issued before
+    P_{j−1}·V_{j−1}'s, the softmax of S_j under it. Returns ``(acc, p, alpha, l, m)`` with the
+    last block's P·V still to issue."""
     for j in range(1, n_blocks):
         stage = (g + j) % NUM_STAGES
         phase = ((g + j) // NUM_STAGES) & 1
@@ -258,7 +261,7 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
         if PRODUCER:
             mbarrier.arrive(k_free.index(stage))
         # the softmax of block j under block j−1's P·V
-        p, alpha, l_i, m_i = _block_softmax(qk, j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
+        p, alpha, l_i, m_i = _block_softmax(qk, kb0 + j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
@@ -315,7 +318,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free,
                                                  v_free, turn, g, t0, k_desc, v_desc, k_row0, k_col, qk_scale_log2,
-                                                 offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks, full_lo,
+                                                 offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks, 0, full_lo,
                                                  full_hi, CAUSAL, KEY_PADDING, BLOCK_N, NUM_STAGES, PRODUCER, PINGPONG,
                                                  WG, s_layout, p_layout)
         # the last block's P·V (only the last block can run past the sequence's end)
@@ -382,6 +385,27 @@ def _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL: gl.constexpr,
 
 
 @gluon.jit
+def _unit_span(unit, full_units, pieces, num_m_blocks, heads, kv_group, seqlen_q, seqlen_k, masked_keys,
+               CAUSAL: gl.constexpr, HEAVY_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               SPLIT: gl.constexpr):
+    """A persistent CTA's work unit: ``(m_start, head, batch, kv_head, kb0, n_blocks, full_lo,
+    full_hi)``, its key blocks ``kb0 .. kb0 + n_blocks − 1`` and ``[full_lo, full_hi)`` its tile's
+    unmasked ones (:func:`_tile_coords`, :func:`_tile_blocks`). A unit is a tile, or with
+    ``SPLIT`` a piece of one of the last tiles (tile_order.py's ``split_unit`` and
+    ``piece_blocks``)."""
+    if SPLIT:
+        tile, piece, tile_pieces = split_unit(unit, full_units, pieces)
+        m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, BLOCK_M)
+        n_all, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, BLOCK_M, BLOCK_N)
+        kb0, kb1 = piece_blocks(piece, tile_pieces, n_all)
+        return m_start, head, batch, kv_head, kb0, kb1 - kb0, full_lo, full_hi
+    else:
+        m_start, head, batch, kv_head = _tile_coords(unit, num_m_blocks, heads, kv_group, HEAVY_FIRST, BLOCK_M)
+        n_all, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, BLOCK_M, BLOCK_N)
+        return m_start, head, batch, kv_head, n_all * 0, n_all, full_lo, full_hi
+
+
+@gluon.jit
 def _q_buffer(q_smem, it, wg: gl.constexpr, Q_BUFS: gl.constexpr, ROWS: gl.constexpr, TILE_M: gl.constexpr):
     """The Q rows of an MMA partition (``ROWS`` from ``ROWS·wg``) in the buffer of its ``it``-th tile."""
     if ROWS == TILE_M:
@@ -391,19 +415,21 @@ def _q_buffer(q_smem, it, wg: gl.constexpr, Q_BUFS: gl.constexpr, ROWS: gl.const
 
 
 @gluon.jit
-def _partition_tile(tile, wg: gl.constexpr, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads,
-                    kv_group, num_m_blocks, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr,
-                    HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr):
-    """An MMA partition's view of a tile: ``(first row, head, batch, n_blocks, full_lo, full_hi,
-    key-padding row)`` (:func:`_tile_coords`, :func:`_tile_blocks`; the tile's blocks, not the
-    partition's rows')."""
-    m_start, head, batch, kv_head = _tile_coords(tile, num_m_blocks, heads, kv_group, HEAVY_FIRST, TILE_M)
-    n_blocks, full_lo, full_hi = _tile_blocks(m_start, seqlen_q, seqlen_k, masked_keys, CAUSAL, TILE_M, BLOCK_N)
+def _partition_tile(unit, wg: gl.constexpr, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads,
+                    kv_group, num_m_blocks, full_units, pieces, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr,
+                    HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    SPLIT: gl.constexpr):
+    """An MMA partition's view of a work unit: ``(first row, head, batch, n_blocks, kb0, full_lo,
+    full_hi, key-padding row)`` (:func:`_unit_span`: the unit's key blocks, not the partition's
+    rows')."""
+    m_start, head, batch, kv_head, kb0, n_blocks, full_lo, full_hi = _unit_span(
+        unit, full_units, pieces, num_m_blocks, heads, kv_group, seqlen_q, seqlen_k, masked_keys, CAUSAL, HEAVY_FIRST,
+        TILE_M, BLOCK_N, SPLIT)
     if KEY_PADDING:
         kpm = KEY_PADDING_MASK + batch.to(gl.int64) * stride_kpm
     else:
         kpm = KEY_PADDING_MASK
-    return m_start + ROWS * wg, head, batch, n_blocks, full_lo, full_hi, kpm
+    return m_start + ROWS * wg, head, batch, n_blocks, kb0, full_lo, full_hi, kpm
 
 
 @gluon.jit
@@ -415,20 +441,75 @@ def _first_scores(q_buf, k_smem, k_bar, g, qk_zero, NUM_STAGES: gl.constexpr):
 
 
 @gluon.jit
+def _merge_pieces(acc, l_i, m_i, unit, wg: gl.constexpr, full_units, pieces, WS, SPLIT_COUNTER,
+                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    """The end of a work unit with the last tiles in key pieces: ``(acc, l, m, store)``. A whole
+    tile keeps its state (``store``). A piece before its tile's last writes its unnormalised
+    ``(acc, m, l)`` rows to its slot of ``WS`` (fp32, ``ROWS · (HEAD_DIM + 2)`` a slot) and
+    arrives on the tile's counter of this partition, every thread on its own (sync.py's
+    ``release_add``); it stores nothing. The last piece waits until every thread of the others
+    has arrived (``acquire_at_least``, each thread), folds their rows into its own as the online
+    softmax folds a block (``m`` the larger maximum, the rest rescaled by ``2^(m_p − m)``), puts
+    the counter back to zero for the next launch and stores the tile's rows."""
+    store = unit < full_units
+    if unit >= full_units:
+        o_layout: gl.constexpr = acc.type.layout
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        rows = gl.arange(0, ROWS, layout=row_o)
+        offs = gl.expand_dims(rows * HEAD_DIM, 1) + gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)), 0)
+        tail = unit - full_units
+        tile = tail // pieces
+        piece = tail % pieces
+        counter = SPLIT_COUNTER + 2 * tile + wg
+        slot_size: gl.constexpr = ROWS * (HEAD_DIM + 2)
+        first_slot = (tile * (pieces - 1) * 2 + wg).to(gl.int64)
+        if piece < pieces - 1:
+            base = WS + (first_slot + 2 * piece) * slot_size
+            gl.store(base + offs, acc)
+            gl.store(base + ROWS * HEAD_DIM + rows, gl.convert_layout(m_i, row_o))
+            gl.store(base + ROWS * HEAD_DIM + ROWS + rows, gl.convert_layout(l_i, row_o))
+            release_add(counter)
+        else:
+            acquire_at_least(counter, (pieces - 1) * num_warps * 32)
+            m_o = gl.convert_layout(m_i, row_o)
+            l_o = gl.convert_layout(l_i, row_o)
+            for p in range(pieces - 1):
+                base = WS + (first_slot + 2 * p) * slot_size
+                m_p = gl.load(base + ROWS * HEAD_DIM + rows, cache_modifier=".cg")
+                l_p = gl.load(base + ROWS * HEAD_DIM + ROWS + rows, cache_modifier=".cg")
+                m_new = gl.maximum(m_o, m_p)
+                shift = shift_of(m_new)
+                a_o = gl.exp2(m_o - shift)
+                a_p = gl.exp2(m_p - shift)
+                acc = acc * gl.expand_dims(a_o, 1) + gl.load(base + offs, cache_modifier=".cg") * gl.expand_dims(a_p, 1)
+                l_o = l_o * a_o + l_p * a_p
+                m_o = m_new
+            # every thread of the partition is past its wait before the counter goes back to zero
+            gl.thread_barrier()
+            gl.store(counter, 0)
+            m_i = gl.convert_layout(m_o, m_i.type.layout)
+            l_i = gl.convert_layout(l_o, l_i.type.layout)
+            store = True
+    return acc, l_i, m_i, store
+
+
+@gluon.jit
 def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
-                               turn, tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys,
-                               masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
-                               qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
-                               TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-                               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr,
-                               RETURN_LSE: gl.constexpr, num_warps: gl.constexpr):
+                               turn, tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER,
+                               stride_kpm, mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                               num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh,
+                               stride_lb, stride_lh, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr,
+                               HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr,
+                               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                               Q_BUFS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
+                               SPLIT: gl.constexpr):
     """:func:`_consumer_tiles` with tiles overlapped (persistent, no ping-pong turns): once a
     tile's last P·V is done, the next tile's ``S_0 = Q · K_0ᵀ`` is issued and the tile's output
     normalised and stored (in 16-byte rows, through shared memory) while that WGMMA runs; the next tile's
     loop then starts from block 0's softmax. Q's buffer goes back to the load warp as soon as
     the tile's last Q·Kᵀ is done (before the next tile's Q is waited on, which one Q buffer
-    needs)."""
+    needs). ``SPLIT``: the walk is over work units (:func:`_unit_span`), a piece's rows merged
+    by its tile's last piece (:func:`_merge_pieces`) before the store."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -443,9 +524,9 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
     g = 0
     it = 0
     tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
-    m_rows, head, batch, n_blocks, full_lo, full_hi, kpm = _partition_tile(
+    m_rows, head, batch, n_blocks, kb0, full_lo, full_hi, kpm = _partition_tile(
         tile, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
-        CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N)
+        full_units, pieces, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N, SPLIT)
     p = qk_zero
     alpha = l_none
     l_i = l_none
@@ -454,21 +535,22 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         qk = warpgroup_mma_wait(0, deps=[_first_scores(_q_buffer(q_smem, 0, wg, Q_BUFS, ROWS, TILE_M), k_smem, k_bar,
                                                        0, qk_zero, NUM_STAGES)])
         mbarrier.arrive(k_free.index(0))
-        p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, m_rows + rows, seqlen_k,
-                                            diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+        p, alpha, l_i, m_i = _block_softmax(qk, kb0, m_i, l_i, full_lo, full_hi, qk_scale_log2, m_rows + rows,
+                                            seqlen_k, diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N,
+                                            s_layout)
     while tile < num_tiles:
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero,
                                                  _q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem,
                                                  k_bar, v_bar, k_free, v_free, turn, g, 0, k_desc, v_desc, 0, 0,
                                                  qk_scale_log2, m_rows + rows, seqlen_k, diag_offset, kpm, mask_keys,
-                                                 n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING, BLOCK_N, NUM_STAGES,
-                                                 True, False, wg, s_layout, p_layout)
+                                                 n_blocks, kb0, full_lo, full_hi, CAUSAL, KEY_PADDING, BLOCK_N,
+                                                 NUM_STAGES, True, False, wg, s_layout, p_layout)
         mbarrier.arrive(q_free.index(it % Q_BUFS))   # the tile's Q·Kᵀ are done
         last = (g + n_blocks - 1) % NUM_STAGES
         if n_blocks > 0:
-            _v_ready(v_smem, v_bar, last, ((g + n_blocks - 1) // NUM_STAGES) & 1, n_blocks - 1, seqlen_k, BLOCK_N,
-                     HEAD_DIM, num_warps)
+            _v_ready(v_smem, v_bar, last, ((g + n_blocks - 1) // NUM_STAGES) & 1, kb0 + n_blocks - 1, seqlen_k,
+                     BLOCK_N, HEAD_DIM, num_warps)
             acc_t = _issue_pv(acc, alpha, p, v_smem.index(last), p_layout)
         else:
             acc_t = warpgroup_mma_init(acc)
@@ -478,9 +560,9 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         # the next tile's first Q·Kᵀ, with this tile's output stored under it
         g_next = g + n_blocks
         nxt = _read_tile(tile_ids, q_bar, it + 1, Q_BUFS, num_warps)
-        m_next, head_next, batch_next, n_next, lo_next, hi_next, kpm_next = _partition_tile(
+        m_next, head_next, batch_next, n_next, kb0_next, lo_next, hi_next, kpm_next = _partition_tile(
             nxt, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
-            CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N)
+            full_units, pieces, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N, SPLIT)
         first = (nxt < num_tiles) & (n_next > 0)
         # issued whatever the next tile (without a block 0 its result is not read): a WGMMA
         # under a branch would make ptxas serialise every WGMMA of the kernel
@@ -490,16 +572,23 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         qk_t = warpgroup_mma(_q_buffer(q_smem, it + 1, wg, Q_BUFS, ROWS, TILE_M),
                              k_smem.index(stage_next).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         # this tile's output under the next tile's first Q·Kᵀ
-        _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
-                   stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, True, num_warps)
+        if SPLIT:
+            acc, l_i, m_i, store = _merge_pieces(acc, l_i, m_i, tile, wg, full_units, pieces, WS, SPLIT_COUNTER, ROWS,
+                                                 HEAD_DIM, num_warps)
+            if store:
+                _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
+                           stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, True, num_warps)
+        else:
+            _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
+                       stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, True, num_warps)
         qk = warpgroup_mma_wait(0, deps=[qk_t])
         if first:
             mbarrier.arrive(k_free.index(stage_next))
         # block 0's softmax whatever the next tile (p and the row state of a tile without a
         # block 0, or past the last, are not read; its row state is that of a row with no key)
-        p, alpha, l_i, m_i = _block_softmax(qk, 0, m_none, l_none, lo_next, hi_next, qk_scale_log2, m_next + rows,
-                                            seqlen_k, diag_offset, kpm_next, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N,
-                                            s_layout)
+        p, alpha, l_i, m_i = _block_softmax(qk, kb0_next, m_none, l_none, lo_next, hi_next, qk_scale_log2,
+                                            m_next + rows, seqlen_k, diag_offset, kpm_next, mask_keys, CAUSAL,
+                                            KEY_PADDING, BLOCK_N, s_layout)
         l_i = gl.where(first, l_i, l_none)
         m_i = gl.where(first, m_i, m_none)
         tile = nxt
@@ -507,6 +596,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         head = head_next
         batch = batch_next
         n_blocks = n_next
+        kb0 = kb0_next
         full_lo = lo_next
         full_hi = hi_next
         kpm = kpm_next
@@ -516,35 +606,36 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
 
 @gluon.jit
 def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                    seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
+                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm, mask_keys,
+                    masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles, full_units, pieces,
                     qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                     TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
-                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr):
+                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr, SPLIT: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
     takes Q from the buffer the load warp filled, hands it back once the tile's MMAs are done
     and stores from the MMA layout (the ring may already hold the next tile's blocks); the
     tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``.
-    ``OVERLAP``: :func:`_consumer_tiles_overlapped` instead."""
+    ``OVERLAP``: :func:`_consumer_tiles_overlapped` instead (the only form that takes ``SPLIT``)."""
     if OVERLAP:
         _consumer_tiles_overlapped(wg, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys,
-                                   masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles,
-                                   qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh, CAUSAL,
-                                   KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, Q_BUFS,
-                                   RETURN_LSE, num_warps)
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh,
+                                   stride_lb, stride_lh, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N,
+                                   HEAD_DIM, NUM_STAGES, Q_BUFS, RETURN_LSE, num_warps, SPLIT)
     else:
+        gl.static_assert(not SPLIT, "key pieces need the overlapped tiles")
         g = 0
         it = 0
         t = 0
         tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
         while tile < num_tiles:
-            m_rows, head, batch, n_blocks, full_lo, full_hi, kpm = _partition_tile(
+            m_rows, head, batch, n_blocks, kb0, full_lo, full_hi, kpm = _partition_tile(
                 tile, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group,
-                num_m_blocks, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N)
+                num_m_blocks, num_tiles, 1, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N, False)
             qi = it % Q_BUFS
             # (the K/V blocks' rows and column: the load warp's, unused here)
             acc, l_i, m_i = _consumer(_q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem, k_bar, v_bar,
@@ -564,14 +655,15 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
 
 @gluon.jit
 def attention_fwd_gluon_kernel(
-    q_desc, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, TILE_COUNTER,
+    q_desc, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, TILE_COUNTER, WS, SPLIT_COUNTER,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_kpm,
     q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h,
-    seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles, mask_keys, qk_scale_log2,
+    seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles, full_units, pieces, mask_keys, qk_scale_log2,
     HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
     DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
+    SPLIT: gl.constexpr = False,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
@@ -584,7 +676,13 @@ def attention_fwd_gluon_kernel(
     ``O``: ``(b, sq, h, D)`` strided; ``LSE``: ``(b, h, sq)``. ``KEY_PADDING_MASK``:
     ``(b, ≥ mask_keys)`` bool, unit stride along the keys, ``stride_kpm`` a batch.
     ``TILE_COUNTER``: with ``DYNAMIC``, one int32 at zero (tile_order.py's ``next_tile``), left at
-    zero; any pointer without."""
+    zero; any pointer without.
+    ``SPLIT`` (persistent, ``DYNAMIC``, ``OVERLAP``): ``num_tiles`` counts work units, the first
+    ``full_units`` of them whole tiles and the rest the remaining tiles in ``pieces`` key pieces
+    each (tile_order.py's ``split_unit``); ``WS``: fp32 scratch, ``(pieces − 1) · 2`` slots of
+    ``64 · (D + 2)`` a split tile; ``SPLIT_COUNTER``: two int32 at zero a split tile, left at
+    zero (:func:`_merge_pieces`). Without ``SPLIT``, ``full_units = num_tiles``, ``pieces = 1``
+    and any pointers."""
     if SPLIT_WARPGROUPS:
         gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 128 and num_warps == 4, "two 64-row partitions")
     else:
@@ -622,33 +720,33 @@ def attention_fwd_gluon_kernel(
         # (cast: a constexpr passed through warp_specialize still compiles both sides of its branches)
         tile_counter = TILE_COUNTER.to(gl.pointer_type(gl.int32))
         producer_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
-                         tile_ids, tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q, seqlen_k, heads, kv_group,
-                         num_m_blocks, num_tiles, masked_keys, CAUSAL, HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES,
-                         Q_BUFS, DYNAMIC)
+                         tile_ids, tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q,
+                         seqlen_k, heads, kv_group, num_m_blocks, num_tiles, full_units, pieces, masked_keys, CAUSAL,
+                         HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, DYNAMIC, SPLIT)
         if SPLIT_WARPGROUPS:
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                                   seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
-                                   num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                                   seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
-                                   num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
                 (_producer, producer_args),
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
-                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, stride_kpm, mask_keys, masked_keys,
-                                   seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
-                                   num_tiles, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, False, RETURN_LSE, num_warps, False)),
+                                   Q_BUFS, False, RETURN_LSE, num_warps, False, False)),
                 (_producer, producer_args),
             ], [1], [24])
     else:

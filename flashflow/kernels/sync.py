@@ -129,6 +129,28 @@ def _arrive_last(SYNC, merge_idx, epoch, PARTS: tl.constexpr, spin_limit, THREAD
 
 
 @triton.jit
+def release_add(counter):
+    """This thread's earlier stores released at GPU scope and ``counter`` (int32) bumped by one,
+    in one ``red.release.gpu`` a thread: every thread of a producer arrives on its own, so no
+    barrier orders one thread's stores before another's release (the Gluon attention forward's
+    key pieces). A counter at ``n · threads`` means ``n`` producers are done."""
+    tl.inline_asm_elementwise("red.release.gpu.global.add.s32 [$1], 1;\n\tmov.u32 $0, 0;", "=r,l", [counter],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def acquire_at_least(counter, target):
+    """Spin, this thread alone, until an ``ld.acquire.gpu`` of ``counter`` reads ``target`` or
+    more: this thread's later loads then see every store released before the adds it counted
+    (:func:`release_add`). No barrier inside, so the threads of a CTA may leave it apart."""
+    seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [counter], dtype=tl.int32,
+                                     is_pure=False, pack=1)
+    while seen < target:
+        seen = tl.inline_asm_elementwise("ld.acquire.gpu.global.b32 $0, [$1];", "=r,l", [counter],
+                                         dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _proxy_fence():
     """Orders this thread's earlier generic-proxy accesses (the acquire above) before its later
     async-proxy ones (TMA loads of the producers' tiles): the PTX model does not order the two

@@ -90,6 +90,28 @@ def next_tile(tile, counter, num_tiles, DYNAMIC: tl.constexpr):
 
 
 @triton.jit
+def split_unit(unit, full_units, pieces):
+    """``(tile, piece, pieces of the tile)`` of the persistent attention forward's work unit
+    ``unit`` when the last wave's tiles run in key pieces: units ``[0, full_units)`` are whole
+    tiles (tile = unit, piece 0 of 1); after them each remaining tile is ``pieces`` units in a
+    row, its pieces in key order, the last of them the one that waits for the others and combines
+    (a piece never waits for a unit after it, which with tiles claimed by ticket keeps the launch
+    free of deadlock)."""
+    tail = tl.maximum(unit - full_units, 0)
+    split = unit >= full_units
+    tile = tl.where(split, full_units + tail // pieces, unit)
+    piece = tl.where(split, tail % pieces, 0)
+    return tile, piece, tl.where(split, pieces, 1)
+
+
+@triton.jit
+def piece_blocks(piece, pieces, n_blocks):
+    """Key blocks ``[lo, hi)`` of piece ``piece`` of ``pieces`` over a tile's ``n_blocks``
+    (sizes differing by at most one)."""
+    return piece * n_blocks // pieces, (piece + 1) * n_blocks // pieces
+
+
+@triton.jit
 def grouped_tile(t, tiles_m, tiles_n, group_rows):
     """Tile ``t`` of a (tiles_m × tiles_n) grid walked in groups of ``group_rows`` row-blocks,
     column-major inside a group: consecutive tiles share a weight column (L2 reuse) and rows of

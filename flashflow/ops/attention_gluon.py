@@ -34,7 +34,7 @@ from flashflow.device import cdiv, gpu_family, interpreting, num_sms, on_gpu
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import Launcher, aligned16, contiguous_strides, rows_view, stream_scratch, tma_strides_ok
 from flashflow.tuning import NoConfigError
-from flashflow.tuning.attention_gluon import GluonAttentionConfig, gluon_attention_config
+from flashflow.tuning.attention_gluon import GluonAttentionConfig, gluon_attention_config, last_wave_pieces
 
 GLUON = "gluon-sm90"
 KERNEL_ENV = "FLASHFLOW_ATTENTION_KERNEL"
@@ -146,9 +146,12 @@ class GluonPlan:
     arguments and constexprs. A call then builds three descriptors and launches
     (:meth:`launch`); the plan keeps no tensor."""
 
-    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape", "_descriptor_of", "_launch")
-    # with ``dynamic`` tiles the launch takes the tile counter, one zeroed int32 word the kernel
-    # leaves zeroed, from the stream's scratch (ops/common.py); without, any pointer stands in
+    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape", "split_tiles", "ws_shape",
+                 "_descriptor_of", "_launch")
+    # with tiles by ticket the launch takes the tile counter, one zeroed int32 word the kernel
+    # leaves zeroed, from the stream's scratch (ops/common.py); without, any pointer stands in.
+    # With the last wave's tiles in key pieces (``split_tiles`` of them) it also takes two zeroed
+    # words a split tile from the stream's scratch and an fp32 scratch of ``ws_shape`` a call
 
     def __init__(self, q, k, v, kpm, mask_keys, causal, return_lse, heavy_first, config, out):
         from flashflow.kernels.attention_gluon import descriptor, descriptor_of, descriptor_spec
@@ -166,17 +169,24 @@ class GluonPlan:
             descriptor(t, spec)
         num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
         num_tiles = num_m_blocks * heads * batch
-        self.grid = (min(num_tiles, num_sms(q.device)) if cfg.persistent else num_tiles, 1, 1)
+        ctas = num_sms(q.device)
+        pieces = last_wave_pieces(cfg, causal, num_tiles, ctas, cdiv(seqlen_k, cfg.BLOCK_N))
+        self.split_tiles = (num_tiles % ctas if num_tiles >= ctas else num_tiles) if pieces > 1 else 0
+        full_units = num_tiles - self.split_tiles
+        units = full_units + self.split_tiles * pieces
+        self.ws_shape = (self.split_tiles * (pieces - 1) * 2 * 64 * (head_dim + 2),)
+        self.grid = (min(units, ctas) if cfg.persistent else num_tiles, 1, 1)
         so = out.stride() if out is not None else contiguous_strides(q.shape)
         self.ints = (so[0], so[1], so[2], heads * seqlen_q if return_lse else 0, seqlen_q if return_lse else 0,
                      kpm.stride(0) if kpm is not None else 0, *views[0][:3], *views[1][:3],
-                     seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, num_tiles,
+                     seqlen_q, seqlen_k, heads, heads // kv_heads, num_m_blocks, units, full_units, pieces,
                      mask_keys if kpm is not None else 0)
         self.constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, NUM_STAGES=cfg.num_stages, CAUSAL=causal,
             KEY_PADDING=kpm is not None, RETURN_LSE=return_lse, HEAVY_FIRST=causal and heavy_first,
             WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
-            DYNAMIC=cfg.dynamic,
+            # key pieces wait on each other: only CTAs already running take a unit (by ticket)
+            DYNAMIC=cfg.dynamic or pieces > 1, SPLIT=pieces > 1,
             Q_BUFS=cfg.q_buffers if cfg.persistent else 1, OVERLAP=cfg.overlap_tiles, num_warps=cfg.num_warps)
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
@@ -185,9 +195,15 @@ class GluonPlan:
             out = q.new_empty(q.shape)
         lse = q.new_empty(self.lse_shape, dtype=torch.float32)
         make, (qs, ks, vs) = self._descriptor_of, self.descs
-        counter = stream_scratch("attention-tiles", 1, q.device) if self.cfg.dynamic else q
+        counter = stream_scratch("attention-tiles", 1, q.device) if self.constexprs["DYNAMIC"] else q
+        if self.split_tiles:
+            ws = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
+            split_counter = stream_scratch("attention-pieces", 2 * self.split_tiles, q.device)
+        else:
+            ws = split_counter = q
         self._launch(launch_key, self.grid, (make(q, qs), make(k, ks), make(v, vs), out, lse,
-                                             q if kpm is None else kpm, counter, *self.ints, softmax_scale * LOG2E),
+                                             q if kpm is None else kpm, counter, ws, split_counter, *self.ints,
+                                             softmax_scale * LOG2E),
                      self.constexprs)
         return out, lse
 

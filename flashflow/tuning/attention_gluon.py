@@ -24,6 +24,9 @@ class GluonAttentionConfig(Config):
     dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
     q_buffers: int = 2               # persistent: Q buffers (2: the next tile's Q loads under this one)
     overlap_tiles: bool = False      # a tile's output stored under the next tile's first Q·Kᵀ
+    split_last_wave: bool = False    # no causal mask: the tiles past the last full wave in key pieces
+    min_piece_blocks: int = 4        # split_last_wave: key blocks a piece at least
+    max_pieces: int = 8              # split_last_wave: pieces a tile at most (the last one merges them all)
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 
@@ -43,6 +46,11 @@ class GluonAttentionConfig(Config):
             raise ValueError("pingpong needs split_warpgroups")
         if self.overlap_tiles and (not self.split_warpgroups or self.pingpong):
             raise ValueError("overlap_tiles needs split_warpgroups without pingpong")
+        if self.split_last_wave and not self.overlap_tiles:
+            raise ValueError("split_last_wave needs overlap_tiles")
+        if self.min_piece_blocks < 1 or self.max_pieces < 2:
+            raise ValueError(f"min_piece_blocks must be at least 1 and max_pieces at least 2, got "
+                             f"{self.min_piece_blocks} and {self.max_pieces}")
 
 
 CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal", "seqlen_k"), what="Gluon attention")
@@ -58,3 +66,19 @@ def gluon_attention_config(head_dim: int, causal: bool, family: str, seqlen_k: i
     first matching entry of ``attention_gluon.json`` (an entry with ``seqlen_k_max`` holds up to
     that many keys)."""
     return CONFIGS.config(family, head_dim=head_dim, causal=causal, seqlen_k=seqlen_k)
+
+
+def last_wave_pieces(cfg: GluonAttentionConfig, causal: bool, num_tiles: int, ctas: int, key_blocks: int) -> int:
+    """Key pieces for each tile past the last full wave of ``ctas`` persistent CTAs (1: none).
+    With ``split_last_wave`` and no causal mask (every tile ``key_blocks`` long), the ``T`` tiles
+    left after the full waves (all of them with fewer tiles than CTAs) run as ``ctas // T`` pieces
+    each, at least ``min_piece_blocks`` blocks a piece and at most ``max_pieces`` pieces (the last
+    piece merges the others one after another), so the last wave keeps the SMs busy a fraction
+    of a tile's time instead of a whole tile's on ``T`` of them."""
+    if not cfg.split_last_wave or causal or num_tiles == 0:
+        return 1
+    tail = num_tiles % ctas if num_tiles >= ctas else num_tiles
+    if tail == 0:
+        return 1
+    pieces = min(ctas // tail, key_blocks // cfg.min_piece_blocks, cfg.max_pieces)
+    return pieces if pieces >= 2 else 1

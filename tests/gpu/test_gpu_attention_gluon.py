@@ -358,3 +358,95 @@ def test_dynamic_tiles_on_a_side_stream_and_in_graph_replays(gpu):
     worst = gpu.worst_over_replays(lambda: _run(q, k, v, cfg, True)[0], q, lambda x: _exact(x, k, v, True),
                                    replays=12, new_input_every=4)
     assert worst < gpu.tol
+
+
+def _pieces_config(head_dim, min_piece_blocks):
+    import dataclasses
+
+    return dataclasses.replace(ag.gluon_attention_config(head_dim, False, "sm90", 4096), split_last_wave=True,
+                               min_piece_blocks=min_piece_blocks)
+
+
+# b, sq, sk, h, hk, d, causal, key padding: tiles past the last full wave of 132 CTAs (H100, H200)
+PIECE_SHAPES = {
+    "few-tiles-ragged": (1, 1000, 1000, 2, 2, 128, False, False),      # 16 tiles of 8 blocks
+    "key-padding": (2, 640, 640, 4, 4, 128, False, True),              # 40 tiles, the mask in block 1
+    "qwen-like": (1, 4352, 4352, 4, 4, 128, False, False),             # 136 tiles: 4 past the wave
+    "waves-gqa-ragged": (2, 1000, 1000, 70, 14, 128, False, False),    # 1120 tiles: 64 past 8 waves
+    "sq<sk": (1, 300, 1000, 4, 4, 128, False, False),
+    "d256-ragged": (1, 1000, 1000, 2, 2, 256, False, False),
+}
+
+
+@pytest.mark.parametrize("min_piece_blocks", [1, 4])
+@pytest.mark.parametrize("shape", list(PIECE_SHAPES))
+def test_last_wave_in_key_pieces_against_float64(gpu, shape, min_piece_blocks):
+    """The tiles past the last full wave run in key pieces, merged by each tile's last piece:
+    against float64 and the portable kernel's LSE, the outputs NaN-filled before the call (the
+    plan splits where the rule says so), and the pieces' counters zero again after the launch."""
+    b, sq, sk, h, hk, d, causal, kp = PIECE_SHAPES[shape]
+    cfg = _pieces_config(d, min_piece_blocks)
+    q = torch.empty(b, sq, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.empty(b, sk, hk, d, device="cuda", dtype=torch.bfloat16)
+    plan, _ = ag.gluon_plan(q, k, k, None, 0, None, True, False, cfg)
+    # every shape splits but the key-padding one at 4 blocks a piece (5 blocks a tile)
+    assert (plan.split_tiles > 0) == (shape != "key-padding" or min_piece_blocks == 1)
+    assert plan.constexprs["SPLIT"] == (plan.split_tiles > 0)
+    for _ in range(2):
+        _check_against_float64_and_the_portable_lse(gpu, PIECE_SHAPES[shape], cfg)
+        torch.cuda.synchronize()
+        assert int(stream_scratch("attention-pieces", 1, q.device).count_nonzero()) == 0
+    # the merge adds no error of its own: tile by tile (128 rows of one head), the split call's
+    # error against float64 is the whole-tile call's, on inputs with peaked rows (q scaled ×4)
+    import dataclasses
+
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=torch.bfloat16) * 4
+    k, v = (torch.randn(b, sk, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    kpm = torch.rand(b, 200, device="cuda") > 0.3 if kp else None
+    ref = _exact(q, k, v, False, kpm)
+    errs = []
+    for c in (cfg, dataclasses.replace(cfg, split_last_wave=False)):
+        out, _ = _run(q, k, v, c, False, kpm, 200 if kp else None)
+        diff = (out.double() - ref).transpose(1, 2).split(128, dim=2)
+        errs.append(torch.stack([x.norm(dim=(2, 3)) for x in diff]) /
+                    torch.stack([x.norm(dim=(2, 3)) for x in ref.transpose(1, 2).split(128, dim=2)]))
+    assert errs[0].max().item() < 1.25 * errs[1].max().item() + 1e-4, (errs[0].max(), errs[1].max())
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v"])
+def test_key_pieces_with_non_finite_inputs_as_the_portable_kernel(which):
+    """NaN and inf in one piece's keys or values, or in a query row, reach the merged rows as
+    they reach the portable kernel's."""
+    b, s, h, d = 1, 700, 4, 128   # 24 tiles of 6 blocks: 5 pieces a tile
+    cfg = _pieces_config(d, 1)
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    t = dict(q=q, k=k, v=v)[which]
+    t[0, 5, 1, 7] = float("nan")
+    t[0, 300, 2, 0] = float("inf")
+    t[0, 650, 3, 3] = float("-inf")
+    out, lse = _run(q, k, v, cfg, False)
+    assert ag.gluon_plan(q, k, v, None, 0, None, True, False, cfg)[0].split_tiles == 24
+    ref, ref_lse = _portable_forward(q, k, v, softmax_scale=d ** -0.5)
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.isinf(), ref.isinf())
+    assert torch.equal(lse.isnan(), ref_lse.isnan())
+
+
+def test_key_pieces_on_a_side_stream_and_in_graph_replays(gpu):
+    """Key pieces: the counters are kept per stream, the scratch a call's own; two streams'
+    launches at once and CUDA-graph replays with new inputs each give the right rows."""
+    cfg = _pieces_config(128, 4)
+    b, s, h, d = 1, 4352, 4, 128
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert ag.gluon_plan(q, k, v, None, 0, None, True, False, cfg)[0].split_tiles == 4
+    q2 = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        out2, _ = _run(q2, k, v, cfg, False)
+    out, _ = _run(q, k, v, cfg, False)
+    torch.cuda.synchronize()
+    assert gpu.rel(out, _exact(q, k, v, False)) < gpu.tol
+    assert gpu.rel(out2, _exact(q2, k, v, False)) < gpu.tol
+    worst = gpu.worst_over_replays(lambda: _run(q, k, v, cfg, False)[0], q, lambda x: _exact(x, k, v, False),
+                                   replays=12, new_input_every=4)
+    assert worst < gpu.tol

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flashflow.kernels.tile_order import attention_tile, next_tile
+from flashflow.kernels.tile_order import attention_tile, next_tile, piece_blocks, split_unit
 
 
 @triton.jit
@@ -50,3 +50,40 @@ def test_every_tile_runs_once_and_the_counter_returns_to_zero(device, dynamic, n
     expect = [(num_m_blocks - 1 - t % num_m_blocks, (t // num_m_blocks) % heads, t // (num_m_blocks * heads))
               for t in range(num_tiles)]   # the longest m-block of a head first
     assert [tuple(r) for r in order.tolist()] == expect
+
+
+@triton.jit
+def _split_walk(BLOCK_RUNS, LAST, COUNTER, num_units, full_units, pieces, n_blocks, DYNAMIC: tl.constexpr):
+    """Each program walks work units by ``next_tile``; a unit adds one to ``BLOCK_RUNS[tile, j]``
+    for each key block j it holds (tile_order's ``split_unit`` and ``piece_blocks``), and the
+    unit that is its tile's last piece writes its unit number to ``LAST[tile]``."""
+    unit = tl.program_id(0)
+    while unit < num_units:
+        nxt = next_tile(unit, COUNTER, num_units, DYNAMIC)
+        tile, piece, tile_pieces = split_unit(unit, full_units, pieces)
+        lo, hi = piece_blocks(piece, tile_pieces, n_blocks)
+        for j in range(lo, hi):
+            tl.atomic_add(BLOCK_RUNS + tile * n_blocks + j, 1)
+        if piece == tile_pieces - 1:
+            tl.store(LAST + tile, unit)
+        unit = nxt
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+@pytest.mark.parametrize("num_tiles,ctas,n_blocks,pieces", [(10, 4, 7, 2), (5, 8, 9, 8), (13, 6, 3, 3),
+                                                             (4, 4, 5, 1)])
+def test_split_units_cover_every_key_block_once(device, dynamic, num_tiles, ctas, n_blocks, pieces):
+    """The tiles past the last full wave in key pieces: every key block of every tile is held by
+    exactly one unit, whole tiles keep unit = tile, and a tile's merging piece (its last) is its
+    highest-numbered unit, after all the pieces it waits for."""
+    tail = (num_tiles % ctas if num_tiles >= ctas else num_tiles) if pieces > 1 else 0
+    full_units = num_tiles - tail
+    units = full_units + tail * pieces
+    counter = torch.zeros(1, dtype=torch.int32, device=device)
+    runs = torch.zeros(num_tiles, n_blocks, dtype=torch.int32, device=device)
+    last = torch.full((num_tiles,), -1, dtype=torch.int32, device=device)
+    _split_walk[(min(ctas, units),)](runs, last, counter, units, full_units, pieces, n_blocks, DYNAMIC=dynamic)
+    assert runs.tolist() == [[1] * n_blocks] * num_tiles
+    assert last.tolist() == (list(range(full_units)) +
+                             [full_units + t * pieces + pieces - 1 for t in range(tail)])
+    assert int(counter.item()) == 0

@@ -2,6 +2,8 @@
 seen on the CPU with the GPU family stood in for, its override by FLASHFLOW_ATTENTION_KERNEL, its
 config table and launch rule. The kernel itself runs only on a Hopper GPU
 (tests/gpu/test_gpu_attention_gluon.py)."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from flashflow.ops import attention as attn_ops
 from flashflow.ops import attention_gluon as ag
 from flashflow.reference import attention_naive
 from flashflow.reference.metrics import rel_l2
-from flashflow.tuning.attention_gluon import CONFIGS, GluonAttentionConfig, gluon_attention_config
+from flashflow.tuning.attention_gluon import CONFIGS, GluonAttentionConfig, gluon_attention_config, last_wave_pieces
 
 
 @pytest.fixture
@@ -146,6 +148,29 @@ def test_config_table_and_rules():
     wide = gluon_attention_config(256, True, "sm90", 4096)
     assert wide.auto and wide.BLOCK_N == 64 and not wide.persistent and wide.min_seqlen_k == 512
     assert not gluon_attention_config(64, False, "sm90", 4096).auto
+    # the tiles past the last full wave in key pieces: the persistent entries without a causal mask
+    for d in (128, 256):
+        assert gluon_attention_config(d, False, "sm90", 4096).split_last_wave
+        assert not gluon_attention_config(d, True, "sm90", 4096).split_last_wave
+
+
+def test_last_wave_pieces():
+    """The rule for key pieces (132 CTAs): the tiles left after the full waves, ``ctas // T``
+    pieces each, at least min_piece_blocks blocks a piece, at most max_pieces; none for a causal
+    call, full waves, or a config without it."""
+    hot = gluon_attention_config(128, False, "sm90", 4096)
+    assert (hot.min_piece_blocks, hot.max_pieces) == (4, 8)
+    assert last_wave_pieces(hot, False, 816, 132, 34) == 5    # Qwen-Image 1024px: 24 tiles past 6 waves
+    assert last_wave_pieces(hot, False, 408, 132, 34) == 8    # 12 heads: 12 past 3 waves, at most 8
+    assert last_wave_pieces(hot, False, 1584, 132, 66) == 1   # Qwen-Image-Edit: 12 full waves
+    assert last_wave_pieces(hot, False, 2048, 132, 16) == 1   # 68 past 15 waves: 132 // 68 = 1
+    assert last_wave_pieces(hot, False, 16, 132, 8) == 2      # fewer tiles than CTAs: 4 blocks a piece
+    assert last_wave_pieces(hot, False, 16, 132, 7) == 1
+    assert last_wave_pieces(hot, True, 816, 132, 34) == 1
+    assert last_wave_pieces(dataclasses.replace(hot, split_last_wave=False), False, 816, 132, 34) == 1
+    wide = gluon_attention_config(256, False, "sm90", 4096)   # 64-key blocks: 8 a piece
+    assert last_wave_pieces(wide, False, 272, 132, 68) == 8
+    assert last_wave_pieces(wide, False, 272, 132, 40) == 5
 
 
 @pytest.mark.parametrize("fields, match", [
@@ -160,6 +185,9 @@ def test_config_table_and_rules():
      "overlap_tiles needs split_warpgroups without pingpong"),
     (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, split_warpgroups=True,
           pingpong=True, persistent=True, overlap_tiles=True), "overlap_tiles needs split_warpgroups without pingpong"),
+    (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, split_warpgroups=True,
+          persistent=True, split_last_wave=True), "split_last_wave needs overlap_tiles"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, max_pieces=1), "max_pieces at least 2"),
 ])
 def test_config_refuses_what_the_kernel_cannot_be(fields, match):
     with pytest.raises(ValueError, match=match):

@@ -100,7 +100,7 @@ SPEC = OpSpec(
     suite="attention",
     axes={"BLOCK_N": (64, 128), "num_stages": (2, 3), "pingpong": (False, True),
           "split_warpgroups": (False, True), "persistent": (False, True), "dynamic": (False, True),
-          "overlap_tiles": (False, True)},
+          "overlap_tiles": (False, True), "split_last_wave": (False, True), "max_pieces": (4, 8, 16)},
     config_classes=(GluonAttentionConfig,),
     unit="TFLOP/s",
     anchor="sdpa",
