@@ -49,6 +49,15 @@ block 0's softmax. That WGMMA is issued whatever the next tile (its result is no
 the last tile or for a tile with no key block): issued under a branch, or with the last P·V
 still in flight, ptxas serialises every WGMMA of the kernel for want of registers (its C7512
 note; ``tests/bench/test_offline.py`` checks every shipped config for it).
+``SPLIT`` (the persistent entries without a causal mask, where the tiles do not fill the last
+wave: ``tuning/attention_gluon.py``'s ``last_wave_pieces``): the CTAs walk work units, the
+tiles of the full waves whole and each remaining tile as ``pieces`` runs over consecutive key
+blocks (tile_order.py's ``split_unit``, ``piece_blocks``), claimed by ticket. A piece before its
+tile's last stores its unnormalised rows (``acc``, ``m``, ``l`` in fp32) and arrives on its
+partition's counter of the tile, each thread releasing its own stores; the last piece waits in
+each thread until every thread of the others has arrived, folds their rows into its own
+(:func:`_merge_pieces`) and stores the tile (sync.py's ``release_add`` / ``acquire_at_least``).
+A piece waits only for units before it, which CTAs already running hold: no deadlock.
 Written with the masked blocks in loops of their own before and after the pipelined loop, the
 persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
 computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge

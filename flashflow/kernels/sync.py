@@ -43,6 +43,13 @@ partials merged by the last to arrive (``_arrive_last``: every thread releases, 
 add on an epoch counter, the last arrival acquiring in every thread) serve the megakernel's
 split-KV attention and its K slices.
 
+The Gluon attention forward's key pieces (:mod:`flashflow.kernels.attention_gluon`) use a
+per-thread form with no barrier: each thread of a piece releases its own stores with one
+``red.release.gpu`` on the tile's counter (:func:`release_add`), and each thread of the merging
+piece spins with ``ld.acquire.gpu`` until the counter holds every thread's arrival
+(:func:`acquire_at_least`); the merging piece puts the counter back to zero after a barrier of
+its own warps.
+
 Counters are reset by the last program to finish (a scalar ``acq_rel`` add on a "done"
 counter): every other program has then passed all its waits and signals, and the next launch
 (or CUDA-graph replay) is stream-ordered after this one, so neither a reset kernel nor an epoch

@@ -1,6 +1,7 @@
 """Tile orders, defined once: the attention kernels' tile map (:func:`attention_tile`), the
-persistent attention forward's tile scheduler (:func:`next_tile`: static or by tickets) and the
-persistent FFN kernel's ticket order (which tile ticket ``t`` runs).
+persistent attention forward's tile scheduler (:func:`next_tile`: static or by tickets; its work
+units when the tiles past the last full wave run in key pieces, :func:`split_unit` and
+:func:`piece_blocks`) and the persistent FFN kernel's ticket order (which tile ticket ``t`` runs).
 
 ``ticket_to_tile`` is the kernel's map (``@triton.jit``, called by
 :func:`flashflow.kernels.mlp.mlp_persistent_kernel` for every ticket). :func:`issue_order` runs

@@ -340,24 +340,30 @@ def test_persistent_tiles_without_an_unmasked_block(gpu, dynamic, overlap):
                 assert int(stream_scratch("attention-tiles", 1, q.device).count_nonzero()) == 0
 
 
+def _on_two_streams_and_in_graph_replays(gpu, cfg, q, k, v, causal):
+    """Launches of ``cfg`` on a side stream and the default stream at once (other queries), then
+    CUDA-graph replays with new inputs: every output against float64."""
+    q2 = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        out2, _ = _run(q2, k, v, cfg, causal)
+    out, _ = _run(q, k, v, cfg, causal)
+    torch.cuda.synchronize()
+    assert gpu.rel(out, _exact(q, k, v, causal)) < gpu.tol
+    assert gpu.rel(out2, _exact(q2, k, v, causal)) < gpu.tol
+    worst = gpu.worst_over_replays(lambda: _run(q, k, v, cfg, causal)[0], q, lambda x: _exact(x, k, v, causal),
+                                   replays=12, new_input_every=4)
+    assert worst < gpu.tol
+
+
 def test_dynamic_tiles_on_a_side_stream_and_in_graph_replays(gpu):
     """Tiles claimed by ticket: the counter is kept per stream (two streams' launches do not
     share it) and a captured launch takes its own, which each replay leaves at zero."""
     cfg = C(128, 128, 4, 2, True, True, True, True, dynamic=True)
     b, s, h, d = 2, 2100, 16, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    q2 = torch.randn_like(q)
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        out2, _ = _run(q2, k, v, cfg, True)
-    out, _ = _run(q, k, v, cfg, True)
-    torch.cuda.synchronize()
-    assert gpu.rel(out, _exact(q, k, v, True)) < gpu.tol
-    assert gpu.rel(out2, _exact(q2, k, v, True)) < gpu.tol
-    worst = gpu.worst_over_replays(lambda: _run(q, k, v, cfg, True)[0], q, lambda x: _exact(x, k, v, True),
-                                   replays=12, new_input_every=4)
-    assert worst < gpu.tol
+    _on_two_streams_and_in_graph_replays(gpu, cfg, q, k, v, True)
 
 
 def _pieces_config(head_dim, min_piece_blocks):
@@ -438,15 +444,4 @@ def test_key_pieces_on_a_side_stream_and_in_graph_replays(gpu):
     b, s, h, d = 1, 4352, 4, 128
     q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert ag.gluon_plan(q, k, v, None, 0, None, True, False, cfg)[0].split_tiles == 4
-    q2 = torch.randn_like(q)
-    side = torch.cuda.Stream()
-    torch.cuda.synchronize()
-    with torch.cuda.stream(side):
-        out2, _ = _run(q2, k, v, cfg, False)
-    out, _ = _run(q, k, v, cfg, False)
-    torch.cuda.synchronize()
-    assert gpu.rel(out, _exact(q, k, v, False)) < gpu.tol
-    assert gpu.rel(out2, _exact(q2, k, v, False)) < gpu.tol
-    worst = gpu.worst_over_replays(lambda: _run(q, k, v, cfg, False)[0], q, lambda x: _exact(x, k, v, False),
-                                   replays=12, new_input_every=4)
-    assert worst < gpu.tol
+    _on_two_streams_and_in_graph_replays(gpu, cfg, q, k, v, False)
