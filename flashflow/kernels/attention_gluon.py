@@ -57,7 +57,9 @@ tile's last stores its unnormalised rows (``acc``, ``m``, ``l`` in fp32) and arr
 partition's counter of the tile, each thread releasing its own stores; the last piece waits in
 each thread until every thread of the others has arrived, folds their rows into its own
 (:func:`_merge_pieces`) and stores the tile (sync.py's ``release_add`` / ``acquire_at_least``).
-A piece waits only for units before it, which CTAs already running hold: no deadlock.
+A piece waits only for units before it: after whole waves claimed by ticket, so CTAs already
+running hold them; with fewer tiles than CTAs each unit is a CTA's first, and a merging piece
+waits for CTAs of lower program id, which the hardware starts first.
 Written with the masked blocks in loops of their own before and after the pipelined loop, the
 persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
 computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge

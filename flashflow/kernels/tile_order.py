@@ -97,7 +97,8 @@ def split_unit(unit, full_units, pieces):
     tiles (tile = unit, piece 0 of 1); after them each remaining tile is ``pieces`` units in a
     row, its pieces in key order, the last of them the one that waits for the others and combines
     (a piece never waits for a unit after it, which with tiles claimed by ticket keeps the launch
-    free of deadlock)."""
+    free of deadlock; with fewer tiles than CTAs, each unit is a CTA's first, and a piece waits
+    for CTAs of lower program id, which the hardware starts first)."""
     tail = tl.maximum(unit - full_units, 0)
     split = unit >= full_units
     tile = tl.where(split, full_units + tail // pieces, unit)
