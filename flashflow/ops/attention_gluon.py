@@ -171,7 +171,7 @@ class GluonPlan:
         num_tiles = num_m_blocks * heads * batch
         ctas = num_sms(q.device)
         pieces = last_wave_pieces(cfg, causal, num_tiles, ctas, cdiv(seqlen_k, cfg.BLOCK_N))
-        self.split_tiles = (num_tiles % ctas if num_tiles >= ctas else num_tiles) if pieces > 1 else 0
+        self.split_tiles = num_tiles % ctas if pieces > 1 else 0   # the tiles past the last full wave
         full_units = num_tiles - self.split_tiles
         units = full_units + self.split_tiles * pieces
         self.ws_shape = (self.split_tiles * (pieces - 1) * 2 * 64 * (head_dim + 2),)

@@ -77,7 +77,7 @@ def last_wave_pieces(cfg: GluonAttentionConfig, causal: bool, num_tiles: int, ct
     of a tile's time instead of a whole tile's on ``T`` of them."""
     if not cfg.split_last_wave or causal or num_tiles == 0:
         return 1
-    tail = num_tiles % ctas if num_tiles >= ctas else num_tiles
+    tail = num_tiles % ctas   # (all of them with fewer tiles than CTAs)
     if tail == 0:
         return 1
     pieces = min(ctas // tail, key_blocks // cfg.min_piece_blocks, cfg.max_pieces)
