@@ -57,9 +57,9 @@ tile's last stores its unnormalised rows (``acc``, ``m``, ``l`` in fp32) and arr
 partition's counter of the tile, each thread releasing its own stores; the last piece waits in
 each thread until every thread of the others has arrived, folds their rows into its own
 (:func:`_merge_pieces`) and stores the tile (sync.py's ``release_add`` / ``acquire_at_least``).
-A piece waits only for units before it: after whole waves claimed by ticket, so CTAs already
-running hold them; with fewer tiles than CTAs each unit is a CTA's first, and a merging piece
-waits for CTAs of lower program id, which the hardware starts first.
+A piece waits only for units before it, and with ``SPLIT`` every unit is claimed by ticket, a
+CTA's first too (tile_order.py's ``first_tile``), so running CTAs hold them whatever order the
+hardware starts the CTAs in.
 Written with the masked blocks in loops of their own before and after the pipelined loop, the
 persistent form with two MMA partitions faulted on tiles with no unmasked block: ptxas (12.8)
 computed a WGMMA descriptor of Q inside the pipelined loop's guard and read it after the merge
@@ -98,7 +98,7 @@ from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_tur
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled, shift_of
 from flashflow.kernels.sync import acquire_at_least, release_add
-from flashflow.kernels.tile_order import attention_tile, next_tile, piece_blocks, split_unit
+from flashflow.kernels.tile_order import attention_tile, first_tile, next_tile, piece_blocks, split_unit
 
 
 # ----------------------------------------------------------------------------- scores
@@ -176,9 +176,10 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     them, :func:`_unit_span`) and loads each unit's key blocks only."""
     g = 0
     it = 0
-    tile = gl.program_id(0)
+    # key pieces wait for lower-numbered units: every unit by ticket, the first too
+    tile = first_tile(tile_counter, num_tiles, SPLIT)
     while tile < num_tiles:
-        nxt = next_tile(tile, tile_counter, num_tiles, DYNAMIC)
+        nxt = next_tile(tile, tile_counter, num_tiles, DYNAMIC, SPLIT)
         m_start, head, batch, kv_head, kb0, n_blocks, full_lo, full_hi = _unit_span(
             tile, full_units, pieces, num_m_blocks, heads, kv_group, seqlen_q, seqlen_k, masked_keys, CAUSAL,
             HEAVY_FIRST, BLOCK_M, BLOCK_N, SPLIT)

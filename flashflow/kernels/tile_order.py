@@ -1,5 +1,5 @@
 """Tile orders, defined once: the attention kernels' tile map (:func:`attention_tile`), the
-persistent attention forward's tile scheduler (:func:`next_tile`: static or by tickets; its work
+persistent attention forward's tile scheduler (:func:`first_tile`, :func:`next_tile`: static or by tickets; its work
 units when the tiles past the last full wave run in key pieces, :func:`split_unit` and
 :func:`piece_blocks`) and the persistent FFN kernel's ticket order (which tile ticket ``t`` runs).
 
@@ -70,21 +70,45 @@ def attention_tile(tile, num_m_blocks, heads, HEAVY_FIRST: tl.constexpr):
 
 
 @triton.jit
-def next_tile(tile, counter, num_tiles, DYNAMIC: tl.constexpr):
+def first_tile(counter, num_tiles, ALL_BY_TICKET: tl.constexpr):
+    """The first tile of a persistent CTA of the attention forward: its program id, or with
+    ``ALL_BY_TICKET`` a ticket from ``counter`` like every later one (:func:`next_tile`), so
+    that a CTA only ever holds a tile no lower-numbered tile is still waiting to be claimed for,
+    whatever order the hardware starts the CTAs in."""
+    if ALL_BY_TICKET:
+        tile = _ticket(counter, num_tiles + tl.num_programs(0) - 1)
+    else:
+        tile = tl.program_id(0)
+    return tile
+
+
+@triton.jit
+def _ticket(counter, last):
+    """A ticket from ``counter``; the CTA holding ``last``, the launch's last ticket, puts the
+    counter back to zero for the next launch on the stream."""
+    ticket = tl.atomic_add(counter, 1, sem="relaxed")
+    if ticket == last:
+        tl.atomic_xchg(counter, 0, sem="relaxed")
+    return ticket
+
+
+@triton.jit
+def next_tile(tile, counter, num_tiles, DYNAMIC: tl.constexpr, ALL_BY_TICKET: tl.constexpr = False):
     """The tile a persistent CTA of the attention forward runs after ``tile`` (a CTA starts
-    at its program id; a tile past ``num_tiles - 1`` ends its walk). Static: ``tile +
+    at :func:`first_tile`; a tile past ``num_tiles - 1`` ends its walk). Static: ``tile +
     num_programs``, CTA p runs p, p + P, p + 2P, .... ``DYNAMIC``: the next tile of
     :func:`attention_tile`'s order no CTA has claimed, ``P +`` a ticket taken from ``counter``
     (one int32, zero before the launch), so that a CTA that finishes early takes the next tile,
     as the hardware hands out the blocks of a grid of one CTA a tile (with ``HEAVY_FIRST``, the
     longest first). Every CTA takes one ticket a tile it runs, the last one past the end, so the
     launch takes exactly ``num_tiles`` tickets; the CTA holding ticket ``num_tiles - 1``, the
-    last taken, puts the counter back to zero for the next launch on the stream."""
-    if DYNAMIC:
-        ticket = tl.atomic_add(counter, 1, sem="relaxed")
-        if ticket == num_tiles - 1:
-            tl.atomic_xchg(counter, 0, sem="relaxed")
-        nxt = tl.num_programs(0) + ticket
+    last taken, puts the counter back to zero for the next launch on the stream.
+    ``ALL_BY_TICKET`` (``DYNAMIC`` too): the first tiles were tickets as well, so the next one is
+    the ticket itself, and the launch takes ``num_tiles + P`` of them."""
+    if ALL_BY_TICKET:
+        nxt = _ticket(counter, num_tiles + tl.num_programs(0) - 1)
+    elif DYNAMIC:
+        nxt = tl.num_programs(0) + _ticket(counter, num_tiles - 1)
     else:
         nxt = tile + tl.num_programs(0)
     return nxt
@@ -96,9 +120,9 @@ def split_unit(unit, full_units, pieces):
     ``unit`` when the last wave's tiles run in key pieces: units ``[0, full_units)`` are whole
     tiles (tile = unit, piece 0 of 1); after them each remaining tile is ``pieces`` units in a
     row, its pieces in key order, the last of them the one that waits for the others and combines
-    (a piece never waits for a unit after it, which with tiles claimed by ticket keeps the launch
-    free of deadlock; with fewer tiles than CTAs, each unit is a CTA's first, and a piece waits
-    for CTAs of lower program id, which the hardware starts first)."""
+    (a piece never waits for a unit after it: with every unit claimed by ticket, ``first_tile``
+    and ``next_tile`` with ``ALL_BY_TICKET``, a piece waits only for units running CTAs hold,
+    which keeps the launch free of deadlock)."""
     tail = tl.maximum(unit - full_units, 0)
     split = unit >= full_units
     tile = tl.where(split, full_units + tail // pieces, unit)

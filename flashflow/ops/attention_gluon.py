@@ -146,12 +146,12 @@ class GluonPlan:
     arguments and constexprs. A call then builds three descriptors and launches
     (:meth:`launch`); the plan keeps no tensor."""
 
-    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape", "split_tiles", "ws_shape",
+    __slots__ = ("cfg", "descs", "grid", "ints", "constexprs", "lse_shape", "split_tiles", "ws_words",
                  "_descriptor_of", "_launch")
     # with tiles by ticket the launch takes the tile counter, one zeroed int32 word the kernel
     # leaves zeroed, from the stream's scratch (ops/common.py); without, any pointer stands in.
     # With the last wave's tiles in key pieces (``split_tiles`` of them) it also takes two zeroed
-    # words a split tile from the stream's scratch and an fp32 scratch of ``ws_shape`` a call
+    # words a split tile and ``ws_words`` fp32 for the pieces' rows from the stream's scratch
 
     def __init__(self, q, k, v, kpm, mask_keys, causal, return_lse, heavy_first, config, out):
         from flashflow.kernels.attention_gluon import descriptor, descriptor_of, descriptor_spec
@@ -174,7 +174,7 @@ class GluonPlan:
         self.split_tiles = num_tiles % ctas if pieces > 1 else 0   # the tiles past the last full wave
         full_units = num_tiles - self.split_tiles
         units = full_units + self.split_tiles * pieces
-        self.ws_shape = (self.split_tiles * (pieces - 1) * 2 * 64 * (head_dim + 2),)
+        self.ws_words = self.split_tiles * (pieces - 1) * 2 * 64 * (head_dim + 2)
         self.grid = (min(units, ctas) if cfg.persistent else num_tiles, 1, 1)
         so = out.stride() if out is not None else contiguous_strides(q.shape)
         self.ints = (so[0], so[1], so[2], heads * seqlen_q if return_lse else 0, seqlen_q if return_lse else 0,
@@ -197,7 +197,7 @@ class GluonPlan:
         make, (qs, ks, vs) = self._descriptor_of, self.descs
         counter = stream_scratch("attention-tiles", 1, q.device) if self.constexprs["DYNAMIC"] else q
         if self.split_tiles:
-            ws = torch.empty(self.ws_shape, dtype=torch.float32, device=q.device)
+            ws = stream_scratch("attention-piece-rows", self.ws_words, q.device, torch.float32)
             split_counter = stream_scratch("attention-pieces", 2 * self.split_tiles, q.device)
         else:
             ws = split_counter = q

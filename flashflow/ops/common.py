@@ -223,22 +223,22 @@ _SCRATCH: dict = {}   # (owner, device, stream) -> a zeroed int32 buffer its ker
 _SCRATCH_LOCK = threading.Lock()
 
 
-def stream_scratch(owner: str, words: int, device) -> torch.Tensor:
-    """A zeroed int32 buffer of at least ``words`` words for ``owner``'s kernels (the FFN's
-    sync words, the attention forward's tile counter), kept per (owner, device, stream) and
-    grown on demand, so a call costs no allocation and no memset. Every such kernel leaves the
-    words it used zeroed, and calls on one stream are ordered. During graph capture a fresh
-    zeroed buffer is made: a graph must not keep a pointer into a buffer this cache may
-    replace."""
+def stream_scratch(owner: str, words: int, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """A zeroed buffer of at least ``words`` elements of ``dtype`` for ``owner``'s kernels (the
+    FFN's sync words, the attention forward's tile counter and its key pieces' rows), kept per
+    (owner, device, stream) and grown on demand, so a call costs no allocation and no memset.
+    Every kernel that takes words (int32) as counters leaves them zeroed, and calls on one stream
+    are ordered. During graph capture a fresh zeroed buffer is made: a graph must not keep a
+    pointer into a buffer this cache may replace."""
     device = torch.device(device)
     if capturing(device):
-        return torch.zeros(words, dtype=torch.int32, device=device)
-    key = (owner, str(device), stream_key(device))
+        return torch.zeros(words, dtype=dtype, device=device)
+    key = (owner, str(device), stream_key(device), dtype)
     with _SCRATCH_LOCK:
         buf = _SCRATCH.get(key)
         if buf is None or buf.numel() < words:
             buf = _SCRATCH[key] = torch.zeros(max(words, 2 * (0 if buf is None else buf.numel())),
-                                              dtype=torch.int32, device=device)
+                                              dtype=dtype, device=device)
     return buf
 
 

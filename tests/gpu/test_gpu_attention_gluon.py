@@ -380,6 +380,7 @@ PIECE_SHAPES = {
     "qwen-like": (1, 4352, 4352, 4, 4, 128, False, False),             # 136 tiles: 4 past the wave
     "waves-gqa-ragged": (2, 1000, 1000, 70, 14, 128, False, False),    # 1120 tiles: 64 past 8 waves
     "sq<sk": (1, 300, 1000, 4, 4, 128, False, False),
+    "gqa-sq<sk": (1, 890, 2600, 26, 13, 128, False, False),          # 182 tiles: 50 past the wave, 2 pieces
     "d256-ragged": (1, 1000, 1000, 2, 2, 256, False, False),
 }
 

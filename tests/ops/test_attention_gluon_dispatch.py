@@ -171,6 +171,7 @@ def test_last_wave_pieces():
     wide = gluon_attention_config(256, False, "sm90", 4096)   # 64-key blocks: 8 a piece
     assert last_wave_pieces(wide, False, 272, 132, 68) == 8
     assert last_wave_pieces(wide, False, 272, 132, 40) == 5
+    assert last_wave_pieces(hot, False, 182, 132, 34) == 2      # 50 past the wave: 132 // 50
 
 
 @pytest.mark.parametrize("fields, match", [

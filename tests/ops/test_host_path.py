@@ -368,7 +368,7 @@ def test_launcher_check_refuses_a_key_that_misses_a_specialisation(monkeypatch, 
 
 def test_stream_scratch_is_kept_per_owner_and_grows():
     """The zeroed int32 words a kernel family leaves zeroed (ops/common.stream_scratch): one
-    buffer per owner, device and stream, the same tensor on a later call, a larger one when a
+    buffer per owner, device, stream and dtype, the same tensor on a later call, a larger one when a
     call needs more words (never smaller), another owner's never shared."""
     from flashflow.ops import common
 
@@ -381,4 +381,9 @@ def test_stream_scratch_is_kept_per_owner_and_grows():
     assert b.data_ptr() != a.data_ptr()
     grown = common.stream_scratch("test-a", 100, "cpu")
     assert grown.numel() >= 100 and grown is not a
+    assert common.stream_scratch("test-a", 5, "cpu") is grown
+    # another dtype (the attention forward's rows of key pieces, fp32) is a buffer of its own
+    rows = common.stream_scratch("test-a", 5, "cpu", torch.float32)
+    assert rows.dtype == torch.float32 and rows.numel() >= 5 and rows.data_ptr() != grown.data_ptr()
+    assert common.stream_scratch("test-a", 4, "cpu", torch.float32) is rows
     assert common.stream_scratch("test-a", 5, "cpu") is grown
