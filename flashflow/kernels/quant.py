@@ -191,7 +191,8 @@ def quantize_rows_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# attention: statistics of K and V, then Q, K and V quantized in one launch
+# attention: statistics of K and V (partials, then one process reduces them once), then Q, K and V
+# quantized in one launch
 # --------------------------------------------------------------------------------------------
 
 
@@ -251,6 +252,23 @@ def attention_kv_stats_kernel(
     for g in tl.static_range(WORLD):
         tl.store(in_rank(KSUM, PEER_BYTES, g, WORLD) + at, ksum)
         tl.store(in_rank(VMAX, PEER_BYTES, g, WORLD) + at, vmax)
+
+
+@triton.jit
+def attention_kv_stats_total_kernel(KSUM, VMAX, KSUM1, VMAX1, chunks, HEAD_DIM: tl.constexpr,
+                                    CHUNKS_PAD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One process: the partials of :func:`attention_kv_stats_kernel` of one (batch, kv head)
+    and ``BLOCK_D`` channels (grid ``(batch · kv_heads, HEAD_DIM / BLOCK_D)``), ``chunks`` of
+    them, reduced once into ``KSUM1/VMAX1[bh, :]`` in one load and a fixed order, so that the
+    quantize kernel's many K and V programs each read one row of statistics (``chunks`` = 1
+    there) instead of every partial. Bytes: the partials once, 2·D floats a head written."""
+    bh = tl.program_id(0).to(tl.int64)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    offs_c = tl.arange(0, CHUNKS_PAD)
+    offs = (bh * chunks + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
+    valid = (offs_c < chunks)[:, None]
+    tl.store(KSUM1 + bh * HEAD_DIM + offs_d, tl.sum(tl.load(KSUM + offs, mask=valid, other=0.0), 0))
+    tl.store(VMAX1 + bh * HEAD_DIM + offs_d, tl.max(tl.load(VMAX + offs, mask=valid, other=0.0), 0))
 
 
 @triton.jit

@@ -4,13 +4,14 @@
 attention output in the same dtype, computing both products on 8-bit tensor cores
 (SageAttention's recipe, :mod:`flashflow.kernels.quant`, :mod:`flashflow.kernels.attention_fp8`):
 
-1. ``attention_kv_stats_kernel``: per (batch, kv head) the mean of K over the keys and the
-   largest |V| per channel;
+1. ``attention_kv_stats_kernel``: per (batch, kv head) and chunk of keys the sum of K and the
+   largest |V| per channel, then ``attention_kv_stats_total_kernel`` reduces the chunks once a
+   head (the mean of K over the keys, the largest |V|);
 2. ``attention_quantize_kernel``: Q per token and K − mean(K) per key block to INT8 (or e4m3),
    V per channel to e4m3, transposed, all padded to whole blocks;
 3. ``attention_fp8_fwd_kernel``: the flash forward on the 8-bit operands.
 
-The time of a call includes all three. :func:`scaled_dot_product_attention_fp8` is the same in
+The time of a call includes all of them. :func:`scaled_dot_product_attention_fp8` is the same in
 SDPA's layout. Hopper (sm90) and newer run it; under Triton's interpreter it runs with the FP8
 products emulated in fp32 on the same values (so CPU tests check the GPU's numerics); other GPUs
 get a ``ValueError`` (use :func:`flashflow.flash_attn_func` there).
@@ -23,7 +24,8 @@ import torch
 
 from flashflow.device import cdiv, gpu_family, interpreting, next_pow2, num_sms
 from flashflow.kernels.attention_fp8 import attention_fp8_fwd_kernel
-from flashflow.kernels.quant import attention_k_edge_stats_kernel, attention_kv_stats_kernel, attention_quantize_kernel
+from flashflow.kernels.quant import (attention_k_edge_stats_kernel, attention_kv_stats_kernel,
+                                     attention_kv_stats_total_kernel, attention_quantize_kernel)
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import (Launcher, call_key, contiguous_strides, op_or_direct, tensor_descriptor,
                                   unit_last_stride)
@@ -40,6 +42,13 @@ QK_FORMATS = ("int8", "fp8")
 FP8_HEAD_DIMS = (64, 128, 256)
 _STATS_ROWS = 64
 _MAX_STATS_CHUNKS = 32    # partial statistics per (batch, kv head), reduced in one load
+# One process: the statistics in many short programs (about 16 a SM, 32-key blocks, 2 warps: the
+# kernel is bound by each program's chain of loads, not by bandwidth), their partials reduced
+# once a head before the quantize kernel (bench/results/fp8-quantize-pass-nvidia-h200.json).
+_STATS_ROWS_ONE = 32
+_STATS_PROGRAMS_PER_SM = 16
+_MAX_STATS_CHUNKS_ONE = 128
+_STATS_TOTAL_CHANNELS = 32   # channels a program of the reduction (all partials in one load)
 
 
 # torch.compile traces these checks: the families are read once (it cannot trace the JSON read
@@ -131,7 +140,8 @@ class _Fp8Plan:
     the descriptors' shapes (it keeps no tensor)."""
 
     # the quantize pass's buffers: 8-bit tensors first, then the float32 scales and statistics
-    BUFFERS = ("q8", "k8", "vt8", "q_scale", "q_corr", "k_scale", "v_scale", "ksum", "vmax")
+    # (partials, then their totals a head)
+    BUFFERS = ("q8", "k8", "vt8", "q_scale", "q_corr", "k_scale", "v_scale", "ksum", "vmax", "ksum1", "vmax1")
 
     def __init__(self, q, k, v, key_padding_mask, block_m, block_n, qk_format, lse_correction, smooth_k=True,
                  device=None):
@@ -141,9 +151,10 @@ class _Fp8Plan:
         sq_pad = self.sq_pad = cdiv(max(seqlen_q, 1), q_block) * q_block
         sk_pad = self.sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
         qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
-        # statistics: enough chunks of keys per (batch, kv head) for about four waves of programs
-        per_head = stats_chunks(batch * kv_heads, device or q.device)
-        chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS) * _STATS_ROWS
+        # statistics: chunks of keys per (batch, kv head) for about 16 programs a SM
+        per_head = min(_MAX_STATS_CHUNKS_ONE,
+                       max(1, cdiv(_STATS_PROGRAMS_PER_SM * num_sms(device or q.device), batch * kv_heads)))
+        chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS_ONE) * _STATS_ROWS_ONE
         chunks = cdiv(max(seqlen_k, 1), chunk)
         n_q, n_k = batch * heads * sq_pad * head_dim, batch * kv_heads * sk_pad * head_dim
         counts = dict(q8=(n_q, qk_dtype), k8=(n_k, qk_dtype), vt8=(n_k, torch.float8_e4m3fn),
@@ -152,7 +163,9 @@ class _Fp8Plan:
                       k_scale=(batch * kv_heads * (sk_pad // block_n), torch.float32),
                       v_scale=(batch * kv_heads * head_dim, torch.float32),
                       ksum=(batch * kv_heads * chunks * head_dim, torch.float32),
-                      vmax=(batch * kv_heads * chunks * head_dim, torch.float32))
+                      vmax=(batch * kv_heads * chunks * head_dim, torch.float32),
+                      ksum1=(batch * kv_heads * head_dim, torch.float32),
+                      vmax1=(batch * kv_heads * head_dim, torch.float32))
         # one allocation carved into every buffer, each on a 16-byte boundary (host time is part
         # of a call: one allocation instead of nine)
         self.slices, at = [], 0
@@ -165,16 +178,20 @@ class _Fp8Plan:
         self.mask_keys = mask_keys
         self.stats_grid = (batch * kv_heads, chunks, 1)
         self.stats_ints = (seqlen_k, kv_heads, chunk, chunks, 0, *k.stride()[:3], *v.stride()[:3])
-        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, WORLD=1, num_warps=4)
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS_ONE, WORLD=1, num_warps=2)
+        self.total_grid = (batch * kv_heads, head_dim // _STATS_TOTAL_CHANNELS, 1)
+        self.total_ints = (chunks,)
+        self.total_constexprs = dict(HEAD_DIM=head_dim, CHUNKS_PAD=next_pow2(chunks), BLOCK_D=_STATS_TOTAL_CHANNELS,
+                                     num_warps=4)
         self.quant_grid = (max(sq_pad, sk_pad) // block_n, heads + 2 * kv_heads, batch)
         mask_stride = _mask_stride(key_padding_mask)
         self.mask_stride = mask_stride
-        self.quant_ints = (seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, chunks, mask_keys,
+        self.quant_ints = (seqlen_q, seqlen_k, sq_pad, sk_pad, heads, kv_heads, 1, mask_keys,   # 1: the totals
                            0, max(seqlen_q, seqlen_k), heads, kv_heads, 0,
                            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], mask_stride)
         self.quant_constexprs = dict(
             HEAD_DIM=head_dim, BLOCK_S=block_n, QK_FP8=qk_format == "fp8", SMOOTH_K=smooth_k,
-            LSE_CORRECTION=lse_correction, CHUNKS_PAD=next_pow2(chunks), KEY_PADDING=mask_keys > 0,
+            LSE_CORRECTION=lse_correction, CHUNKS_PAD=1, KEY_PADDING=mask_keys > 0,
             EMULATE_FP8=interpreting(), WORLD=1, num_warps=4)
 
     def quantize(self, key, q, k, v, key_padding_mask, softmax_scale) -> dict:
@@ -182,12 +199,14 @@ class _Fp8Plan:
         raw = q.new_empty((self.nbytes,), dtype=torch.uint8)
         bufs = {name: raw[a:b].view(dtype) for name, (a, b, dtype) in zip(self.BUFFERS, self.slices)}
         _STATS(key, self.stats_grid, (k, v, bufs["ksum"], bufs["vmax"], k, *self.stats_ints), self.stats_constexprs)
+        _TOTAL(key, self.total_grid, (bufs["ksum"], bufs["vmax"], bufs["ksum1"], bufs["vmax1"], *self.total_ints),
+               self.total_constexprs)
         mask = q
         if self.mask_keys:
             mask = unit_last_stride(key_padding_mask)
         _QUANTIZE(key, self.quant_grid, (
             q, k, v, bufs["q8"], bufs["q_scale"], bufs["q_corr"], bufs["k8"], bufs["k_scale"],
-            bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum"], bufs["vmax"], mask, q, q, q, *self.quant_ints,
+            bufs["vt8"].view(torch.int8), bufs["v_scale"], bufs["ksum1"], bufs["vmax1"], mask, q, q, q, *self.quant_ints,
             softmax_scale * LOG2E, softmax_scale), self.quant_constexprs)
         return bufs
 
@@ -222,6 +241,7 @@ class _Fp8ForwardPlan(_Fp8Plan):
 
 
 _STATS = Launcher(attention_kv_stats_kernel)
+_TOTAL = Launcher(attention_kv_stats_total_kernel)
 _EDGES = Launcher(attention_k_edge_stats_kernel)
 _QUANTIZE = Launcher(attention_quantize_kernel)
 _FORWARD = Launcher(attention_fp8_fwd_kernel)

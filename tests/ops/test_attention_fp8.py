@@ -150,9 +150,11 @@ def lse_rounding(qz, q, k):
 QUANT = {
     "fp16-gqa-odd": (2, 37, 53, 4, 2, 64, "fp16", "gaussian", 32, 16),
     "bf16-mqa-offset-d128": (1, 37, 53, 4, 1, 128, "bf16", "offset", 32, 16),
-    # 150 keys of one kv head: more than one chunk of K/V statistics, reduced in the quantize kernel
+    # 150 keys of one kv head: more than one chunk of K/V statistics
     "fp16-outliers-stat-chunks": (1, 20, 150, 2, 1, 64, "fp16", "outliers", 32, 16),
     "bf16-peaked-gpu-tiles": (2, 37, 53, 2, 2, 64, "bf16", "peaked", 128, 64),
+    # 1100 keys of one kv head: 35 chunks of 32, reduced once a head
+    "bf16-offset-many-stat-chunks": (1, 5, 1100, 1, 1, 64, "bf16", "offset", 32, 16),
 }
 
 
