@@ -40,14 +40,13 @@ __all__ = ["flash_attn_fp8_func", "scaled_dot_product_attention_fp8", "quantize_
 # byte count, docs/fp8.md) or in e4m3.
 QK_FORMATS = ("int8", "fp8")
 FP8_HEAD_DIMS = (64, 128, 256)
-_STATS_ROWS = 64
-_MAX_STATS_CHUNKS = 32    # partial statistics per (batch, kv head), reduced in one load
-# One process: the statistics in many short programs (about 16 a SM, 32-key blocks, 2 warps: the
-# kernel is bound by each program's chain of loads, not by bandwidth), their partials reduced
-# once a head before the quantize kernel (bench/results/fp8-quantize-pass-nvidia-h200.json).
-_STATS_ROWS_ONE = 32
-_STATS_PROGRAMS_PER_SM = 16
-_MAX_STATS_CHUNKS_ONE = 128
+# The K/V statistics' grid, (key block, programs a SM, chunks a head at most, warps). One process:
+# many short programs (the kernel is bound by each program's chain of loads, not by bandwidth),
+# their partials reduced once a head before the quantize kernel
+# (bench/results/fp8-quantize-pass-nvidia-h200.json). Sequence-parallel: about four waves of
+# programs, at most 32 chunks a rank, since the quantize kernel reduces every rank's partials in
+# one load (not measured with the one-process grid).
+_STATS_GRID = {True: (32, 16, 128, 2), False: (64, 4, 32, 4)}
 _STATS_TOTAL_CHANNELS = 32   # channels a program of the reduction (all partials in one load)
 
 
@@ -95,10 +94,14 @@ def _check_inputs(q, k, v, qk_format, key_padding_mask):
         check_key_padding_mask(key_padding_mask, batch, k.shape[1], q.device)
 
 
-def stats_chunks(heads: int, device) -> int:
-    """Partial statistics per (batch, kv head) of the quantize pass: enough chunks of keys for
-    about four waves of programs over ``heads`` (batch · kv heads)."""
-    return min(_MAX_STATS_CHUNKS, max(1, cdiv(4 * num_sms(device), heads)))
+def stats_split(seqlen_k: int, heads: int, device, one_process: bool) -> tuple[int, int, int, int]:
+    """``(chunk, chunks, block, warps)`` of the quantize pass's K/V statistics over ``seqlen_k``
+    keys of ``heads`` (batch · kv heads): chunks of whole ``block``-key steps, as many as
+    :data:`_STATS_GRID` asks of the GPU's SMs."""
+    block, per_sm, most, warps = _STATS_GRID[one_process]
+    per_head = min(most, max(1, cdiv(per_sm * num_sms(device), heads)))
+    chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), block) * block
+    return chunk, cdiv(max(seqlen_k, 1), chunk), block, warps
 
 
 def _mask_stride(key_padding_mask) -> int:
@@ -151,11 +154,7 @@ class _Fp8Plan:
         sq_pad = self.sq_pad = cdiv(max(seqlen_q, 1), q_block) * q_block
         sk_pad = self.sk_pad = cdiv(max(seqlen_k, 1), block_n) * block_n
         qk_dtype = torch.float8_e4m3fn if qk_format == "fp8" else torch.int8
-        # statistics: chunks of keys per (batch, kv head) for about 16 programs a SM
-        per_head = min(_MAX_STATS_CHUNKS_ONE,
-                       max(1, cdiv(_STATS_PROGRAMS_PER_SM * num_sms(device or q.device), batch * kv_heads)))
-        chunk = cdiv(cdiv(max(seqlen_k, 1), per_head), _STATS_ROWS_ONE) * _STATS_ROWS_ONE
-        chunks = cdiv(max(seqlen_k, 1), chunk)
+        chunk, chunks, stats_block, stats_warps = stats_split(seqlen_k, batch * kv_heads, device or q.device, True)
         n_q, n_k = batch * heads * sq_pad * head_dim, batch * kv_heads * sk_pad * head_dim
         counts = dict(q8=(n_q, qk_dtype), k8=(n_k, qk_dtype), vt8=(n_k, torch.float8_e4m3fn),
                       q_scale=(batch * heads * sq_pad, torch.float32),
@@ -178,7 +177,7 @@ class _Fp8Plan:
         self.mask_keys = mask_keys
         self.stats_grid = (batch * kv_heads, chunks, 1)
         self.stats_ints = (seqlen_k, kv_heads, chunk, chunks, 0, *k.stride()[:3], *v.stride()[:3])
-        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS_ONE, WORLD=1, num_warps=2)
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=stats_block, WORLD=1, num_warps=stats_warps)
         self.total_grid = (batch * kv_heads, head_dim // _STATS_TOTAL_CHANNELS, 1)
         self.total_ints = (chunks,)
         self.total_constexprs = dict(HEAD_DIM=head_dim, CHUNKS_PAD=next_pow2(chunks), BLOCK_D=_STATS_TOTAL_CHANNELS,
@@ -462,9 +461,7 @@ class UlyssesFp8Plan:
                                            cfg, device=device)
         self.out_shape, self.dtype = (batch, seqlen, h, head_dim), q.dtype
         # this rank's partial statistics: its chunks take slots [rank·chunks, (rank+1)·chunks)
-        per_head = stats_chunks(batch * kv_heads, device)
-        chunk = cdiv(cdiv(max(seqlen_local, 1), per_head), _STATS_ROWS) * _STATS_ROWS
-        chunks = cdiv(max(seqlen_local, 1), chunk)
+        chunk, chunks, stats_block, stats_warps = stats_split(seqlen_local, batch * kv_heads, device, False)
         slots = world * chunks
         stats = batch * kv_heads * slots * head_dim
         edges = world * 2 * batch * kv_heads * head_dim
@@ -481,7 +478,7 @@ class UlyssesFp8Plan:
         block_s = cfg.BLOCK_N
         self.stats_grid = (batch * kv_heads, chunks, 1)
         self.stats_ints = (seqlen_local, kv_heads, chunk, slots, rank * chunks, *k.stride()[:3], *v.stride()[:3])
-        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=_STATS_ROWS, WORLD=world, num_warps=4)
+        self.stats_constexprs = dict(HEAD_DIM=head_dim, BLOCK_S=stats_block, WORLD=world, num_warps=stats_warps)
         self.edge_grid = (batch * kv_heads, 2, 1)
         self.edge_ints = (row_lo, seqlen_local, kv_heads, batch * kv_heads, rank, mask_keys, *k.stride()[:3],
                           mask_stride)

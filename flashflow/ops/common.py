@@ -219,14 +219,14 @@ def stream_key(device: torch.device):
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-_SCRATCH: dict = {}   # (owner, device, stream) -> a zeroed int32 buffer its kernels leave zeroed
+_SCRATCH: dict = {}   # (owner, device, stream, dtype) -> a buffer, its counters left zeroed by its kernels
 _SCRATCH_LOCK = threading.Lock()
 
 
 def stream_scratch(owner: str, words: int, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """A zeroed buffer of at least ``words`` elements of ``dtype`` for ``owner``'s kernels (the
     FFN's sync words, the attention forward's tile counter and its key pieces' rows), kept per
-    (owner, device, stream) and grown on demand, so a call costs no allocation and no memset.
+    (owner, device, stream, dtype) and grown on demand, so a call costs no allocation and no memset.
     Every kernel that takes words (int32) as counters leaves them zeroed, and calls on one stream
     are ordered. During graph capture a fresh zeroed buffer is made: a graph must not keep a
     pointer into a buffer this cache may replace."""
