@@ -264,11 +264,9 @@ def attention_kv_stats_total_kernel(KSUM, VMAX, KSUM1, VMAX1, chunks, HEAD_DIM: 
     there) instead of every partial. Bytes: the partials once, 2·D floats a head written."""
     bh = tl.program_id(0).to(tl.int64)
     offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    offs_c = tl.arange(0, CHUNKS_PAD)
-    offs = (bh * chunks + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
-    valid = (offs_c < chunks)[:, None]
-    tl.store(KSUM1 + bh * HEAD_DIM + offs_d, tl.sum(tl.load(KSUM + offs, mask=valid, other=0.0), 0))
-    tl.store(VMAX1 + bh * HEAD_DIM + offs_d, tl.max(tl.load(VMAX + offs, mask=valid, other=0.0), 0))
+    ksum, vmax = _partials_total(KSUM, VMAX, bh, chunks, offs_d, HEAD_DIM, CHUNKS_PAD)
+    tl.store(KSUM1 + bh * HEAD_DIM + offs_d, ksum)
+    tl.store(VMAX1 + bh * HEAD_DIM + offs_d, vmax)
 
 
 @triton.jit
@@ -310,14 +308,22 @@ def attention_k_edge_stats_kernel(
 
 
 @triton.jit
-def _kv_head_stats(KSUM, VMAX, bh, chunks, seqlen_k, offs_d, HEAD_DIM: tl.constexpr, CHUNKS_PAD: tl.constexpr):
-    """(mean of K over the keys, max |V|) per channel of one (batch, kv head), from the partials:
-    all chunks in one load (a loop over them would chain their latencies in every program)."""
+def _partials_total(KSUM, VMAX, bh, chunks, offs_d, HEAD_DIM: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """(sum of K, max |V|) over the ``chunks`` partials of one (batch, kv head) at channels
+    ``offs_d``: all chunks in one load (a loop over them would chain their latencies), summed in
+    a fixed order."""
     offs_c = tl.arange(0, CHUNKS_PAD)
     offs = (bh * chunks + offs_c)[:, None] * HEAD_DIM + offs_d[None, :]
     valid = (offs_c < chunks)[:, None]
-    ksum = tl.sum(tl.load(KSUM + offs, mask=valid, other=0.0), 0)
-    vmax = tl.max(tl.load(VMAX + offs, mask=valid, other=0.0), 0)
+    return (tl.sum(tl.load(KSUM + offs, mask=valid, other=0.0), 0),
+            tl.max(tl.load(VMAX + offs, mask=valid, other=0.0), 0))
+
+
+@triton.jit
+def _kv_head_stats(KSUM, VMAX, bh, chunks, seqlen_k, offs_d, HEAD_DIM: tl.constexpr, CHUNKS_PAD: tl.constexpr):
+    """(mean of K over the keys, max |V|) per channel of one (batch, kv head), from the partials
+    (one process: ``chunks`` = 1, the totals of :func:`attention_kv_stats_total_kernel`)."""
+    ksum, vmax = _partials_total(KSUM, VMAX, bh, chunks, offs_d, HEAD_DIM, CHUNKS_PAD)
     return ksum / seqlen_k, vmax
 
 
