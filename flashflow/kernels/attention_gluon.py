@@ -188,9 +188,15 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
         qi = it % Q_BUFS
         mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
         _publish_tile(tile_ids, qi, tile)
-        mbarrier.expect(q_bar.index(qi), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch * q_row_b + head * q_row_h + m_start, head * q_col_h],
-                                        q_bar.index(qi), q_smem.index(qi))
+        # Q in pieces of the descriptor's rows (a TMA box is a power of two: 192 rows take
+        # three), each piece an arrival on the buffer's mbarrier with its bytes
+        q_rows: gl.constexpr = q_desc.block_type.shape[0]
+        q_pieces = BLOCK_M // q_rows
+        for r in range(q_pieces):
+            mbarrier.expect(q_bar.index(qi), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch * q_row_b + head * q_row_h + m_start + r * q_rows,
+                                                     head * q_col_h],
+                                            q_bar.index(qi), q_smem.index(qi * q_pieces + r))
         for j in range(n_blocks):
             stage = (g + j) % NUM_STAGES
             free_phase = (((g + j) // NUM_STAGES) & 1) ^ 1
@@ -204,7 +210,8 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     qi = it % Q_BUFS
     mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
     _publish_tile(tile_ids, qi, num_tiles)
-    mbarrier.arrive(q_bar.index(qi))
+    for r in range(BLOCK_M // q_desc.block_type.shape[0]):
+        mbarrier.arrive(q_bar.index(qi))
 
 
 @gluon.jit
@@ -422,6 +429,9 @@ def _q_buffer(q_smem, it, wg: gl.constexpr, Q_BUFS: gl.constexpr, ROWS: gl.const
     """The Q rows of an MMA partition (``ROWS`` from ``ROWS·wg``) in the buffer of its ``it``-th tile."""
     if ROWS == TILE_M:
         return q_smem.index(it % Q_BUFS)
+    elif q_smem.shape[1] == ROWS:
+        # Q in pieces of a partition's rows (a buffer's pieces side by side)
+        return q_smem.index((it % Q_BUFS) * (TILE_M // ROWS) + wg)
     else:
         return q_smem.index(it % Q_BUFS).slice(ROWS * wg, ROWS)
 
@@ -454,7 +464,7 @@ def _first_scores(q_buf, k_smem, k_bar, g, qk_zero, NUM_STAGES: gl.constexpr):
 
 @gluon.jit
 def _merge_pieces(acc, l_i, m_i, unit, wg: gl.constexpr, full_units, pieces, WS, SPLIT_COUNTER,
-                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+                  ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr, PARTS: gl.constexpr):
     """The end of a work unit with the last tiles in key pieces: ``(acc, l, m, store)``. A whole
     tile keeps its state (``store``). A piece before its tile's last writes its unnormalised
     ``(acc, m, l)`` rows to its slot of ``WS`` (fp32, ``ROWS · (HEAD_DIM + 2)`` a slot) and
@@ -472,11 +482,11 @@ def _merge_pieces(acc, l_i, m_i, unit, wg: gl.constexpr, full_units, pieces, WS,
         tail = unit - full_units
         tile = tail // pieces
         piece = tail % pieces
-        counter = SPLIT_COUNTER + 2 * tile + wg
+        counter = SPLIT_COUNTER + PARTS * tile + wg
         slot_size: gl.constexpr = ROWS * (HEAD_DIM + 2)
-        first_slot = (tile * (pieces - 1) * 2 + wg).to(gl.int64)
+        first_slot = (tile * (pieces - 1) * PARTS + wg).to(gl.int64)
         if piece < pieces - 1:
-            base = WS + (first_slot + 2 * piece) * slot_size
+            base = WS + (first_slot + PARTS * piece) * slot_size
             gl.store(base + offs, acc)
             gl.store(base + ROWS * HEAD_DIM + rows, gl.convert_layout(m_i, row_o))
             gl.store(base + ROWS * HEAD_DIM + ROWS + rows, gl.convert_layout(l_i, row_o))
@@ -486,7 +496,7 @@ def _merge_pieces(acc, l_i, m_i, unit, wg: gl.constexpr, full_units, pieces, WS,
             m_o = gl.convert_layout(m_i, row_o)
             l_o = gl.convert_layout(l_i, row_o)
             for p in range(pieces - 1):
-                base = WS + (first_slot + 2 * p) * slot_size
+                base = WS + (first_slot + PARTS * p) * slot_size
                 m_p = gl.load(base + ROWS * HEAD_DIM + rows, cache_modifier=".cg")
                 l_p = gl.load(base + ROWS * HEAD_DIM + ROWS + rows, cache_modifier=".cg")
                 m_new = gl.maximum(m_o, m_p)
@@ -586,7 +596,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         # this tile's output under the next tile's first Q·Kᵀ
         if SPLIT:
             acc, l_i, m_i, store = _merge_pieces(acc, l_i, m_i, tile, wg, full_units, pieces, WS, SPLIT_COUNTER, ROWS,
-                                                 HEAD_DIM, num_warps)
+                                                 HEAD_DIM, num_warps, TILE_M // ROWS)
             if store:
                 _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
                            stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, True, num_warps)
@@ -675,7 +685,7 @@ def attention_fwd_gluon_kernel(
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
     DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
-    SPLIT: gl.constexpr = False,
+    SPLIT: gl.constexpr = False, PARTITIONS: gl.constexpr = 1,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
@@ -696,7 +706,7 @@ def attention_fwd_gluon_kernel(
     zero (:func:`_merge_pieces`). Without ``SPLIT``, ``full_units = num_tiles``, ``pieces = 1``
     and any pointers."""
     if SPLIT_WARPGROUPS:
-        gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 128 and num_warps == 4, "two 64-row partitions")
+        gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 64 * PARTITIONS and num_warps == 4, "64-row partitions")
     else:
         gl.static_assert(BLOCK_M == 16 * num_warps, "one warpgroup per 64 query rows")
     if KEY_PADDING:
@@ -704,7 +714,9 @@ def attention_fwd_gluon_kernel(
     else:
         masked_keys = 0
 
-    q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS] + q_desc.block_type.shape, q_desc.layout)
+    # Q's buffers, each in pieces of the descriptor's rows (a TMA box is a power of two: 192 rows take three)
+    q_pieces: gl.constexpr = BLOCK_M // q_desc.block_type.shape[0]
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFS * q_pieces] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -716,9 +728,9 @@ def attention_fwd_gluon_kernel(
     turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # each consumer partition arrives once when it has read a buffer
-    consumers: gl.constexpr = 2 if SPLIT_WARPGROUPS else 1
+    consumers: gl.constexpr = PARTITIONS if SPLIT_WARPGROUPS else 1
     for s in gl.static_range(2):
-        mbarrier.init(q_bar.index(s), count=1)
+        mbarrier.init(q_bar.index(s), count=q_pieces)
         mbarrier.init(q_free.index(s), count=consumers)
         mbarrier.init(turn.index(s), count=1)
     for s in gl.static_range(NUM_STAGES):
@@ -735,7 +747,29 @@ def attention_fwd_gluon_kernel(
                          tile_ids, tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q,
                          seqlen_k, heads, kv_group, num_m_blocks, num_tiles, full_units, pieces, masked_keys, CAUSAL,
                          HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, DYNAMIC, SPLIT)
-        if SPLIT_WARPGROUPS:
+        if SPLIT_WARPGROUPS and PARTITIONS == 3:
+            gl.warp_specialize([
+                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                (_consumer_tiles, (2, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                                   tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
+                                   mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
+                                   num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                   CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                (_producer, producer_args),
+            ], [4, 4, 1], [160, 160, 24])
+        elif SPLIT_WARPGROUPS:
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,

@@ -164,7 +164,7 @@ class GluonPlan:
         self.lse_shape = (batch, heads, seqlen_q) if return_lse else (0,)
         views = [rows_view(t.shape, t.stride()) for t in (q, k, v)]
         self.descs = tuple(descriptor_spec(vw[3:], [rows, head_dim], q.dtype)
-                           for vw, rows in zip(views, (cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_N)))
+                           for vw, rows in zip(views, (cfg.q_rows, cfg.BLOCK_N, cfg.BLOCK_N)))
         for t, spec in zip((q, k, v), self.descs):   # checked once: later calls share the key
             descriptor(t, spec)
         num_m_blocks = cdiv(seqlen_q, cfg.BLOCK_M)
@@ -174,7 +174,7 @@ class GluonPlan:
         self.split_tiles = num_tiles % ctas if pieces > 1 else 0   # the tiles past the last full wave
         full_units = num_tiles - self.split_tiles
         units = full_units + self.split_tiles * pieces
-        self.ws_words = self.split_tiles * (pieces - 1) * 2 * 64 * (head_dim + 2)
+        self.ws_words = self.split_tiles * (pieces - 1) * cfg.partitions * 64 * (head_dim + 2)
         self.grid = (min(units, ctas) if cfg.persistent else num_tiles, 1, 1)
         so = out.stride() if out is not None else contiguous_strides(q.shape)
         self.ints = (so[0], so[1], so[2], heads * seqlen_q if return_lse else 0, seqlen_q if return_lse else 0,
@@ -187,7 +187,8 @@ class GluonPlan:
             WARP_SPECIALIZE=cfg.warp_specialize, SPLIT_WARPGROUPS=cfg.split_warpgroups, PINGPONG=cfg.pingpong,
             # key pieces wait on each other: only CTAs already running take a unit (by ticket)
             DYNAMIC=cfg.dynamic or pieces > 1, SPLIT=pieces > 1,
-            Q_BUFS=cfg.q_buffers if cfg.persistent else 1, OVERLAP=cfg.overlap_tiles, num_warps=cfg.num_warps)
+            Q_BUFS=cfg.q_buffers if cfg.persistent else 1, OVERLAP=cfg.overlap_tiles, num_warps=cfg.num_warps,
+            PARTITIONS=cfg.partitions)
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
         """Allocate the call's outputs and launch; returns ``(out, lse)``."""
@@ -198,7 +199,7 @@ class GluonPlan:
         counter = stream_scratch("attention-tiles", 1, q.device) if self.constexprs["DYNAMIC"] else q
         if self.split_tiles:
             ws = stream_scratch("attention-piece-rows", self.ws_words, q.device, torch.float32)
-            split_counter = stream_scratch("attention-pieces", 2 * self.split_tiles, q.device)
+            split_counter = stream_scratch("attention-pieces", self.constexprs["PARTITIONS"] * self.split_tiles, q.device)
         else:
             ws = split_counter = q
         self._launch(launch_key, self.grid, (make(q, qs), make(k, ks), make(v, vs), out, lse,

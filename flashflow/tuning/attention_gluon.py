@@ -18,7 +18,7 @@ class GluonAttentionConfig(Config):
     num_warps: int            # the MMA warps (of each partition with split_warpgroups)
     num_stages: int           # buffers of the K ring and of the V ring
     warp_specialize: bool = False    # one load warp (24 registers) issues the TMA copies
-    split_warpgroups: bool = False   # 128 rows as two MMA partitions of one warpgroup each
+    split_warpgroups: bool = False   # 64 rows an MMA partition of one warpgroup (BLOCK_M 128: two, 192: three)
     pingpong: bool = False           # the two partitions take turns issuing their MMAs
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
     dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
@@ -31,9 +31,11 @@ class GluonAttentionConfig(Config):
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 
     def __post_init__(self):
-        rows = 32 * self.num_warps if self.split_warpgroups else 16 * self.num_warps
-        if self.BLOCK_M != rows:
-            raise ValueError(f"BLOCK_M {self.BLOCK_M} must be 64 rows a warpgroup ({rows} here)")
+        if self.split_warpgroups:
+            if self.BLOCK_M not in (128, 192):
+                raise ValueError(f"BLOCK_M {self.BLOCK_M} must be 128 or 192 with split_warpgroups (64 rows a partition)")
+        elif self.BLOCK_M != 16 * self.num_warps:
+            raise ValueError(f"BLOCK_M {self.BLOCK_M} must be 64 rows a warpgroup ({16 * self.num_warps} here)")
         if self.split_warpgroups and not (self.warp_specialize and self.num_warps == 4):
             raise ValueError("split_warpgroups needs warp_specialize and num_warps 4")
         if self.persistent and not self.warp_specialize:
@@ -42,8 +44,8 @@ class GluonAttentionConfig(Config):
             raise ValueError("dynamic needs persistent")
         if self.q_buffers not in (1, 2):
             raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
-        if self.pingpong and not self.split_warpgroups:
-            raise ValueError("pingpong needs split_warpgroups")
+        if self.pingpong and self.partitions != 2:
+            raise ValueError("pingpong needs split_warpgroups with two partitions (BLOCK_M 128)")
         if self.overlap_tiles and (not self.split_warpgroups or self.pingpong):
             raise ValueError("overlap_tiles needs split_warpgroups without pingpong")
         if self.split_last_wave and not self.overlap_tiles:
@@ -51,6 +53,17 @@ class GluonAttentionConfig(Config):
         if self.min_piece_blocks < 1 or self.max_pieces < 2:
             raise ValueError(f"min_piece_blocks must be at least 1 and max_pieces at least 2, got "
                              f"{self.min_piece_blocks} and {self.max_pieces}")
+
+
+    @property
+    def q_rows(self) -> int:
+        """Rows of Q's TMA box (a power of two): the tile's, or one partition's for 192 rows."""
+        return 64 if self.BLOCK_M == 192 else self.BLOCK_M
+
+    @property
+    def partitions(self) -> int:
+        """MMA partitions (warpgroups of 64 rows with ``split_warpgroups``; else one)."""
+        return self.BLOCK_M // 64 if self.split_warpgroups else 1
 
 
 CONFIGS = ConfigTable(TABLE, GluonAttentionConfig, keys=("head_dim", "causal", "seqlen_k"), what="Gluon attention")

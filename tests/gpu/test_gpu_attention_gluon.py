@@ -123,6 +123,29 @@ def test_head_dim_256_against_float64_and_the_portable_lse(gpu, shape, config):
     _check_against_float64_and_the_portable_lse(gpu, D256_SHAPES[shape], D256_CONFIGS[config])
 
 
+D64_CONFIGS = {"shipped": None,
+               "m192-dynamic-overlap": C(192, 128, 4, 2, True, True, False, True, dynamic=True, overlap_tiles=True),
+               "m192-one-q-s3": C(192, 128, 4, 3, True, True, False, True, dynamic=True, q_buffers=1,
+                                  overlap_tiles=True)}
+D64_SHAPES = {
+    "ragged-gqa": (2, 1000, 1000, 8, 2, 64, False, False),
+    "ragged-gqa-causal": (2, 1000, 1000, 8, 2, 64, True, False),
+    "causal-sq<sk": (1, 300, 1000, 4, 4, 64, True, False),
+    "causal-sq>sk": (1, 1000, 300, 4, 4, 64, True, False),
+    "short": (1, 77, 77, 4, 4, 64, False, False),
+    "key-padding": (2, 640, 640, 4, 4, 64, False, True),
+    "many-tiles-gqa": (4, 1000, 1000, 32, 8, 64, False, False),
+}
+
+
+@pytest.mark.parametrize("config", list(D64_CONFIGS))
+@pytest.mark.parametrize("shape", list(D64_SHAPES))
+def test_head_dim_64_against_float64_and_the_portable_lse(gpu, shape, config):
+    """head_dim 64: 192 rows as three MMA partitions (Q in three 64-row TMA boxes), a tile past
+    the sequence's end included."""
+    _check_against_float64_and_the_portable_lse(gpu, D64_SHAPES[shape], D64_CONFIGS[config])
+
+
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_repeated_calls_take_the_recorded_plan(gpu, head_dim):
     """flash_attn_func records the Gluon call's plan under its call key (with and without
@@ -169,7 +192,7 @@ def test_the_next_sequence_past_a_ragged_end_does_not_leak(gpu, config, bad):
         assert gpu.rel(out[0:1], _exact(q[0:1], k[0:1], v[0:1], causal)) < gpu.tol
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])   # (head_dim 256: its persistent entry without a mask)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])   # (64 and 256: their persistent entries without a mask)
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_non_finite_inputs_as_the_portable_kernel(which, head_dim):
     b, s, h, d = 1, 700, 4, head_dim
@@ -382,6 +405,8 @@ PIECE_SHAPES = {
     "sq<sk": (1, 300, 1000, 4, 4, 128, False, False),
     "gqa-sq<sk": (1, 890, 2600, 26, 13, 128, False, False),          # 182 tiles: 50 past the wave, 2 pieces
     "d256-ragged": (1, 1000, 1000, 2, 2, 256, False, False),
+    "d64-ragged": (1, 1000, 1000, 2, 2, 64, False, False),             # 12 tiles of 192 rows: three partitions
+    "d64-waves-gqa": (2, 1000, 1000, 70, 14, 64, False, False),        # 840 tiles: 48 past 6 waves
 }
 
 

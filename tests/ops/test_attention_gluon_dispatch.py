@@ -35,6 +35,7 @@ def test_takes_the_hot_calls(hopper):
     assert ag.unsupported_reason(*_qkv(dtype=torch.float16)) is None
     assert ag.unsupported_reason(*_qkv(hk=2)) is None                                # GQA
     assert ag.unsupported_reason(*_qkv(d=256)) is None                               # head_dim 256
+    assert ag.unsupported_reason(*_qkv(d=64)) is None                                # head_dim 64, 2048 keys on
     sdpa = [torch.randn(2, 4, 2100, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
     assert ag.unsupported_reason(*sdpa) is None                                      # SDPA's layout
     fused = torch.randn(2, 2100, 3, 4, 128, dtype=torch.bfloat16).unbind(2)
@@ -43,7 +44,7 @@ def test_takes_the_hot_calls(hopper):
 
 
 @pytest.mark.parametrize("case, reason", [
-    ("fp32", "dtype"), ("d64", "portable kernel measured faster"),
+    ("fp32", "dtype"), ("d64-causal", "portable kernel measured faster"), ("d64-short", "fewer than 2048 keys"),
     ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
     ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
     ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
@@ -55,8 +56,13 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
     kw = {}
     if case == "fp32":
         q, k, v = _qkv(dtype=torch.float32)
-    elif case in ("d64", "d96"):
-        q, k, v = _qkv(d=int(case[1:]))
+    elif case == "d96":
+        q, k, v = _qkv(d=96)
+    elif case == "d64-causal":
+        q, k, v = _qkv(d=64)
+        kw["window_right"] = 0
+    elif case == "d64-short":
+        q, k, v = _qkv(d=64, s=2000)
     elif case == "varlen":
         kw["cu_seqlens_q"] = torch.tensor([0, 2100], dtype=torch.int32)
     elif case == "bias":
@@ -147,7 +153,11 @@ def test_config_table_and_rules():
     assert wide.overlap_tiles
     wide = gluon_attention_config(256, True, "sm90", 4096)
     assert wide.auto and wide.BLOCK_N == 64 and not wide.persistent and wide.min_seqlen_k == 512
-    assert not gluon_attention_config(64, False, "sm90", 4096).auto
+    # head_dim 64 without a causal mask: 192 rows in three partitions from 2048 keys; causal: portable
+    d64 = gluon_attention_config(64, False, "sm90", 4096)
+    assert d64.auto and d64.BLOCK_M == 192 and d64.partitions == 3 and d64.q_rows == 64 and d64.min_seqlen_k == 2048
+    assert d64.persistent and d64.dynamic and d64.overlap_tiles and d64.split_last_wave
+    assert not gluon_attention_config(64, True, "sm90", 4096).auto
     # the tiles past the last full wave in key pieces: the persistent entries without a causal mask
     for d in (128, 256):
         assert gluon_attention_config(d, False, "sm90", 4096).split_last_wave
