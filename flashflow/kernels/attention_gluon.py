@@ -17,9 +17,13 @@ FlashAttention-3 lays it out:
 * ``BLOCK_M = 16 · num_warps`` rows, one warpgroup per 64 (8 warps: two warpgroups sharing one
   K/V ring). ``WARP_SPECIALIZE``: one extra warp issues every TMA load (24 registers, the MMA
   warps the rest), the consumers hand buffers back through "free" mbarriers. With
-  ``SPLIT_WARPGROUPS`` (128 rows, 4 warps a partition) the two MMA warpgroups are partitions
-  of their own, and with ``PINGPONG`` they take turns issuing their MMAs (one warpgroup's
-  softmax under the other's WGMMAs), passing the turn through two mbarriers.
+  ``SPLIT_WARPGROUPS`` (4 warps a partition) the MMA warpgroups are partitions of their own:
+  ``PARTITIONS = BLOCK_M / 64``, two (128 rows, 240 registers each) or three (192 rows,
+  FlashAttention-3's head_dim-64 tile, 160 each and 168 for the first). Q then arrives in
+  pieces of its descriptor's rows (a TMA box is a power of two: 192 rows take three boxes of
+  64, one arrival each on the Q buffer's mbarrier). With ``PINGPONG`` two partitions take
+  turns issuing their MMAs (one warpgroup's softmax under the other's WGMMAs), passing the turn
+  through two mbarriers.
 
 Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (bottom-right causal diagonal; a
 key-padding mask over the first ``mask_keys`` keys). Every key block of a tile runs in the one
@@ -747,7 +751,10 @@ def attention_fwd_gluon_kernel(
                          tile_ids, tile_counter, q_row_b, q_row_h, q_col_h, k_row_b, k_row_h, k_col_h, seqlen_q,
                          seqlen_k, heads, kv_group, num_m_blocks, num_tiles, full_units, pieces, masked_keys, CAUSAL,
                          HEAVY_FIRST, BLOCK_M, BLOCK_N, NUM_STAGES, Q_BUFS, DYNAMIC, SPLIT)
+        # each partition's arguments spelled out: passed in one tuple, the constexprs among them
+        # (ROWS, the flags) would arrive as values
         if SPLIT_WARPGROUPS and PARTITIONS == 3:
+            # 160 registers a partition (the first, the default partition, gets 168: what is left)
             gl.warp_specialize([
                 (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,

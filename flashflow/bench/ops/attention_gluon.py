@@ -32,6 +32,8 @@ def roles(cfg: GluonAttentionConfig) -> str:
     cubin's figure is what a thread starts with, before the partitions move registers)."""
     if not cfg.warp_specialize:
         return f"{cfg.num_warps} MMA warps, no load warp"
+    if cfg.split_warpgroups and cfg.partitions == 3:
+        return "3 MMA partitions x 4 warps at 160 registers (the first 168), 1 load warp at 24"
     if cfg.split_warpgroups:
         return "2 MMA partitions x 4 warps at 240 registers, 1 load warp at 24"
     return f"{cfg.num_warps} MMA warps, 1 load warp at 24 registers"
