@@ -188,7 +188,7 @@ def test_last_wave_pieces():
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2), "64 rows a warpgroup"),
     (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, split_warpgroups=True), "needs warp_specialize"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, persistent=True), "needs warp_specialize"),
-    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, pingpong=True), "needs split_warpgroups"),
+    (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, pingpong=True), "pingpong needs split_warpgroups"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, dynamic=True),
      "dynamic needs persistent"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, q_buffers=3), "q_buffers must be 1 or 2"),
@@ -199,7 +199,33 @@ def test_last_wave_pieces():
     (dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, split_warpgroups=True,
           persistent=True, split_last_wave=True), "split_last_wave needs overlap_tiles"),
     (dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=2, max_pieces=1), "max_pieces at least 2"),
+    (dict(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2), "64 rows a warpgroup"),
+    (dict(BLOCK_M=256, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, split_warpgroups=True),
+     "must be 128 or 192"),
+    (dict(BLOCK_M=192, BLOCK_N=128, num_warps=4, num_stages=2, warp_specialize=True, split_warpgroups=True,
+          pingpong=True), "pingpong needs split_warpgroups with two partitions"),
 ])
 def test_config_refuses_what_the_kernel_cannot_be(fields, match):
     with pytest.raises(ValueError, match=match):
         GluonAttentionConfig(**fields)
+
+
+def test_partitions_and_q_boxes(monkeypatch):
+    """MMA partitions of 64 rows and the rows of Q's TMA box (a power of two): 192 rows are three
+    partitions fed by three 64-row boxes; the launcher sizes the key pieces' scratch by them."""
+    three = GluonAttentionConfig(192, 128, 4, 2, True, True, persistent=True, overlap_tiles=True)
+    two = GluonAttentionConfig(128, 128, 4, 2, True, True)
+    one = GluonAttentionConfig(128, 128, 8, 2, True)
+    assert (three.partitions, three.q_rows) == (3, 64)
+    assert (two.partitions, two.q_rows) == (2, 128)
+    assert (one.partitions, one.q_rows) == (1, 128)
+    q = torch.empty(1, 1000, 70, 64, dtype=torch.bfloat16)
+    k = torch.empty(1, 1000, 14, 64, dtype=torch.bfloat16)
+    cfg = dataclasses.replace(three, dynamic=True, split_last_wave=True, min_piece_blocks=1)
+    monkeypatch.setattr(ag, "num_sms", lambda device: 132)   # an H100's or H200's CTAs
+    plan = ag.GluonPlan(q, k, k, None, 0, False, True, False, cfg, None)
+    assert plan.constexprs["PARTITIONS"] == 3 and plan.constexprs["BLOCK_M"] == 192
+    assert plan.descs[0][2] == [64, 64] and plan.descs[1][2] == [128, 64]   # Q's box, K's block
+    pieces = plan.ints[-2]
+    assert plan.split_tiles == 6 * 70 % 132 and pieces == 132 // 24   # cdiv(1000, 192) row tiles a head, 70 heads
+    assert plan.ws_words == plan.split_tiles * (pieces - 1) * 3 * 64 * (64 + 2)   # a slot a partition and piece

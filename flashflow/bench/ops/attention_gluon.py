@@ -100,7 +100,7 @@ SPEC = OpSpec(
     info_cases=info_cases,
     info_shows_config=True,
     suite="attention",
-    axes={"BLOCK_N": (64, 128), "num_stages": (2, 3), "pingpong": (False, True),
+    axes={"BLOCK_M": (128, 192), "BLOCK_N": (64, 128), "num_stages": (2, 3), "pingpong": (False, True),
           "split_warpgroups": (False, True), "persistent": (False, True), "dynamic": (False, True),
           "overlap_tiles": (False, True), "split_last_wave": (False, True), "max_pieces": (4, 8, 16)},
     config_classes=(GluonAttentionConfig,),
