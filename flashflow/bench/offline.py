@@ -84,16 +84,18 @@ def _tool(name: str) -> str:
 
 
 def cubin_resources(cubin: bytes) -> tuple[int, int]:
-    """(registers per thread, local bytes per thread) of a one-kernel cubin, from cuobjdump."""
+    """(registers per thread, local bytes per thread) of a one-kernel cubin, from cuobjdump: its
+    ``LOCAL`` plus its ``STACK`` (ptxas puts a kernel's spills in its stack frame, and the
+    driver's local size, which a GPU run reports, counts both)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
         text = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", f.name], check=True,
                               capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+).*?LOCAL:(\d+)", text)
+    m = re.search(r"REG:(\d+) STACK:(\d+).*?LOCAL:(\d+)", text)
     if m is None:
         raise RuntimeError(f"no resource line in cuobjdump's output:\n{text}")
-    return int(m.group(1)), int(m.group(2))
+    return int(m.group(1)), int(m.group(2)) + int(m.group(3))
 
 
 def ptxas_notes(kernel, capability: int = 90) -> list[str]:
