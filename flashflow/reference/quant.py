@@ -46,19 +46,23 @@ def _row_amax(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return finite, torch.where(finite, v, 0).abs().amax(-1, keepdim=True).clamp(min=AMAX_FLOOR)
 
 
+def _scaled(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    # multiplied first: ``v · 448`` is exact for values of up to 50 significant bits, so a
+    # quotient on a midpoint between e4m3 grid values comes out exactly on it and rounds to even
+    # (``v · (448 / amax)`` would break such a tie by the rounding of ``448 / amax``)
+    return v * E4M3_MAX / amax
+
+
 def scaled_rows(v: torch.Tensor) -> torch.Tensor:
-    """``v · 448 / amax`` per row (float64), the value :func:`quantize_rows` rounds. Multiplied
-    first: ``v · 448`` is exact for values of up to 50 significant bits, so a quotient that lies
-    on a midpoint between e4m3 grid values comes out exactly on it and rounds to even (``v ·
-    (448 / amax)`` would break such a tie by the rounding of ``448 / amax``)."""
-    return v * E4M3_MAX / _row_amax(v)[1]
+    """``v · 448 / amax`` per row (float64), exactly the value :func:`quantize_rows` rounds."""
+    return _scaled(v, _row_amax(v)[1])
 
 
 def quantize_rows(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` of ``v (..., K)`` (float64) per row: data ``(..., K)``, scale ``(..., 1)``
     (module docstring)."""
     finite, amax = _row_amax(v)
-    data = round_e4m3(scaled_rows(v))
+    data = round_e4m3(_scaled(v, amax))
     nan = torch.full_like(amax, float("nan"))
     return torch.where(finite, data, nan), torch.where(finite, amax / E4M3_MAX, nan)
 

@@ -235,7 +235,7 @@ def test_dispatch_and_its_override(monkeypatch):
         assert attn_ops.forward_kernel_name(*(q256[:, :300],) * 3, window_right=causal, **kw) == attn_ops.PORTABLE
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])   # (64: the 192-row tile from 2048 keys)
 @pytest.mark.parametrize("layout", ["sdpa-transposed", "fused-qkv", "expanded-kv", "last-stride-2"])
 def test_layouts(gpu, layout, head_dim):
     b, s, h, d = 2, 2049, 8, head_dim
@@ -273,11 +273,12 @@ def test_sdpa_entry_and_backward(gpu):
         assert gpu.rel(t.grad, r.grad.transpose(1, 2)) < gpu.tol
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_peaked_attention_against_float64(gpu, causal):
+def test_peaked_attention_against_float64(gpu, causal, head_dim):
     """Scores four times larger than unit-variance inputs give: a few keys carry each row, so a
     wrong key attended shows (near-uniform attention hides it)."""
-    b, s, h, hk, d = 2, 2100, 8, 2, 128
+    b, s, h, hk, d = 2, 2100, 8, 2, head_dim
     q = 4 * torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(b, s, hk, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     kpm = torch.rand(b, 256, device="cuda") > 0.3
@@ -307,13 +308,15 @@ def test_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which
         assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
 
 
+@pytest.mark.parametrize("head_dim, s", [(64, 2100), (256, 1500)])
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_head_dim_256_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which, bad):
-    """head_dim 256 without a causal mask (the persistent entry, tiles by ticket), on transposed
-    (SDPA-layout) inputs: a NaN or inf in q, k or v gives the output and the three gradients the
-    portable path's non-finite pattern."""
-    b, s, h, d = 1, 1500, 4, 256
+def test_head_dim_64_and_256_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which, bad,
+                                                                                   head_dim, s):
+    """head_dim 64 (the 192-row tile) and 256 without a causal mask (the persistent entries, tiles
+    by ticket), on transposed (SDPA-layout) inputs: a NaN or inf in q, k or v gives the output and
+    the three gradients the portable path's non-finite pattern."""
+    b, h, d = 1, 4, head_dim
     base = [torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
     base["qkv".index(which)][0, 700, 1, 5] = float(bad)
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
