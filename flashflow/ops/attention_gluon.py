@@ -199,7 +199,7 @@ class GluonPlan:
         counter = stream_scratch("attention-tiles", 1, q.device) if self.constexprs["DYNAMIC"] else q
         if self.split_tiles:
             ws = stream_scratch("attention-piece-rows", self.ws_words, q.device, torch.float32)
-            split_counter = stream_scratch("attention-pieces", self.constexprs["PARTITIONS"] * self.split_tiles, q.device)
+            split_counter = stream_scratch("attention-pieces", self.cfg.partitions * self.split_tiles, q.device)
         else:
             ws = split_counter = q
         self._launch(launch_key, self.grid, (make(q, qs), make(k, ks), make(v, vs), out, lse,

@@ -54,7 +54,6 @@ class GluonAttentionConfig(Config):
             raise ValueError(f"min_piece_blocks must be at least 1 and max_pieces at least 2, got "
                              f"{self.min_piece_blocks} and {self.max_pieces}")
 
-
     @property
     def q_rows(self) -> int:
         """Rows of Q's TMA box (a power of two): the tile's, or one partition's for 192 rows."""
