@@ -125,12 +125,11 @@ def _masked_scores(qk, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys, C
 
 
 @gluon.jit
-def _issue_pv(acc, alpha, p, v_buf, p_layout: gl.constexpr):
-    """``acc · α + P · V`` as an asynchronous WGMMA (P from registers, V's buffer as the B
-    operand); the caller waits on the returned accumulator."""
+def _issue_pv(acc, alpha, p, v_buf):
+    """``acc · α + P · V`` as an asynchronous WGMMA (P, 16-bit, from registers as the A operand,
+    V's buffer as the B operand); the caller waits on the returned accumulator."""
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-    p16 = gl.convert_layout(p.to(v_buf.dtype), p_layout)
-    return warpgroup_mma(p16, v_buf, acc, is_async=True)
+    return warpgroup_mma(p, v_buf, acc, is_async=True)
 
 
 # ----------------------------------------------------------------------------- loads
@@ -247,6 +246,15 @@ def _block_softmax(qk, j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seq
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr):
+    """A block's P as the 16-bit A operand of its P·V WGMMA, in which it is carried to the next
+    block: carried in fp32 it would hold 64 more registers a thread while the next block's
+    scores accumulate (ptxas spills them). Converted with no WGMMA in flight: converted while
+    one runs, ptxas serialises every WGMMA of the kernel (its C7513 note)."""
+    return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
 def _v_ready(v_smem, v_bar, stage, phase, j, seqlen_k, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
              num_warps: gl.constexpr):
     """Wait for block ``j``'s V buffer; in a block that runs past the sequence's end, zero V's
@@ -278,7 +286,7 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
         take_turn(turn, t0 + j, PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         # ... then block j−1's P·V into the rescaled accumulator
-        acc = _issue_pv(acc, alpha, p, v_smem.index(prev), p_layout)
+        acc = _issue_pv(acc, alpha, p, v_smem.index(prev))
         pass_turn(turn, PINGPONG, WG)
         qk = warpgroup_mma_wait(1, deps=[qk])
         if PRODUCER:
@@ -287,6 +295,7 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
         p, alpha, l_i, m_i = _block_softmax(qk, kb0 + j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
         acc = warpgroup_mma_wait(0, deps=[acc])
+        p = _p_operand(p, v_smem.dtype, p_layout)
         if PRODUCER:
             mbarrier.arrive(v_free.index(prev))
         else:
@@ -339,6 +348,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
             _refill(k_desc, k_smem, k_bar, k_row0, k_col, 0, stage, n_blocks, BLOCK_N, NUM_STAGES)
         p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
+        p = _p_operand(p, v_smem.dtype, p_layout)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free,
                                                  v_free, turn, g, t0, k_desc, v_desc, k_row0, k_col, qk_scale_log2,
                                                  offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks, 0, full_lo,
@@ -350,7 +360,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
         _v_ready(v_smem, v_bar, stage, ((g + last) // NUM_STAGES) & 1, last, seqlen_k, BLOCK_N, HEAD_DIM,
                  num_warps)
         take_turn(turn, t0 + n_blocks, PINGPONG, WG)
-        acc = _issue_pv(acc, alpha, p, v_smem.index(stage), p_layout)
+        acc = _issue_pv(acc, alpha, p, v_smem.index(stage))
         pass_turn(turn, PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
@@ -553,7 +563,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
     m_rows, head, batch, n_blocks, kb0, full_lo, full_hi, kpm = _partition_tile(
         tile, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
         full_units, pieces, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N, SPLIT)
-    p = qk_zero
+    p = gl.zeros([ROWS, BLOCK_N], v_smem.dtype, p_layout)
     alpha = l_none
     l_i = l_none
     m_i = m_none
@@ -564,6 +574,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         p, alpha, l_i, m_i = _block_softmax(qk, kb0, m_i, l_i, full_lo, full_hi, qk_scale_log2, m_rows + rows,
                                             seqlen_k, diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N,
                                             s_layout)
+        p = _p_operand(p, v_smem.dtype, p_layout)
     while tile < num_tiles:
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero,
@@ -577,7 +588,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         if n_blocks > 0:
             _v_ready(v_smem, v_bar, last, ((g + n_blocks - 1) // NUM_STAGES) & 1, kb0 + n_blocks - 1, seqlen_k,
                      BLOCK_N, HEAD_DIM, num_warps)
-            acc_t = _issue_pv(acc, alpha, p, v_smem.index(last), p_layout)
+            acc_t = _issue_pv(acc, alpha, p, v_smem.index(last))
         else:
             acc_t = warpgroup_mma_init(acc)
         acc = warpgroup_mma_wait(0, deps=[acc_t])
@@ -615,6 +626,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         p, alpha, l_i, m_i = _block_softmax(qk, kb0_next, m_none, l_none, lo_next, hi_next, qk_scale_log2,
                                             m_next + rows, seqlen_k, diag_offset, kpm_next, mask_keys, CAUSAL,
                                             KEY_PADDING, BLOCK_N, s_layout)
+        p = _p_operand(p, v_smem.dtype, p_layout)
         l_i = gl.where(first, l_i, l_none)
         m_i = gl.where(first, m_i, m_none)
         tile = nxt

@@ -212,7 +212,10 @@ def test_dispatch_and_its_override(monkeypatch):
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == ag.GLUON
     assert attn_ops.forward_kernel_name(q, k, v, window_right=0, **kw) == ag.GLUON
     q64 = q[..., :64].contiguous()
-    assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == attn_ops.PORTABLE   # auto off at d64
+    assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == ag.GLUON   # d64 from 2048 keys, no causal mask
+    short64 = q64[:, :2047]
+    assert attn_ops.forward_kernel_name(short64, short64, short64, **kw) == attn_ops.PORTABLE
+    assert attn_ops.forward_kernel_name(q64, q64, q64, window_right=0, **kw) == attn_ops.PORTABLE   # causal: auto off
     short = q[:, :300]
     assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 256 keys
     assert attn_ops.forward_kernel_name(short, short, short, window_right=0, **kw) == attn_ops.PORTABLE
@@ -222,8 +225,8 @@ def test_dispatch_and_its_override(monkeypatch):
     monkeypatch.setenv(ag.KERNEL_ENV, "portable")
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == attn_ops.PORTABLE
     monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
-    assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == ag.GLUON
-    out = flashflow.flash_attn_func(q64, q64, q64)
+    assert attn_ops.forward_kernel_name(q64, q64, q64, window_right=0, **kw) == ag.GLUON
+    out = flashflow.flash_attn_func(q64, q64, q64, causal=True)
     assert out.isfinite().all()
     q96 = torch.randn(1, 256, 4, 96, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim 96"):
