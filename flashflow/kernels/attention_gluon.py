@@ -13,7 +13,8 @@ FlashAttention-3 lays it out:
   ``S_j = Q · K_jᵀ`` is issued, then block j−1's ``acc = acc · α + P_{j−1} · V_{j−1}``, and the
   softmax of ``S_j`` runs while that P·V is still on the tensor cores.
 * P never leaves registers: in 16 bits the accumulator's registers are already the A operand
-  of the P·V WGMMA, so P's change of layout moves nothing.
+  of the P·V WGMMA, so P's change of layout moves nothing. It is converted once the previous
+  block's P·V is done and carried to the next block in 16 bits (:func:`_p_operand`).
 * ``BLOCK_M = 16 · num_warps`` rows, one warpgroup per 64 (8 warps: two warpgroups sharing one
   K/V ring). ``WARP_SPECIALIZE``: one extra warp issues every TMA load (24 registers, the MMA
   warps the rest), the consumers hand buffers back through "free" mbarriers. With
