@@ -5,8 +5,8 @@ it takes, its config and its launch.
 supports a call; this one registers ahead of the portable Triton kernel. It takes a call
 (:func:`supports`) on an sm90 GPU, in bf16 or fp16, at a head_dim with a shipped config whose
 ``auto`` is on and whose ``min_seqlen_k`` the keys reach (``tuning/attention_gluon.json``:
-head_dim 128 from 256 keys, 512 causal; head_dim 256 from 512 keys; at 64 and on shorter calls
-the portable kernel measured faster), dense (no varlen), with no additive bias, softcap or
+head_dim 128 from 256 keys, 512 causal; head_dim 256 from 512 keys; head_dim 64 from 2048 keys,
+causal or not; on shorter calls the portable kernel measured faster), dense (no varlen), with no additive bias, softcap or
 window other than causal, and q/k/v describable by host TMA descriptors (16-byte aligned bases and strides, unit last
 stride, a 2-D row view: :func:`flashflow.ops.common.rows_view`; k and v alike). A key-padding
 mask and an LSE are taken. Everything else runs on the portable kernel.

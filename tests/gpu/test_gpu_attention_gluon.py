@@ -215,7 +215,8 @@ def test_dispatch_and_its_override(monkeypatch):
     assert attn_ops.forward_kernel_name(q64, q64, q64, **kw) == ag.GLUON   # d64 from 2048 keys, no causal mask
     short64 = q64[:, :2047]
     assert attn_ops.forward_kernel_name(short64, short64, short64, **kw) == attn_ops.PORTABLE
-    assert attn_ops.forward_kernel_name(q64, q64, q64, window_right=0, **kw) == attn_ops.PORTABLE   # causal: auto off
+    assert attn_ops.forward_kernel_name(q64, q64, q64, window_right=0, **kw) == ag.GLUON   # causal too
+    assert attn_ops.forward_kernel_name(short64, short64, short64, window_right=0, **kw) == attn_ops.PORTABLE
     short = q[:, :300]
     assert attn_ops.forward_kernel_name(short, short, short, **kw) == ag.GLUON   # from 256 keys
     assert attn_ops.forward_kernel_name(short, short, short, window_right=0, **kw) == attn_ops.PORTABLE
@@ -225,8 +226,8 @@ def test_dispatch_and_its_override(monkeypatch):
     monkeypatch.setenv(ag.KERNEL_ENV, "portable")
     assert attn_ops.forward_kernel_name(q, k, v, **kw) == attn_ops.PORTABLE
     monkeypatch.setenv(ag.KERNEL_ENV, "gluon")
-    assert attn_ops.forward_kernel_name(q64, q64, q64, window_right=0, **kw) == ag.GLUON
-    out = flashflow.flash_attn_func(q64, q64, q64, causal=True)
+    assert attn_ops.forward_kernel_name(short64, short64, short64, window_right=0, **kw) == ag.GLUON
+    out = flashflow.flash_attn_func(short64, short64, short64, causal=True)
     assert out.isfinite().all()
     q96 = torch.randn(1, 256, 4, 96, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="head_dim 96"):
@@ -311,24 +312,25 @@ def test_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which
         assert torch.equal(got.isnan(), ref.isnan()) and torch.equal(got.isinf(), ref.isinf())
 
 
-@pytest.mark.parametrize("head_dim, s", [(64, 2100), (256, 1500)])
+@pytest.mark.parametrize("head_dim, s, causal", [(64, 2100, False), (64, 2100, True), (256, 1500, False)])
 @pytest.mark.parametrize("bad", ["nan", "inf"])
 @pytest.mark.parametrize("which", ["q", "k", "v"])
 def test_head_dim_64_and_256_non_finite_forward_and_backward_as_the_portable_path(monkeypatch, which, bad,
-                                                                                   head_dim, s):
-    """head_dim 64 (the 192-row tile) and 256 without a causal mask (the persistent entries, tiles
-    by ticket), on transposed (SDPA-layout) inputs: a NaN or inf in q, k or v gives the output and
-    the three gradients the portable path's non-finite pattern."""
+                                                                                   head_dim, s, causal):
+    """head_dim 64 (the 192-row tile; causal, the head_dim-128 causal tile) and 256 without a
+    causal mask (the persistent entries, tiles by ticket), on transposed (SDPA-layout) inputs: a
+    NaN or inf in q, k or v gives the output and the three gradients the portable path's
+    non-finite pattern."""
     b, h, d = 1, 4, head_dim
     base = [torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
     base["qkv".index(which)][0, 700, 1, 5] = float(bad)
     dout = torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16)
-    assert attn_ops.forward_kernel_name(*base, softmax_scale=d ** -0.5) == ag.GLUON
+    assert attn_ops.forward_kernel_name(*base, softmax_scale=d ** -0.5, window_right=0 if causal else None) == ag.GLUON
     results = {}
     for choice in ("gluon", "portable"):
         monkeypatch.setenv(ag.KERNEL_ENV, choice)
         q, k, v = (t.detach().clone().requires_grad_() for t in base)
-        out = flashflow.flash_attn_func(q, k, v)
+        out = flashflow.flash_attn_func(q, k, v, causal=causal)
         out.backward(dout)
         results[choice] = [out.detach(), q.grad, k.grad, v.grad]
     for got, ref in zip(results["gluon"], results["portable"]):

@@ -36,6 +36,7 @@ def test_takes_the_hot_calls(hopper):
     assert ag.unsupported_reason(*_qkv(hk=2)) is None                                # GQA
     assert ag.unsupported_reason(*_qkv(d=256)) is None                               # head_dim 256
     assert ag.unsupported_reason(*_qkv(d=64)) is None                                # head_dim 64, 2048 keys on
+    assert ag.unsupported_reason(*_qkv(d=64), window_right=0) is None                # causal too
     sdpa = [torch.randn(2, 4, 2100, 128, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)]
     assert ag.unsupported_reason(*sdpa) is None                                      # SDPA's layout
     fused = torch.randn(2, 2100, 3, 4, 128, dtype=torch.bfloat16).unbind(2)
@@ -43,8 +44,18 @@ def test_takes_the_hot_calls(hopper):
     assert attn_ops.forward_kernel_name(q, k, v, softmax_scale=0.1) == ag.GLUON
 
 
+def test_a_config_with_auto_off_runs_only_when_forced(hopper, monkeypatch):
+    """A shipped entry with ``auto`` off leaves the call to the portable kernel unless
+    FLASHFLOW_ATTENTION_KERNEL=gluon forces it."""
+    shipped = ag.gluon_attention_config
+    monkeypatch.setattr(ag, "gluon_attention_config", lambda *a: dataclasses.replace(shipped(*a), auto=False))
+    q, k, v = _qkv()
+    assert "portable kernel measured faster" in ag.unsupported_reason(q, k, v)
+    assert ag.unsupported_reason(q, k, v, forced=True) is None
+
+
 @pytest.mark.parametrize("case, reason", [
-    ("fp32", "dtype"), ("d64-causal", "portable kernel measured faster"), ("d64-short", "fewer than 2048 keys"),
+    ("fp32", "dtype"), ("d64-causal-short", "fewer than 2048 keys"), ("d64-short", "fewer than 2048 keys"),
     ("d96", "no Gluon config"), ("varlen", "varlen"), ("bias", "bias"), ("softcap", "softcap"),
     ("window", "window"), ("config", "portable config"), ("empty", "empty"), ("out-strided", "out"),
     ("last-stride", "TMA"), ("misaligned", "TMA"), ("expanded", "row view"), ("k-v-differ", "row view"),
@@ -58,8 +69,8 @@ def test_leaves_the_rest_to_the_portable_kernel(hopper, case, reason):
         q, k, v = _qkv(dtype=torch.float32)
     elif case == "d96":
         q, k, v = _qkv(d=96)
-    elif case == "d64-causal":
-        q, k, v = _qkv(d=64)
+    elif case == "d64-causal-short":
+        q, k, v = _qkv(d=64, s=2000)
         kw["window_right"] = 0
     elif case == "d64-short":
         q, k, v = _qkv(d=64, s=2000)
@@ -153,11 +164,14 @@ def test_config_table_and_rules():
     assert wide.overlap_tiles
     wide = gluon_attention_config(256, True, "sm90", 4096)
     assert wide.auto and wide.BLOCK_N == 64 and not wide.persistent and wide.min_seqlen_k == 512
-    # head_dim 64 without a causal mask: 192 rows in three partitions from 2048 keys; causal: portable
+    # head_dim 64 without a causal mask: 192 rows in three partitions from 2048 keys; causal: the
+    # head_dim-128 causal tile from 2048 keys
     d64 = gluon_attention_config(64, False, "sm90", 4096)
     assert d64.auto and d64.BLOCK_M == 192 and d64.partitions == 3 and d64.q_rows == 64 and d64.min_seqlen_k == 2048
     assert d64.persistent and d64.dynamic and d64.overlap_tiles and d64.split_last_wave
-    assert not gluon_attention_config(64, True, "sm90", 4096).auto
+    d64c = gluon_attention_config(64, True, "sm90", 4096)
+    assert d64c.auto and d64c.BLOCK_M == 128 and d64c.partitions == 2 and d64c.min_seqlen_k == 2048
+    assert d64c.persistent and d64c.dynamic and d64c.overlap_tiles and not d64c.pingpong and not d64c.split_last_wave
     # the tiles past the last full wave in key pieces: the persistent entries without a causal mask
     for d in (128, 256):
         assert gluon_attention_config(d, False, "sm90", 4096).split_last_wave
