@@ -263,8 +263,9 @@ def test_layouts(gpu, layout, head_dim):
         assert gpu.rel(out, _exact(q, k, v, causal)) < gpu.tol
 
 
-def test_sdpa_entry_and_backward(gpu):
-    b, s, h, d = 1, 2051, 4, 128
+@pytest.mark.parametrize("head_dim", [64, 128])   # (64: the head_dim-128 causal tile from 2048 keys)
+def test_sdpa_entry_and_backward(gpu, head_dim):
+    b, s, h, d = 1, 2051, 4, head_dim
     q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     out = flashflow.scaled_dot_product_attention(q, k, v, is_causal=True)
     qd, kd, vd = (t.detach().double().transpose(1, 2).requires_grad_() for t in (q, k, v))
