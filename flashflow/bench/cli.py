@@ -51,7 +51,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--rep", type=int, default=None, metavar="MS",
                    help="do_bench measuring time per measurement, ms (default: 100; mlp: 20)")
     p.add_argument("--blocks", type=int, default=None, metavar="N",
-                   help="qwen-image: transformer blocks to build, of the model's 60 (default: 6)")
+                   help="qwen-image: transformer blocks to build, of the model's 60 (default: 6); "
+                        "decode-layer: the layers of a step (default: 1)")
     p.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="folder the results are written to, and --tables reads (default: bench/results)")
     p.add_argument("--no-plot", action="store_true", help="attention, qwen-image: skip the PNG plot")

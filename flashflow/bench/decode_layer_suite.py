@@ -38,11 +38,17 @@ from flashflow.bench import timing
 
 MEGAKERNEL = "flashflow-megakernel"
 FOLDED = "flashflow-megakernel-folded"
+LAYERS = "flashflow-megakernel-layers"
+LAYERS_FOLDED = "flashflow-megakernel-layers-folded"
 KERNELS = "flashflow-kernels"
 EAGER = "torch-eager"
 GRAPH = "torch+graph"
 COMPILE = "torch.compile"
 PROVIDERS = (MEGAKERNEL, FOLDED, KERNELS, EAGER, GRAPH, COMPILE)
+# with --blocks N > 1: the step's N layers in one launch (a plan of num_layers=N), weights as
+# given and folded; the other providers then run the N layers one after another
+STEP_PROVIDERS = (LAYERS, LAYERS_FOLDED)
+MAX_LAYERS = 32
 NEEDS_CUDA = (GRAPH, COMPILE)   # capture and cudagraph trees: no CPU stand-in
 SHAPES = tuple((b, s) for b in (1, 16) for s in (1024, 4096, 8192, 32768))
 QUICK_SHAPES = ((1, 4096), (16, 4096))
@@ -107,25 +113,9 @@ def make_providers(config, x, weights, k_cache, v_cache, names=PROVIDERS) -> dic
         kc3, vc3 = k_cache.clone(), v_cache.clone()
         provs[FOLDED] = lambda: fplan.run(x, folded, kc3, vc3, lens)
     if KERNELS in names:
-        dplan = flashflow.plan_decode(batch, c.heads, c.kv_heads, c.head_dim, seqlen, device=device)
         kc2, vc2 = k_cache.clone(), v_cache.clone()
-        cos, sin = (t.to(device) for t in rope_tables(seqlen, c.head_dim, c.rope_theta, torch.float32))
-        cs, sn = cos[seqlen - 1].to(x.dtype), sin[seqlen - 1].to(x.dtype)
-
-        def kernels():
-            d, h, hk = c.head_dim, c.heads, c.kv_heads
-            qkv = F.linear(F.rms_norm(x, (c.hidden,), w["attn_norm"], c.eps), w["qkv"])
-            q, k, v = qkv.split([h * d, hk * d, hk * d], dim=-1)
-
-            def rope(t, n):
-                t1, t2 = t.view(batch, n, d).chunk(2, dim=-1)
-                return torch.cat([t1 * cs - t2 * sn, t2 * cs + t1 * sn], dim=-1)[:, None]
-            o = flashflow.flash_attn_with_kvcache(rope(q, h), kc2, vc2, rope(k, hk), v.view(batch, 1, hk, d),
-                                                  cache_seqlens=lens, plan=dplan)
-            hid = x + F.linear(o.reshape(batch, h * d), w["o"])
-            return hid + flashflow.fused_mlp(F.rms_norm(hid, (c.hidden,), w["ffn_norm"], c.eps), w["gate_up"],
-                                             w["down"])
-        provs[KERNELS] = kernels
+        klayer = kernels_layer(c, batch, seqlen, lens, device, x.dtype)
+        provs[KERNELS] = lambda: klayer(x, w, kc2, vc2)
     if {EAGER, GRAPH, COMPILE} & set(names):
         cos, sin = (t.to(device) for t in rope_tables(seqlen, c.head_dim, c.rope_theta, torch.float32))
         pos = torch.tensor([seqlen - 1], device=device)
@@ -146,6 +136,34 @@ def make_providers(config, x, weights, k_cache, v_cache, names=PROVIDERS) -> dic
             compiled = torch.compile(clayer, mode="reduce-overhead", dynamic=False)
             provs[COMPILE] = lambda: compiled(x, pos).clone()
     return provs
+
+
+def kernels_layer(config, batch: int, seqlen: int, lens, device, dtype):
+    """``(x, w, k_cache, v_cache) -> out``: the layer from separate flashflow kernels at position
+    ``seqlen − 1`` (``w`` a weights dict): torch's RMSNorm, ``F.linear`` and RoPE around
+    :func:`flashflow.flash_attn_with_kvcache` (in-kernel append, one :class:`flashflow.DecodePlan`)
+    and :func:`flashflow.fused_mlp`."""
+    import flashflow
+    from flashflow.reference.decode_layer import rope_tables
+
+    c = config
+    d, h, hk = c.head_dim, c.heads, c.kv_heads
+    dplan = flashflow.plan_decode(batch, h, hk, d, seqlen, device=device)
+    cos, sin = (t.to(device) for t in rope_tables(seqlen, d, c.rope_theta, torch.float32))
+    cs, sn = cos[seqlen - 1].to(dtype), sin[seqlen - 1].to(dtype)
+
+    def rope(t, heads):
+        t1, t2 = t.view(batch, heads, d).chunk(2, dim=-1)
+        return torch.cat([t1 * cs - t2 * sn, t2 * cs + t1 * sn], dim=-1)[:, None]
+
+    def layer(x, w, kc, vc):
+        q, k, v = F.linear(F.rms_norm(x, (c.hidden,), w["attn_norm"], c.eps), w["qkv"]).split(
+            [h * d, hk * d, hk * d], dim=-1)
+        o = flashflow.flash_attn_with_kvcache(rope(q, h), kc, vc, rope(k, hk), v.view(batch, 1, hk, d),
+                                              cache_seqlens=lens, plan=dplan)
+        hid = x + F.linear(o.reshape(batch, h * d), w["o"])
+        return hid + flashflow.fused_mlp(F.rms_norm(hid, (c.hidden,), w["ffn_norm"], c.eps), w["gate_up"], w["down"])
+    return layer
 
 
 class TorchLayer(torch.nn.Module):
@@ -200,7 +218,108 @@ def bench_case(config, batch: int, seqlen: int, names=PROVIDERS, timer=None, dev
     x, weights, kc, vc = make_inputs(config, batch, seqlen, dtype, device)
     row["l2_copies"] = timing.rotation(nbytes, timing.l2_bytes()) if torch.device(device).type == "cuda" else 1
     ref = reference(config, x, weights, kc, vc)
-    provs = make_providers(config, x, weights, kc, vc, names)
+    _time_providers(row, make_providers(config, x, weights, kc, vc, names), ref, timer)
+    mega = row["us"].get(MEGAKERNEL)
+    row["speedup"] = {n: t / mega for n, t in row["us"].items() if mega and n != MEGAKERNEL}
+    folded = row["us"].get(FOLDED)   # the same over the megakernel with its norm weights folded
+    row["speedup_folded"] = {n: t / folded for n, t in row["us"].items() if folded and n not in (MEGAKERNEL, FOLDED)}
+    return row
+
+
+def make_step_providers(config, x, layers, caches, names) -> dict:
+    """Zero-argument callables by name, each one step of the ``len(layers)`` layers at position
+    ``seqlen − 1`` (``caches`` a ``(k_cache, v_cache)`` pair per layer). The flashflow providers
+    share one copy of the caches: every call rewrites slot ``seqlen − 1`` of each layer before
+    that layer's attention reads it, so no provider reads another's append."""
+    import flashflow
+    from flashflow.ops.decode_layer import decode_step
+    from flashflow.reference.decode_layer import rope_tables
+
+    c, n = config, len(layers)
+    batch, seqlen = x.shape[0], caches[0][0].shape[1]
+    device = x.device
+    lens = torch.full((batch,), seqlen - 1, dtype=torch.int32, device=device)
+    provs = {}
+    shared = [(k.clone(), v.clone()) for k, v in caches] if set(names) - {EAGER, GRAPH, COMPILE} else []
+    folded = [flashflow.fold_norms(w) for w in layers] if {FOLDED, LAYERS_FOLDED} & set(names) else []
+    for name, weights, kw in ((MEGAKERNEL, layers, {}), (FOLDED, folded, {"folded_norms": True}),
+                              (LAYERS, layers, {"num_layers": n}),
+                              (LAYERS_FOLDED, folded, {"folded_norms": True, "num_layers": n})):
+        if name in names:
+            plan = flashflow.DecodeLayerPlan(c, batch, seqlen, device=device, dtype=x.dtype, **kw)
+            provs[name] = (lambda p, w: lambda: decode_step(p, w, shared, x, lens, advance=False))(plan, weights)
+    if KERNELS in names:
+        klayer = kernels_layer(c, batch, seqlen, lens, device, x.dtype)
+        dicts = [w.as_dict() for w in layers]
+
+        def kernels():
+            hid = x
+            for w, (kc, vc) in zip(dicts, shared):
+                hid = klayer(hid, w, kc, vc)
+            return hid
+        provs[KERNELS] = kernels
+    if {EAGER, GRAPH, COMPILE} & set(names):
+        cos, sin = (t.to(device) for t in rope_tables(seqlen, c.head_dim, c.rope_theta, torch.float32))
+        pos = torch.tensor([seqlen - 1], device=device)
+
+        def model():
+            return TorchStep([TorchLayer(c, w.as_dict(), kc, vc, cos, sin) for w, (kc, vc) in zip(layers, caches)])
+        if {EAGER, GRAPH} & set(names):
+            step = model()
+            for name in (EAGER, GRAPH):
+                if name in names:
+                    provs[name] = lambda: step(x, pos)
+        if COMPILE in names:
+            torch._dynamo.reset()   # a fresh compilation per shape (see make_providers)
+            compiled = torch.compile(model(), mode="reduce-overhead", dynamic=False)
+            provs[COMPILE] = lambda: compiled(x, pos).clone()
+    return provs
+
+
+class TorchStep(torch.nn.Module):
+    """:class:`TorchLayer` s one after another: a step of several layers, ``forward(x, pos)``."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x, pos):
+        for layer in self.layers:
+            x = layer(x, pos)
+        return x
+
+
+def bench_step_case(config, batch: int, seqlen: int, layers: int, names=PROVIDERS + STEP_PROVIDERS, timer=None,
+                    device="cuda", dtype=torch.bfloat16) -> dict:
+    """One row of a step of ``layers`` layers (random weights and caches each): each provider's
+    µs a layer (the step's time over ``layers``), TB/s of the step's bytes (``layers`` times a
+    layer's), error against the float64 layers, and the speedups over the one-launch megakernel
+    (``speedup``) and over the megakernel launched per layer (``speedup_per_layer``)."""
+    from flashflow.ops.decode_layer import decode_layer_bytes
+
+    nbytes = layers * decode_layer_bytes(config, batch, seqlen - 1, torch.empty((), dtype=dtype).element_size())
+    row = {"batch": batch, "seqlen": seqlen, "layers": layers, "bytes": nbytes, "us": {}, "tbs": {}, "rel_err": {},
+           "errors": {}}
+    row["l2_copies"] = timing.rotation(nbytes, timing.l2_bytes()) if torch.device(device).type == "cuda" else 1
+    x, ws, caches = None, [], []
+    for i in range(layers):
+        xi, w, kc, vc = make_inputs(config, batch, seqlen, dtype, device, seed=2 * i)
+        x = xi if x is None else x
+        ws.append(w)
+        caches.append((kc, vc))
+    ref = x.double()
+    for w, (kc, vc) in zip(ws, caches):   # a layer at a time in float64 (the caches' copies are large)
+        ref = reference(config, ref, w, kc, vc)
+    _time_providers(row, make_step_providers(config, x, ws, caches, names), ref, timer, layers)
+    for key, base in (("speedup", LAYERS), ("speedup_per_layer", MEGAKERNEL)):
+        t0 = row["us"].get(base)
+        row[key] = {n: t / t0 for n, t in row["us"].items() if t0 and n != base}
+    return row
+
+
+def _time_providers(row: dict, provs: dict, ref, timer, layers: int = 1) -> None:
+    """Each provider's relative error against ``ref``, µs (over ``layers``) and TB/s of
+    ``row["bytes"]`` into ``row``; a provider that fails has its error there instead."""
     for name, fn in provs.items():
         try:
             out = fn()
@@ -209,25 +328,28 @@ def bench_case(config, batch: int, seqlen: int, names=PROVIDERS, timer=None, dev
         except Exception as e:  # noqa: BLE001 — one provider's failure is its entry
             row["errors"][name] = timing.short_error(e)
             continue
-        row["us"][name] = ms * 1e3
-        row["tbs"][name] = nbytes / (ms * 1e-3) / 1e12
-    mega = row["us"].get(MEGAKERNEL)
-    row["speedup"] = {n: t / mega for n, t in row["us"].items() if mega and n != MEGAKERNEL}
-    folded = row["us"].get(FOLDED)   # the same over the megakernel with its norm weights folded
-    row["speedup_folded"] = {n: t / folded for n, t in row["us"].items() if folded and n not in (MEGAKERNEL, FOLDED)}
-    return row
+        row["us"][name] = ms * 1e3 / layers
+        row["tbs"][name] = row["bytes"] / (ms * 1e-3) / 1e12
 
 
 def check_args(args) -> str | None:
     """The problem with the suite's options, or None (then ``args.providers`` is a list)."""
     from flashflow.bench.runner import check_timing_and_providers
 
-    return check_timing_and_providers(args, PROVIDERS, "decode-layer")
+    layers = getattr(args, "blocks", 1)
+    if layers is None:
+        layers = args.blocks = 1
+    if not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= MAX_LAYERS:
+        return f"--blocks (decode-layer: the layers of a step) must be a whole number from 1 to {MAX_LAYERS}, " \
+               f"got {layers!r}"
+    return check_timing_and_providers(args, PROVIDERS + STEP_PROVIDERS if layers > 1 else PROVIDERS,
+                                      "decode-layer")
 
 
 def run_bench(shapes=SHAPES, providers=PROVIDERS, warmup: int = WARMUP_MS, rep: int = REP_MS, quick: bool = False,
-              device="cuda", timer=None, config=None) -> dict:
-    """The whole suite's result (``timer``, ``device`` and ``config`` are the tests' to change)."""
+              device="cuda", timer=None, config=None, layers: int = 1) -> dict:
+    """The whole suite's result (``timer``, ``device`` and ``config`` are the tests' to change);
+    ``layers`` > 1: each provider runs a step of that many layers (:func:`bench_step_case`)."""
     from flashflow.bench import runner
     from flashflow.ops.decode_layer import LLAMA3_8B
 
@@ -235,7 +357,7 @@ def run_bench(shapes=SHAPES, providers=PROVIDERS, warmup: int = WARMUP_MS, rep: 
     started = datetime.now(timezone.utc)
     result = {"suite": "decode-layer", **runner.environment(started), "dtype": "bf16", "quick": quick,
               "config": {k: getattr(config, k) for k in config.__dataclass_fields__},
-              "providers": list(providers),
+              "providers": list(providers), "layers": layers,
               "timing": timing.record("cold-l2", warmup_ms=warmup, rep_ms=rep, return_mode="median",
                                       graph_steps=timing.GRAPH_STEPS, l2_span=timing.L2_SPAN,
                                       eager="torch-eager and torch.compile: their calls, do_bench median"),
@@ -243,7 +365,10 @@ def run_bench(shapes=SHAPES, providers=PROVIDERS, warmup: int = WARMUP_MS, rep: 
     timer = timer or default_timer(warmup, rep)
     for i, (b, s) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] batch {b}, cache {s}", file=sys.stderr, flush=True)
-        result["rows"].append(bench_case(config, b, s, providers, timer, device))
+        if layers > 1:
+            result["rows"].append(bench_step_case(config, b, s, layers, providers, timer, device))
+        else:
+            result["rows"].append(bench_case(config, b, s, providers, timer, device))
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return result
@@ -253,8 +378,11 @@ def run(args) -> int:
     """Entry point of ``flashflow bench --suite decode-layer`` (quick, providers, warmup, rep, out)."""
     from flashflow.bench import runner
 
-    result = run_bench(QUICK_SHAPES if args.quick else SHAPES, args.providers, args.warmup, args.rep, args.quick)
-    path = runner.write_result(result, args.out)
+    layers = getattr(args, "blocks", 1) or 1
+    result = run_bench(QUICK_SHAPES if args.quick else SHAPES, args.providers, args.warmup, args.rep, args.quick,
+                       layers=layers)
+    # a step of several layers: a file of its own beside the one-layer suite's
+    path = runner.write_result(result, args.out, f"decode-layer-{layers}-layers" if layers > 1 else None)
     print(f"results: {path}")
     print(markdown_table(result))
     return 0
@@ -262,14 +390,18 @@ def run(args) -> int:
 
 def markdown_table(result: dict) -> str:
     names = result["providers"]
+    layers = result.get("layers", 1)
+    base = LAYERS if layers > 1 else MEGAKERNEL
+    what = (f"a step of {layers} layers, µs a layer; ÷ = the provider's time over the {layers} layers in one launch"
+            if layers > 1 else "÷ = the provider's time over the megakernel's")
     lines = [f"{timing.describe(result)} TB/s = weights + KV read + appended row + x and out, over the time; "
-             "÷ = the provider's time over the megakernel's.", "",
+             f"{what}.", "",
              "| batch | cache | MB | " + " | ".join(f"{n} µs (TB/s)" for n in names) + " | "
-             + " | ".join(f"{n} ÷" for n in names if n != MEGAKERNEL) + " |",
-             "|---:|---:|---:|" + "---:|" * (2 * len(names) - (MEGAKERNEL in names)) + ""]
+             + " | ".join(f"{n} ÷" for n in names if n != base) + " |",
+             "|---:|---:|---:|" + "---:|" * (2 * len(names) - (base in names)) + ""]
     for r in result["rows"]:
         cells = [f"{r['us'][n]:.1f} ({r['tbs'][n]:.2f})" if n in r["us"] else "error" for n in names]
-        ratios = [f"{r['speedup'][n]:.2f}" if n in r["speedup"] else "-" for n in names if n != MEGAKERNEL]
+        ratios = [f"{r['speedup'][n]:.2f}" if n in r["speedup"] else "-" for n in names if n != base]
         lines.append(f"| {r['batch']} | {r['seqlen']} | {r['bytes'] / 1e6:.0f} | " + " | ".join(cells + ratios) + " |")
     return "\n".join(lines)
 

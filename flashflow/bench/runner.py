@@ -206,12 +206,13 @@ def _finite(obj):
     return obj
 
 
-def write_result(result: dict, out_dir) -> Path:
-    """Writes ``<suite>-<device>.json`` (``result``'s ``suite`` and ``device``) in ``out_dir``,
+def write_result(result: dict, out_dir, stem: str | None = None) -> Path:
+    """Writes ``<suite>-<device>.json`` (``result``'s ``suite`` and ``device``; ``stem`` in the
+    suite's place for a variant of it, e.g. a decode-layer step of several layers) in ``out_dir``,
     created if need be: the one current file of a (suite, device), what docs and diffs point at."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{result['suite']}-{device_slug(result['device'])}.json"
+    path = out_dir / f"{stem or result['suite']}-{device_slug(result['device'])}.json"
     path.write_text(json.dumps(_finite(result), indent=1, allow_nan=False, default=str) + "\n")
     return path
 

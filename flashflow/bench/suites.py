@@ -194,8 +194,10 @@ RUNNERS: dict[str, Runner] = {
     "decode-layer": Runner("flashflow.bench.decode_layer_suite",
                            "times one decoder layer's decode step (Llama-3-8B sizes, batch 1 and 16, caches of "
                            "1k-32k tokens): the megakernel against the same layer from separate flashflow kernels, "
-                           "torch eager, torch in a CUDA graph and torch.compile(mode='reduce-overhead')",
-                           frozenset({"quick", "providers", "warmup", "rep"}), {"warmup": 25, "rep": 100}),
+                           "torch eager, torch in a CUDA graph and torch.compile(mode='reduce-overhead'); "
+                           "--blocks N: a step of N layers, the megakernel also running them in one launch",
+                           frozenset({"quick", "providers", "warmup", "rep", "blocks"}),
+                           {"warmup": 25, "rep": 100, "blocks": 1}),
     "train": Runner("flashflow.bench.train",
                     "times attention forward + backward against SDPA's cuDNN and FLASH backends (TFLOP/s, "
                     "peak memory, gradients against FLASH's)",

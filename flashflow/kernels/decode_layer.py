@@ -8,7 +8,7 @@ One step of a layer for ``batch`` ≤ 16 sequences of one new token each::
 Tasks
 -----
 The host builds a task table once (:class:`flashflow.ops.decode_layer.DecodeLayerPlan`): int32
-rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)``. Stages:
+rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, layer)``. Stages:
 
 =========  =====================  ==========================================================
 ``NORM``   (which, row, -)        one row of ``XN = rmsnorm(x) ∘ g_attn`` (which 0) or of
@@ -115,6 +115,8 @@ _OPROJ = tl.constexpr(OPROJ)
 _GATEUP = tl.constexpr(GATEUP)
 _DOWN = tl.constexpr(DOWN)
 _TASK_WORDS = tl.constexpr(TASK_WORDS)
+LAYER_PTRS = 9   # int64 words a layer in a multi-layer launch's table of addresses (from layer 0's)
+_LAYER_PTRS = tl.constexpr(LAYER_PTRS)
 _TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 
 
@@ -123,6 +125,16 @@ _TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 # the tensor-core dot's left operand (ROWS ≥ 64: a warpgroup MMA on sm90) and the activation rows
 # as its right one, so that both go from shared memory to the tensor cores untouched
 # ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _layer_ptr(lp, i, LIKE):
+    """Layer 0's pointer ``LIKE`` moved to this layer's tensor: word ``i`` of the layer's row of
+    the table holds the distance from layer 0's in 16-byte units (every address is a multiple of
+    16 bytes, which the plan checks), so the compiler knows the result 16-byte aligned and the
+    loads through it vectorise as through a pointer argument."""
+    UNIT: tl.constexpr = 128 // LIKE.dtype.element_ty.primitive_bitwidth   # elements in 16 bytes
+    return LIKE + tl.load(lp + i) * UNIT
 
 
 @triton.jit
@@ -331,7 +343,7 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
               QKV_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr,
               LAYOUT: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr,
               DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr,
-              FOLDED: tl.constexpr, TR, TRACE: tl.constexpr):
+              FOLDED: tl.constexpr, TR, TRACE: tl.constexpr, pre_idx=0, pre_target=0):
     """``QKV_PAIRS`` rotary pairs of head ``head`` from the normalised rows XN: the pair's two
     weight rows interleaved in one tile (one dot), RoPE, then q to the workspace, k and v into
     the cache; then the task signals. The first weight chunk loads before the wait on XN.
@@ -341,7 +353,11 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
     ``QKV_SPLIT`` > 1: this task is K slice ``split`` of the tile; it stores its fp32 partial at
     ``WS_QKV[tile·QKV_SPLIT + split]`` and arrives on counter ``merge_idx``, and the slice that
     arrives last adds the partials in slice order (the same bits whoever adds them), ropes,
-    stores and signals."""
+    stores and signals.
+
+    ``pre_target`` > 0 (FOLDED, a layer after the first of a multi-layer launch): x is the
+    layer before's output, and the dot waits for counter ``pre_idx`` to reach it (every column
+    block of that layer's down projection) after the first weight chunk's load."""
     HALF: tl.constexpr = HEAD_DIM // 2
     ROWS: tl.constexpr = 2 * QKV_PAIRS
     offs_b = tl.arange(0, BLOCK_B)
@@ -353,7 +369,9 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
     k_lo, k_hi = _k_slice(hidden, split, QKV_SPLIT, BLOCK_K)
     k_first = _k_first(k_lo, k_hi, tile * STAGGER, BLOCK_K)
     w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, k_hi, BLOCK_K)
-    if FOLDED:   # ready at once: x is an input
+    if FOLDED:   # ready at once when x is the call's input
+        if pre_target > 0:
+            _wait(SYNC, pre_idx, pre_target, spin_limit, THREADS, FENCED_SYNC)
         _stamp(TR, TRACE)
         acc = _gemv(X, stride_x, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
                     ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
@@ -545,9 +563,9 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
 def decode_layer_kernel(
     X, OUT, TASKS, SYNC, CACHE_SEQLENS, BT, COS, SIN,
     W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN,
-    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, WS_QKV, RSTD, WS_SS, TRACE_BUF,
+    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, WS_QKV, RSTD, WS_SS, TRACE_BUF, LAYER_PTRS, XWS,
     batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, qkv_merge_off,
-    spin_limit,
+    layer_words, done_idx, spin_limit,
     stride_x, stride_out, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
     stride_wqkv, stride_wo, stride_wgu, stride_wd,
     eps, qk_scale_log2,
@@ -557,6 +575,7 @@ def decode_layer_kernel(
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
     NORM_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
     FENCED_SYNC: tl.constexpr = False, FOLDED: tl.constexpr = False, COLS_PAD: tl.constexpr = 1,
+    NUM_LAYERS: tl.constexpr = 1,
 ):
     """One decode step of a decoder layer: the task table's tasks by ticket (module docstring).
 
@@ -594,48 +613,77 @@ def decode_layer_kernel(
         wait_target = (epoch + 1) * tl.load(row + 5)
         signal_idx = tl.load(row + 6)
         ready = TRACE_BUF + t * _TRACE_WORDS + 4   # when the task's wait passed (TRACE)
+        if NUM_LAYERS > 1:   # this task's layer: its weights, caches, x, out and counters
+            layer = tl.load(row + 7)
+            cbase = layer * layer_words
+            lp = LAYER_PTRS + layer * _LAYER_PTRS
+            w_qkv = _layer_ptr(lp, 0, W_QKV)
+            w_o = _layer_ptr(lp, 1, W_O)
+            w_gu = _layer_ptr(lp, 2, W_GU)
+            w_down = _layer_ptr(lp, 3, W_DOWN)
+            g_attn = _layer_ptr(lp, 4, G_ATTN)
+            g_ffn = _layer_ptr(lp, 5, G_FFN)
+            kc = _layer_ptr(lp, 6, KC)
+            vc = _layer_ptr(lp, 7, VC)
+            bt = _layer_ptr(lp, 8, BT)
+            x_l = X   # layer 0 reads the call's x, the last writes its out, the others XWS
+            if layer > 0:
+                x_l = XWS + (layer - 1) * batch * hidden
+            out_l = OUT
+            if layer < NUM_LAYERS - 1:
+                out_l = XWS + layer * batch * hidden
+            # folded QKV of a layer after the first: its dot waits on the layer before's out
+            pre_target = (epoch + 1) * h1_count * tl.minimum(layer, 1) if FOLDED else 0
+        else:
+            cbase = 0
+            w_qkv, w_o, w_gu, w_down, g_attn, g_ffn = W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN
+            kc, vc, bt, x_l, out_l = KC, VC, BT, X, OUT
+            pre_target = 0
         if TRACE:
             t_start = globaltimer()
         if stage == _QKV:
-            _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, CACHE_SEQLENS, COS, SIN, WS_QKV,
+            _qkv_task(SYNC, x_l, stride_x, XN, RSTD, w_qkv, stride_wqkv, QWS, kc, vc, bt, CACHE_SEQLENS, COS, SIN,
+                      WS_QKV,
                       sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, a, b, c, batch, hidden,
-                      wait_idx, wait_target, signal_idx, qkv_merge_off + a * (HEAD_DIM // 2 // QKV_PAIRS) + b, epoch,
+                      wait_idx, wait_target, signal_idx, cbase + qkv_merge_off + a * (HEAD_DIM // 2 // QKV_PAIRS) + b,
+                      epoch,
                       spin_limit, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, QKV_SPLIT, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
-                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, ready, TRACE)
+                      GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, ready, TRACE,
+                      cbase - layer_words + done_idx, pre_target)
         elif stage == _ATTN:
-            _attn_task(SYNC, QWS, KC, VC, BT, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
-                       wait_idx, wait_target, signal_idx, merge_off, spin_limit,
+            _attn_task(SYNC, QWS, kc, vc, bt, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
+                       wait_idx, wait_target, signal_idx, cbase + merge_off, spin_limit,
                        sk0, sk1, sk2, sv0, sv1, sv2, stride_bt, qk_scale_log2,
                        HEADS, KV_HEADS, HEAD_DIM, BLOCK_R, BLOCK_KV, NUM_SPLITS, PAGE_SIZE, LAYOUT,
                        THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, ready, TRACE)
         elif stage == _OPROJ:
-            _columns_task(SYNC, ATT, HEADS * HEAD_DIM, W_O, stride_wo, X, stride_x, H1, hidden,
+            _columns_task(SYNC, ATT, HEADS * HEAD_DIM, w_o, stride_wo, x_l, stride_x, H1, hidden,
                           a, b, HEADS * HEAD_DIM, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
-                          WS_PART, col_merge_off + a, epoch, HN, WS_SS, h1_count, eps,
+                          WS_PART, cbase + col_merge_off + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
                           DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, False, COLS_PAD, ready, TRACE)
         elif stage == _GATEUP:
-            _columns_task(SYNC, HN, hidden, W_GU, stride_wgu, H1, hidden, ACT, inter,
+            _columns_task(SYNC, HN, hidden, w_gu, stride_wgu, H1, hidden, ACT, inter,
                           a, 0, hidden, inter, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, 0, epoch, HN, WS_SS, h1_count, eps,
                           True, 1, BLOCK_B, BLOCK_I, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
                           DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, FOLDED, COLS_PAD, ready, TRACE)
         elif stage == _DOWN:
             # h (the residual) is read besides act: acquire its counter too (already complete)
-            _wait(SYNC, h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, FENCED_SYNC)
-            _columns_task(SYNC, ACT, inter, W_DOWN, stride_wd, H1, hidden, OUT, stride_out,
+            _wait(SYNC, cbase + h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, FENCED_SYNC)
+            _columns_task(SYNC, ACT, inter, w_down, stride_wd, H1, hidden, out_l, stride_out,
                           a, b, inter, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
-                          WS_PART, col_merge_off + h1_count + a, epoch, HN, WS_SS, h1_count, eps,
+                          WS_PART, cbase + col_merge_off + h1_count + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
                           DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, False, 1, ready, TRACE)
         else:   # a norm row: a = 0, x's attention norm into XN; a = 1, h's FFN norm into HN
             _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, ready, TRACE)
             if FOLDED:   # only x's: 1 / rms per row (the QKV tasks scale by it)
-                _rstd_task(X, stride_x, RSTD, b, hidden, eps, NORM_BLOCK)
+                _rstd_task(x_l, stride_x, RSTD, b, hidden, eps, NORM_BLOCK)
             elif a == 0:
-                _norm_task(X, stride_x, G_ATTN, XN, b, hidden, eps, NORM_BLOCK)
+                _norm_task(x_l, stride_x, g_attn, XN, b, hidden, eps, NORM_BLOCK)
             else:
-                _norm_task(H1, hidden, G_FFN, HN, b, hidden, eps, NORM_BLOCK)
+                _norm_task(H1, hidden, g_ffn, HN, b, hidden, eps, NORM_BLOCK)
             _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
         if TRACE:
             tl.store(TRACE_BUF + t * _TRACE_WORDS, t_start)
@@ -717,7 +765,7 @@ def split_k(tiles) -> int:
 
 
 def build_tasks(config, batch: int, num_splits: int, tiles,
-                shuffle=None, folded: bool = False) -> list[tuple]:
+                shuffle=None, folded: bool = False, layers: int = 1) -> list[tuple]:
     """The task rows ``(stage, a, b, c, wait_idx, wait_count, signal_idx, 0)`` in ticket order:
     the rows of XN (``(NORM, 0, row)``), QKV tiles (``(head, pair block, K slice)``, by KV group:
     its query heads, its key head, its value head; a tile's slices side by side), attention tasks, O-projection tiles, the rows of HN (``(NORM, 1, row)``),
@@ -727,7 +775,31 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
     weights folded into the QKV and gate/up weights): the norm rows of x give 1 / rms only, and
     there are no norm rows of h (a gate/up task waits on every O column block). ``shuffle`` (a
     seed): a random topological order instead, for tests (the outputs do not depend on the
-    order)."""
+    order).
+
+    ``layers`` > 1 (a multi-layer launch): the table of one layer once per layer, in layer
+    order, each copy's counters ``counters(...).words − CNT_OFF`` words after the one before and
+    its layer in the row's last word; the rows of x of a layer after the first wait on every
+    column block of the layer before's down projection (its out is their x)."""
+    tasks = _layer_tasks(config, batch, num_splits, tiles, folded)
+    if layers > 1:
+        cnt = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), split_k(tiles), qkv_tiles(config, tiles))
+        words = cnt.words - CNT_OFF
+        one, tasks = tasks, []
+        for layer in range(layers):
+            shift = layer * words
+            for t in one:
+                wait = (t[4] + shift, t[5])
+                if t[0] == NORM and t[1] == 0 and layer > 0:
+                    wait = (cnt.done + shift - words, cdiv(config.hidden, tiles.BLOCK_N))
+                tasks.append((t[0], t[1], t[2], t[3], *wait, t[6] + shift, layer))
+    if shuffle is not None:
+        tasks = _random_topological(tasks, num_splits, random.Random(shuffle))
+    return tasks
+
+
+def _layer_tasks(config, batch: int, num_splits: int, tiles, folded: bool) -> list[tuple]:
+    """One layer's task rows in ticket order (:func:`build_tasks`)."""
     c = config
     sk = split_k(tiles)
     group = c.heads // c.kv_heads
@@ -761,8 +833,6 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
     for s in range(sk):
         p = s if d_parts > 1 else 0
         tasks += [(DOWN, j, s, 0, cnt.act_ready + p, gu_part.count(p), cnt.done, 0) for j in range(n_o)]
-    if shuffle is not None:
-        tasks = _random_topological(tasks, num_splits, random.Random(shuffle))
     return tasks
 
 
@@ -770,9 +840,9 @@ def _merged(t) -> tuple | None:
     """What a task's partial merges into: an attention task's (sequence, KV head), a QKV K
     slice's tile, an O / down K slice's column block; None for a task that signals alone."""
     if t[0] in (ATTN, QKV):
-        return (t[0], t[1], t[2])
+        return (t[0], t[1], t[2], t[7])
     if t[0] in (OPROJ, DOWN):
-        return (t[0], t[1])
+        return (t[0], t[1], t[7])
     return None
 
 

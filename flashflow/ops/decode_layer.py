@@ -27,11 +27,11 @@ from typing import Optional
 import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
-from flashflow.kernels.decode_layer import (STAGES, TASK_WORDS, TRACE_WORDS, build_tasks, counters,
+from flashflow.kernels.decode_layer import (LAYER_PTRS, STAGES, TASK_WORDS, TRACE_WORDS, build_tasks, counters,
                                             decode_layer_kernel, dependency_violations, qkv_tiles)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
-from flashflow.kernels.sync import MAX_THREADS, SYNC_ERR
+from flashflow.kernels.sync import CNT_OFF, MAX_THREADS, SYNC_ERR
 from flashflow.kernels.softmax import LOG2E
 from flashflow.ops.common import Launcher, dot_precision, launch_by_arguments, stream_key, unit_last_stride
 from flashflow.ops.validate import check_flag, check_int, check_no_grad, check_runs_here, overlaps_itself
@@ -223,16 +223,22 @@ class DecodeLayerPlan:
         folded_norms: the plan runs weights whose norm weights are folded into the QKV and
             gate/up weights (:func:`fold_norms`; ``run`` refuses the other kind): the norm rows
             leave the step's critical path.
+        num_layers: layers a launch runs (1: one layer, :meth:`run`). More: that many layers of
+            one config in one launch (:meth:`run_layers`, :func:`decode_step`), the task table
+            repeated per layer and each layer's first tasks waiting on the layer before's out,
+            so that a layer's first tasks are taken by programs the layer before has left idle.
 
     A plan's counters are shared by every call made with it: calls on one plan must be
-    stream-ordered (one stream), as a serving loop's are. One plan serves every layer of a
-    model of one config (:func:`decode_step`).
+    stream-ordered (one stream), as a serving loop's are. One plan of one layer serves every
+    layer of a model of one config (:func:`decode_step`, a launch per layer); a plan of
+    ``num_layers`` runs them in one launch.
     """
 
     def __init__(self, config: LayerConfig, batch: int, capacity: int, *, device="cuda", dtype=torch.bfloat16,
                  page_size: Optional[int] = None, num_splits: int = 0, num_programs: Optional[int] = None,
                  shuffle: Optional[int] = None, config_tiles: Optional[DecodeLayerConfig] = None,
-                 spin_limit: Optional[int] = None, trace: bool = False, folded_norms: bool = False):
+                 spin_limit: Optional[int] = None, trace: bool = False, folded_norms: bool = False,
+                 num_layers: int = 1):
         if not isinstance(config, LayerConfig):
             raise TypeError(f"config must be a flashflow LayerConfig, got {type(config).__name__}")
         device = torch.device(device)
@@ -277,16 +283,19 @@ class DecodeLayerPlan:
             raise ValueError(f"STAGGER must be 0 or 1, got {tiles.STAGGER!r}")
         check_flag("folded_norms", folded_norms)
         self.folded_norms = folded_norms
+        self.num_layers = check_int("num_layers", num_layers, 1)
+        # layer 0's counters; layer l's lie l · layer_words further
         self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), tiles.SPLIT_K,
                                  qkv_tiles(config, tiles))
-        self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle, folded_norms)
+        self.layer_words = self.counters.words - CNT_OFF
+        self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle, folded_norms, self.num_layers)
         bad = dependency_violations(self.task_list, self.num_splits)
         assert not bad, f"task table not topological at tickets {bad[:8]}"
         self.num_tasks = len(self.task_list)
         self.tasks = torch.tensor(self.task_list, dtype=torch.int32, device=device).reshape(-1, TASK_WORDS)
         self.programs = min(num_programs, self.num_tasks) if num_programs else grid_programs(self.num_tasks, sms)
         self.spin_limit = _spin_limit(device) if spin_limit is None else check_int("spin_limit", spin_limit, 0)
-        self.sync = torch.zeros(self.counters.words, dtype=torch.int64, device=device)
+        self.sync = torch.zeros(CNT_OFF + self.num_layers * self.layer_words, dtype=torch.int64, device=device)
         check_flag("trace", trace)
         if trace and (device.type != "cuda" or interpreting()):
             raise ValueError("trace=True reads the GPU's global timer: a CUDA device, not the interpreter")
@@ -306,6 +315,10 @@ class DecodeLayerPlan:
         self.rstd = torch.empty(batch if folded_norms else 1, **f32)
         self.ws_ss = torch.empty(n_o * self.block_b if folded_norms else 1, **f32)
         self.act = torch.empty(batch, c.intermediate, **act)
+        # a multi-layer launch: the outputs of every layer but the last (the next one's x), and
+        # the pointer table of the layers' weights and caches (rebuilt when an address changes)
+        self.xws = torch.empty(max(self.num_layers - 1, 1) * batch * c.hidden, **act)
+        self._ptrs_key, self._ptrs = None, None
         pieces = batch * c.kv_heads * self.num_splits
         self.ws_acc = torch.empty(pieces * self.block_r * c.head_dim, **f32)
         self.ws_ml = torch.empty(pieces * 2 * self.block_r, **f32)
@@ -321,13 +334,14 @@ class DecodeLayerPlan:
         self.sin = angles.sin().to(**f32).contiguous()
 
     def __repr__(self) -> str:
-        return (f"DecodeLayerPlan(batch={self.batch}, capacity={self.capacity}, tasks={self.num_tasks}, "
+        layers = f"num_layers={self.num_layers}, " if self.num_layers > 1 else ""
+        return (f"DecodeLayerPlan({layers}batch={self.batch}, capacity={self.capacity}, tasks={self.num_tasks}, "
                 f"programs={self.programs}, num_splits={self.num_splits}, folded_norms={self.folded_norms}, "
                 f"{self.tiles})")
 
     # ---------------------------------------------------------------------------------- checks
 
-    def _check(self, x, weights, k_cache, v_cache, cache_seqlens, block_table, out):
+    def _check(self, x, weights, k_cache, v_cache, cache_seqlens, block_table, out, values=True):
         c, dev = self.config, self.device
         x = unit_last_stride(_tensor("x", x, (self.batch, c.hidden), self.dtype, dev))
         check_runs_here("x", x)
@@ -390,7 +404,7 @@ class DecodeLayerPlan:
         else:
             _tensor("out", out, (self.batch, c.hidden), self.dtype, dev)
             _written("out", out)
-        if not capturing(dev):
+        if values and not capturing(dev):
             self._check_values(cache_seqlens, block_table, k_cache.shape[0])
         return x, w, cache_seqlens, block_table, out
 
@@ -410,7 +424,89 @@ class DecodeLayerPlan:
     def run(self, x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, block_table=None, out=None):
         """One step: ``out (batch, hidden)`` in x's dtype; the new token's roped key and its value
         appended to the caches at position ``cache_seqlens[b]`` (which the caller advances)."""
+        if self.num_layers > 1:
+            raise ValueError(f"this plan runs {self.num_layers} layers in one launch: call "
+                             f"decode_step(plan, layers, caches, x, cache_seqlens) or plan.run_layers(...)")
         x, w, seqlens, table, out = self._check(x, weights, k_cache, v_cache, cache_seqlens, block_table, out)
+        self._launch(x, w, k_cache, v_cache, seqlens, table, out, self.sync, x)
+        return out
+
+    def run_layers(self, x, layers, caches, cache_seqlens, block_tables=None, out=None):
+        """``num_layers`` layers of one step in one launch: ``layers`` a list of :class:`LayerWeights`,
+        ``caches`` a list of ``(k_cache, v_cache)`` and, for a paged plan, ``block_tables`` a list
+        of tables (one per layer). Returns the last layer's ``out (batch, hidden)``; each layer's
+        cache holds its new key and value at ``cache_seqlens[b]`` (which the caller advances).
+        The tensors of one kind take one stride in every layer and addresses that are multiples
+        of 16 bytes; the table of their addresses is rebuilt (a copy to the device) when one of
+        them changes, which a CUDA-graph capture refuses: run the call once before capturing."""
+        n = self.num_layers
+        if not isinstance(layers, (list, tuple)) or len(layers) != n:
+            raise ValueError(f"layers must be a list of {n} LayerWeights (the plan's num_layers), got "
+                             f"{len(layers) if isinstance(layers, (list, tuple)) else type(layers).__name__}")
+        if not isinstance(caches, (list, tuple)) or len(caches) != n:
+            raise ValueError(f"caches must be a list of {n} (k_cache, v_cache) pairs (the plan's num_layers)")
+        for i, pair in enumerate(caches):
+            if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+                raise ValueError(f"caches[{i}] must be a (k_cache, v_cache) pair")
+        if block_tables is None:
+            block_tables = [None] * n
+        elif not isinstance(block_tables, (list, tuple)) or len(block_tables) != n:
+            raise ValueError(f"block_tables must be None or a list of {n} tables (one per layer)")
+        checked = []
+        for i in range(n):
+            kc, vc = caches[i]
+            # the values (cache lengths, table entries) once, and again for a table of its own
+            values = i == 0 or (block_tables[i] is not None and block_tables[i] is not block_tables[0])
+            x_i, w, seqlens, table, out_i = self._check(x, layers[i], kc, vc, cache_seqlens, block_tables[i], out,
+                                                        values)
+            if i == 0:
+                x0, seqlens0, out0 = x_i, seqlens, out_i
+            checked.append((w, kc, vc, table))
+        ptrs = self._layer_pointers(checked)
+        x0 = x0.contiguous()   # every layer's x and out one row stride (hidden)
+        dest = out0 if out0.is_contiguous() else torch.empty_like(out0, memory_format=torch.contiguous_format)
+        w, kc, vc, table = checked[0]
+        self._launch(x0, w, kc, vc, seqlens0, table, dest, ptrs, self.xws)
+        if dest is not out0:
+            out0.copy_(dest)
+        return out0
+
+    _KINDS = ("qkv", "o", "gate_up", "down", "attn_norm", "ffn_norm", "k_cache", "v_cache", "block_table")
+
+    def _layer_pointers(self, checked) -> torch.Tensor:
+        """The int64 table ``(num_layers, LAYER_PTRS)`` of each layer's weight, norm, cache and
+        block-table addresses as distances from layer 0's, in 16-byte units (the kernel's
+        ``_layer_ptr``), after checking that every layer's tensors of a kind take layer 0's
+        strides and 16-byte-aligned addresses. Placeholders (the norms of folded weights, the
+        block table of a contiguous cache) take distance 0: they are not read."""
+        rows = []
+        for i, (w, kc, vc, table) in enumerate(checked):
+            ts = (w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"], kc, vc, table)
+            ref = rows[0][1] if rows else ts
+            for kind, t, t0 in zip(self._KINDS, ts, ref):
+                if t is None or (self.folded_norms and kind.endswith("_norm")):
+                    continue
+                if t.stride() != t0.stride():
+                    raise ValueError(f"layer {i}'s {kind} has strides {t.stride()}, layer 0's {t0.stride()}: a "
+                                     f"multi-layer launch takes one stride per kind")
+                if t.data_ptr() % 16:
+                    raise ValueError(f"layer {i}'s {kind} is not 16-byte aligned (address mod 16 = "
+                                     f"{t.data_ptr() % 16}): a multi-layer launch reads it through its address")
+            rows.append((tuple(0 if t is None or (self.folded_norms and kind.endswith("_norm"))
+                               else (t.data_ptr() - t0.data_ptr()) // 16
+                               for kind, t, t0 in zip(self._KINDS, ts, ref)), ts))
+        key = tuple(r[0] for r in rows)
+        if key != self._ptrs_key:
+            if capturing(self.device):
+                raise ValueError("a tensor of the layers changed address since the plan's last call: the table of "
+                                 "addresses is copied to the device, which a CUDA-graph capture cannot hold; run "
+                                 "the call once before capturing")
+            assert len(key[0]) == LAYER_PTRS
+            self._ptrs = torch.tensor(key, dtype=torch.int64).to(self.device)
+            self._ptrs_key = key
+        return self._ptrs
+
+    def _launch(self, x, w, k_cache, v_cache, seqlens, table, out, ptrs, xws) -> None:
         c, t = self.config, self.tiles
         paged = table is not None
         on_interp = interpreting()
@@ -418,9 +514,10 @@ class DecodeLayerPlan:
                 w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"],
                 k_cache, v_cache, self.xn, self.q_ws, self.attn, self.h1, self.hn, self.act, self.ws_acc, self.ws_ml,
                 self.ws_part, self.ws_qkv, self.rstd, self.ws_ss, self.trace if self.trace is not None else self.sync,
+                ptrs, xws,
                 self.batch, c.hidden, c.intermediate, self.num_tasks, self.programs, self.counters.merge,
                 self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.counters.col_merge, self.counters.qkv_merge,
-                self.spin_limit,
+                self.layer_words, self.counters.done, self.spin_limit,
                 x.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
                 table.stride(0) if paged else 0,
                 w["qkv"].stride(0), w["o"].stride(0), w["gate_up"].stride(0), w["down"].stride(0),
@@ -435,10 +532,10 @@ class DecodeLayerPlan:
                           FENCED_SYNC=not on_interp, FOLDED=self.folded_norms,
                           COLS_PAD=next_pow2(cdiv(c.hidden, t.BLOCK_N)),
                           DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
-                          DOT_PRECISION=dot_precision(self.dtype), num_warps=t.num_warps, num_stages=t.num_stages)
+                          DOT_PRECISION=dot_precision(self.dtype), NUM_LAYERS=self.num_layers,
+                          num_warps=t.num_warps, num_stages=t.num_stages)
         launch_by_arguments(_LAUNCH, (self.programs, 1, 1), args, constexprs)
         self._check_error()
-        return out
 
     def _check_error(self) -> None:
         """With bounded spins, a wait that ran out set the error word: raise (reads it back, a
@@ -492,14 +589,20 @@ def decode_layer(x, weights: LayerWeights, k_cache, v_cache, cache_seqlens, conf
 
 
 def decode_step(plan: DecodeLayerPlan, layers, caches, x, cache_seqlens, block_tables=None, advance=True):
-    """N layers of one decode step, one launch per layer on one plan: ``layers`` a list of
-    :class:`LayerWeights`, ``caches`` a list of ``(k_cache, v_cache)`` (and ``block_tables`` a
-    list of tables for a paged plan). Returns the hidden states after the last layer. With
-    ``advance`` (a bool), ``cache_seqlens`` is incremented in place at the end (a device op: the
-    step stays capturable)."""
+    """N layers of one decode step on one plan: ``layers`` a list of :class:`LayerWeights`,
+    ``caches`` a list of ``(k_cache, v_cache)`` (and ``block_tables`` a list of tables for a
+    paged plan). A plan of one layer launches once per layer; a plan built with ``num_layers``
+    = N runs the N layers in one launch (:meth:`DecodeLayerPlan.run_layers`). Returns the hidden
+    states after the last layer. With ``advance`` (a bool), ``cache_seqlens`` is incremented in
+    place at the end (a device op: the step stays capturable)."""
     if not isinstance(plan, DecodeLayerPlan):
         raise TypeError(f"plan must be a DecodeLayerPlan, got {type(plan).__name__}")
     check_flag("advance", advance)
+    if plan.num_layers > 1:
+        x = plan.run_layers(x, layers, caches, cache_seqlens, block_tables)
+        if advance:
+            cache_seqlens.add_(1)
+        return x
     if not isinstance(layers, (list, tuple)) or not isinstance(caches, (list, tuple)) or len(layers) != len(caches):
         raise ValueError("layers and caches must be lists of one length (a LayerWeights and a (k_cache, v_cache) "
                          "pair per layer)")

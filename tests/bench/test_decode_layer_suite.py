@@ -20,7 +20,8 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the path t
 def test_registered_with_its_shapes_providers_and_options():
     runner = RUNNERS["decode-layer"]
     assert runner.module == "flashflow.bench.decode_layer_suite"
-    assert runner.options == {"quick", "providers", "warmup", "rep"}
+    assert runner.options == {"quick", "providers", "warmup", "rep", "blocks"} and runner.defaults["blocks"] == 1
+    assert dl.STEP_PROVIDERS == ("flashflow-megakernel-layers", "flashflow-megakernel-layers-folded")
     assert spec("decode-layer").suite == "decode-layer"
     assert dl.PROVIDERS == ("flashflow-megakernel", "flashflow-megakernel-folded", "flashflow-kernels", "torch-eager",
                             "torch+graph", "torch.compile")
@@ -34,6 +35,12 @@ def test_check_args():
     assert dl.check_args(args) is None and args.providers == list(dl.PROVIDERS)
     assert "--providers" in dl.check_args(SimpleNamespace(warmup=25, rep=100, providers="torch-eager,vllm"))
     assert "--rep" in dl.check_args(SimpleNamespace(warmup=25, rep=0, providers=None))
+    # --blocks: the layers of a step; the one-launch providers only with more than one
+    args = SimpleNamespace(warmup=25, rep=100, providers=None, blocks=8)
+    assert dl.check_args(args) is None and args.providers == list(dl.PROVIDERS + dl.STEP_PROVIDERS)
+    assert "--providers" in dl.check_args(SimpleNamespace(warmup=25, rep=100, providers=dl.LAYERS, blocks=1))
+    for bad in (0, 33, 2.5, True):
+        assert "--blocks" in dl.check_args(SimpleNamespace(warmup=25, rep=100, providers=None, blocks=bad))
 
 
 @no_gpu
@@ -63,3 +70,32 @@ def test_a_row_on_the_cpu_with_a_fake_clock(monkeypatch):
     result = {"suite": "decode-layer", "providers": names, "timing": {"discipline": "cold-l2"}, "rows": [row]}
     table = dl.report(result)
     assert "| 2 | 24 |" in table and "flashflow-kernels ÷" in table and "0.50" not in table.split("\n")[-1][:12]
+
+
+def test_a_step_of_several_layers_on_the_cpu_with_a_fake_clock():
+    """--blocks 2: every provider that needs no CUDA runs both tiny layers (the one-launch plan
+    too) and agrees with the float64 layers; µs are a layer's, TB/s the step's; ratios over the
+    one launch and over a launch per layer; the table says what ÷ is over."""
+    if not torch.cuda.is_available():
+        from flashflow.device import interpreting
+        if not interpreting():
+            pytest.skip("the flashflow providers run in Triton's interpreter on the CPU")
+    names = [n for n in dl.PROVIDERS + dl.STEP_PROVIDERS if n not in dl.NEEDS_CUDA]
+    ms = {n: 0.5 * (i + 1) for i, n in enumerate(names)}
+    row = dl.bench_step_case(TINY_LLAMA, 2, 24, 2, names, timer=lambda name, fn: ms[name], device="cpu",
+                             dtype=torch.float32)
+    assert row["errors"] == {} and set(row["us"]) == set(names) and row["layers"] == 2
+    for n in names:
+        assert row["rel_err"][n] < 1e-5, (n, row["rel_err"][n])
+        assert row["us"][n] == pytest.approx(ms[n] * 1e3 / 2)
+        assert row["tbs"][n] == pytest.approx(row["bytes"] / (ms[n] * 1e-3) / 1e12)
+    from flashflow.ops.decode_layer import decode_layer_bytes
+    assert row["bytes"] == 2 * decode_layer_bytes(TINY_LLAMA, 2, 23, 4)
+    assert row["speedup"] == {n: pytest.approx(ms[n] / ms[dl.LAYERS]) for n in names if n != dl.LAYERS}
+    assert row["speedup_per_layer"] == {n: pytest.approx(ms[n] / ms[dl.MEGAKERNEL]) for n in names
+                                        if n != dl.MEGAKERNEL}
+    result = {"suite": "decode-layer", "providers": names, "layers": 2, "timing": {"discipline": "cold-l2"},
+              "rows": [row]}
+    table = dl.report(result)
+    assert "a step of 2 layers" in table and "flashflow-megakernel ÷" in table
+    assert "flashflow-megakernel-layers ÷" not in table
