@@ -48,6 +48,17 @@ A program takes ticket after ticket; a task waits (``wait_count`` > 0) until cou
 GEMV tile loads its first weight chunk *before* the wait: the weights never depend on the
 step, so the load overlaps the producers' tail.
 
+Several layers
+--------------
+A launch may run the N layers of a step (``NUM_LAYERS``): the table is one layer's, once per
+layer, each copy on counters of its own, and a later layer's rows of x (and, with folded
+norms, its QKV tasks, whose dot reads x before any norm row) wait on every column block of the
+layer before's down projection. Everything else a layer reads is ordered after those waits,
+so the workspaces serve every layer. Layer 0's tensors are the arguments; the others are found
+through a table of distances from them in 16-byte units, so that the compiler knows every
+weight and cache pointer 16-byte aligned, as it knows an argument (a table of raw addresses
+cast to pointers made the loads scalar, three times slower).
+
 Synchronisation
 ---------------
 :mod:`flashflow.kernels.sync`'s words and protocol, imported: the ticket at ``SYNC[0]``, the
@@ -115,7 +126,10 @@ _OPROJ = tl.constexpr(OPROJ)
 _GATEUP = tl.constexpr(GATEUP)
 _DOWN = tl.constexpr(DOWN)
 _TASK_WORDS = tl.constexpr(TASK_WORDS)
-LAYER_PTRS = 9   # int64 words a layer in a multi-layer launch's table of addresses (from layer 0's)
+# a multi-layer launch's table of addresses: a row a layer, these tensors' distances from layer 0's
+# in this order (the kernel reads them by position, :func:`_layer_ptr`)
+LAYER_PTR_KINDS = ("qkv", "o", "gate_up", "down", "attn_norm", "ffn_norm", "k_cache", "v_cache", "block_table")
+LAYER_PTRS = len(LAYER_PTR_KINDS)
 _LAYER_PTRS = tl.constexpr(LAYER_PTRS)
 _TRACE_WORDS = tl.constexpr(TRACE_WORDS)
 
@@ -563,7 +577,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
 def decode_layer_kernel(
     X, OUT, TASKS, SYNC, CACHE_SEQLENS, BT, COS, SIN,
     W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN,
-    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, WS_QKV, RSTD, WS_SS, TRACE_BUF, LAYER_PTRS, XWS,
+    KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, WS_QKV, RSTD, WS_SS, TRACE_BUF, LAYER_TABLE, XWS,
     batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, qkv_merge_off,
     layer_words, done_idx, spin_limit,
     stride_x, stride_out, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
@@ -597,6 +611,13 @@ def decode_layer_kernel(
     ``(start ns, end ns, SM, stage, ready ns)`` into ``TRACE_BUF`` (int64, ``TRACE_WORDS`` a
     task; ready: when its wait on its inputs passed, the start for a task that does not wait
     before its work; GPU only).
+
+    ``NUM_LAYERS`` > 1: the table holds that many layers (a row's last word its layer); the
+    tensor arguments are layer 0's and ``LAYER_TABLE`` holds every layer's distances from them
+    (:data:`LAYER_PTR_KINDS`, :func:`_layer_ptr`); a layer's counters lie ``layer ·
+    layer_words`` further; layer 0 reads X, the last layer writes OUT and the others write (and
+    the next read) their row block of XWS (``batch · hidden`` values each, x's dtype); with
+    FOLDED, a later layer's QKV tasks wait on the layer before's down counter (``done_idx``).
     """
     t0 = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
     per_launch = num_tasks + num_programs
@@ -616,7 +637,7 @@ def decode_layer_kernel(
         if NUM_LAYERS > 1:   # this task's layer: its weights, caches, x, out and counters
             layer = tl.load(row + 7)
             cbase = layer * layer_words
-            lp = LAYER_PTRS + layer * _LAYER_PTRS
+            lp = LAYER_TABLE + layer * _LAYER_PTRS
             w_qkv = _layer_ptr(lp, 0, W_QKV)
             w_o = _layer_ptr(lp, 1, W_O)
             w_gu = _layer_ptr(lp, 2, W_GU)

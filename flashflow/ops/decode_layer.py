@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
-from flashflow.kernels.decode_layer import (LAYER_PTRS, STAGES, TASK_WORDS, TRACE_WORDS, build_tasks, counters,
-                                            decode_layer_kernel, dependency_violations, qkv_tiles)
+from flashflow.kernels.decode_layer import (LAYER_PTR_KINDS, STAGES, TASK_WORDS, TRACE_WORDS, build_tasks,
+                                            counters, decode_layer_kernel, dependency_violations, qkv_tiles)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
 from flashflow.kernels.sync import CNT_OFF, MAX_THREADS, SYNC_ERR
@@ -471,19 +471,18 @@ class DecodeLayerPlan:
             out0.copy_(dest)
         return out0
 
-    _KINDS = ("qkv", "o", "gate_up", "down", "attn_norm", "ffn_norm", "k_cache", "v_cache", "block_table")
-
     def _layer_pointers(self, checked) -> torch.Tensor:
-        """The int64 table ``(num_layers, LAYER_PTRS)`` of each layer's weight, norm, cache and
+        """The int64 table ``(num_layers, len(LAYER_PTR_KINDS))`` of each layer's weight, norm, cache and
         block-table addresses as distances from layer 0's, in 16-byte units (the kernel's
         ``_layer_ptr``), after checking that every layer's tensors of a kind take layer 0's
         strides and 16-byte-aligned addresses. Placeholders (the norms of folded weights, the
         block table of a contiguous cache) take distance 0: they are not read."""
         rows = []
         for i, (w, kc, vc, table) in enumerate(checked):
-            ts = (w["qkv"], w["o"], w["gate_up"], w["down"], w["attn_norm"], w["ffn_norm"], kc, vc, table)
+            ts = tuple({"k_cache": kc, "v_cache": vc, "block_table": table}.get(kind, w.get(kind))
+                       for kind in LAYER_PTR_KINDS)
             ref = rows[0][1] if rows else ts
-            for kind, t, t0 in zip(self._KINDS, ts, ref):
+            for kind, t, t0 in zip(LAYER_PTR_KINDS, ts, ref):
                 if t is None or (self.folded_norms and kind.endswith("_norm")):
                     continue
                 if t.stride() != t0.stride():
@@ -494,14 +493,13 @@ class DecodeLayerPlan:
                                      f"{t.data_ptr() % 16}): a multi-layer launch reads it through its address")
             rows.append((tuple(0 if t is None or (self.folded_norms and kind.endswith("_norm"))
                                else (t.data_ptr() - t0.data_ptr()) // 16
-                               for kind, t, t0 in zip(self._KINDS, ts, ref)), ts))
+                               for kind, t, t0 in zip(LAYER_PTR_KINDS, ts, ref)), ts))
         key = tuple(r[0] for r in rows)
         if key != self._ptrs_key:
             if capturing(self.device):
                 raise ValueError("a tensor of the layers changed address since the plan's last call: the table of "
                                  "addresses is copied to the device, which a CUDA-graph capture cannot hold; run "
                                  "the call once before capturing")
-            assert len(key[0]) == LAYER_PTRS
             self._ptrs = torch.tensor(key, dtype=torch.int64).to(self.device)
             self._ptrs_key = key
         return self._ptrs
@@ -623,7 +621,9 @@ def trace_summary(plan: DecodeLayerPlan) -> dict:
     task's start: per stage its tasks, first start, last end, mean task time and its two parts,
     the mean wait on the task's inputs (start to ready) and the mean work after it (ready to
     end; a split or K slice's merge included); the step's span and the fraction of (programs ×
-    span) spent inside tasks. Reads the trace back (a host synchronisation)."""
+    span) spent inside tasks; a plan of several layers sums each stage over its layers (the
+    trace's rows are the task table's, whose last word is the layer). Reads the trace back (a
+    host synchronisation)."""
     if not isinstance(plan, DecodeLayerPlan) or plan.trace is None:
         raise ValueError("plan must be a DecodeLayerPlan built with trace=True")
     tr = plan.trace.cpu()
