@@ -455,12 +455,12 @@ class DecodeLayerPlan:
         checked = []
         for i in range(n):
             kc, vc = caches[i]
-            # the values (cache lengths, table entries) once, and again for a table of its own
+            # x, out and the values (cache lengths, table entries) once; a table of its own again
             values = i == 0 or (block_tables[i] is not None and block_tables[i] is not block_tables[0])
-            x_i, w, seqlens, table, out_i = self._check(x, layers[i], kc, vc, cache_seqlens, block_tables[i], out,
-                                                        values)
+            x, w, seqlens, table, out = self._check(x, layers[i], kc, vc, cache_seqlens, block_tables[i], out,
+                                                    values)
             if i == 0:
-                x0, seqlens0, out0 = x_i, seqlens, out_i
+                x0, seqlens0, out0 = x, seqlens, out
             checked.append((w, kc, vc, table))
         ptrs = self._layer_pointers(checked)
         x0 = x0.contiguous()   # every layer's x and out one row stride (hidden)

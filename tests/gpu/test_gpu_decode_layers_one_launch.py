@@ -138,3 +138,25 @@ def test_non_contiguous_weights_of_one_stride_are_read_through_the_table():
     c1, c2 = _clone(caches), _clone(caches)
     want = plan.run_layers(x, layers, c1, lens).clone()
     assert torch.equal(plan.run_layers(x, odd, c2, lens), want)
+
+
+@pytest.mark.parametrize("folded", [False, True], ids=["norms", "folded"])
+def test_stride0_x_transposed_caches_and_inf_give_the_bits_of_a_launch_per_layer(folded):
+    """x a stride-0 expansion of one row, every layer's caches transposed views of (batch,
+    kv_heads, capacity, d) buffers: one launch writes what a launch per layer writes; an inf in
+    one sequence's x leaves the others finite."""
+    n = 3
+    layers, caches, lens, _ = _model(MID, n, 3, [4, 200, 900], folded=folded, seed=13)
+    views = [tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in pair) for pair in caches]
+    x = torch.randn(1, MID.hidden, **BF16).expand(3, MID.hidden)
+    kw = dict(**BF16, folded_norms=folded)
+    one, many = DecodeLayerPlan(MID, 3, CAP, **kw), DecodeLayerPlan(MID, 3, CAP, **kw, num_layers=n)
+    c1 = [tuple(t.clone().transpose(1, 2).contiguous().transpose(1, 2) for t in p) for p in views]
+    want = decode_step(one, layers, c1, x, lens.clone(), advance=False)
+    got = decode_step(many, layers, views, x, lens.clone(), advance=False)
+    assert torch.equal(got, want) and got.isfinite().all()
+    assert all(torch.equal(a, b) for p, q in zip(c1, views) for a, b in zip(p, q))
+    xi = x.clone()
+    xi[1, 5] = float("inf")
+    out = many.run_layers(xi, layers, views, lens)
+    assert not out[1].isfinite().any() and out[0].isfinite().all() and out[2].isfinite().all()

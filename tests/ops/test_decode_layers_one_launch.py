@@ -214,3 +214,26 @@ def test_inputs_a_multi_layer_launch_refuses():
     # a layer's own checks name the argument
     with pytest.raises(TypeError, match="weights must be a flashflow LayerWeights"):
         plan.run_layers(x, [layers[0], {"qkv": 1}], caches, lens)
+
+
+def test_stride0_x_transposed_caches_and_inf_give_the_bits_of_a_launch_per_layer():
+    """x a stride-0 expansion of one row (with an inf), every layer's caches transposed views of
+    (batch, kv_heads, capacity, d) buffers: one launch writes what a launch per layer writes,
+    and the inf's sequence alone goes non-finite."""
+    n, batch = 2, 3
+    layers, caches, lens, _ = _model(n, batch, seed=19)
+    views = [tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in pair) for pair in caches]
+    assert views[0][0].stride() != caches[0][0].stride() and views[0][0].stride(-1) == 1
+    row = torch.randn(1, C.hidden, generator=torch.Generator().manual_seed(6))
+    x = row.expand(batch, C.hidden)                                   # stride (0, 1)
+    one = DecodeLayerPlan(C, batch, CAP, **F32, num_splits=2)
+    many = DecodeLayerPlan(C, batch, CAP, **F32, num_splits=2, num_layers=n)
+    c1, cn = [tuple(t.clone().transpose(1, 2).contiguous().transpose(1, 2) for t in p) for p in views], views
+    want = decode_step(one, layers, c1, x, lens.clone(), advance=False)
+    got = decode_step(many, layers, cn, x, lens.clone(), advance=False)
+    assert torch.equal(got, want) and got.isfinite().all()
+    assert all(torch.equal(a, b) for p, q in zip(c1, cn) for a, b in zip(p, q))
+    xi = x.clone()
+    xi[2, 3] = float("inf")
+    out = many.run_layers(xi, layers, cn, lens)
+    assert not out[2].isfinite().any() and out[0].isfinite().all() and out[1].isfinite().all()
