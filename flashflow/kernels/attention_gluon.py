@@ -44,8 +44,9 @@ are never stored.
 Persistent (with ``WARP_SPECIALIZE``, a grid of one CTA an SM): a CTA runs the tiles
 tile_order.py's ``next_tile`` gives it, ``program_id, + num_programs, ...`` or, ``DYNAMIC``, the
 next unclaimed tile by ticket (the causal entry: longest first, a CTA that finishes early
-takes the next); the load warp claims the next tile before this one's loads and publishes
-each tile's number beside its Q buffer, so the MMA partitions walk the same tiles. With two Q
+takes the next); the load warp claims the next tile once this one's loads are issued (a CTA
+holds an unstarted tile only while its MMA partitions finish the last blocks in the ring) and
+publishes each tile's number beside its Q buffer, so the MMA partitions walk the same tiles. With two Q
 buffers its loads run into the next tile while the MMA partitions finish this one.
 ``OVERLAP`` (the persistent entries): once a tile's last P·V is done, the MMA partitions issue
 the next tile's ``S_0 = Q · K_0ᵀ`` and normalise and store the tile's output under it (from a
@@ -170,9 +171,9 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
               HEAVY_FIRST: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr,
               Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, SPLIT: gl.constexpr):
     """The load warp: for each tile of this CTA (tile_order.py's ``next_tile``, the next one
-    claimed before this one's loads), Q into one of ``Q_BUFS`` buffers once the consumers are
-    done with the tile that used it last, the tile's number published beside it, then every K
-    and V block into its ring, each buffer once the consumers have marked it free. Ring position
+    claimed once this one's loads are issued), Q into one of ``Q_BUFS`` buffers once the
+    consumers are done with the tile that used it last, the tile's number published beside it,
+    then every K and V block into its ring, each buffer once the consumers have marked it free. Ring position
     ``g`` runs on across tiles, so the next tile's blocks load while the consumers finish this
     one. A pass over a ring waits for the consumers' arrivals of the pass before; the first
     goes straight through (parity 1 of a fresh barrier). After the last tile, a number past the
@@ -183,7 +184,6 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     # key pieces wait for lower-numbered units: every unit by ticket, the first too
     tile = first_tile(tile_counter, num_tiles, SPLIT)
     while tile < num_tiles:
-        nxt = next_tile(tile, tile_counter, num_tiles, DYNAMIC, SPLIT)
         m_start, head, batch, kv_head, kb0, n_blocks, full_lo, full_hi = _unit_span(
             tile, full_units, pieces, num_m_blocks, heads, kv_group, seqlen_q, seqlen_k, masked_keys, CAUSAL,
             HEAVY_FIRST, BLOCK_M, BLOCK_N, SPLIT)
@@ -208,9 +208,11 @@ def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
             load_block(k_desc, k_smem, k_bar, k_row0 + j * BLOCK_N, k_col, stage)
             mbarrier.wait(v_free.index(stage), free_phase)
             load_block(v_desc, v_smem, v_bar, k_row0 + j * BLOCK_N, k_col, stage)
+        # the next tile claimed once this one's loads are issued, not before them: a CTA then holds
+        # an unstarted tile for the time of its last ring's blocks, not of the whole tile
+        tile = next_tile(tile, tile_counter, num_tiles, DYNAMIC, SPLIT)
         g += n_blocks
         it += 1
-        tile = nxt
     qi = it % Q_BUFS
     mbarrier.wait(q_free.index(qi), ((it // Q_BUFS) & 1) ^ 1)
     _publish_tile(tile_ids, qi, num_tiles)

@@ -48,6 +48,7 @@ SHAPES = {
     "key-padding": (2, 640, 640, 4, 4, 128, False, True),
     "key-padding-causal-gqa": (1, 640, 640, 4, 2, 128, True, True),
     "many-tiles-gqa": (4, 1000, 1000, 32, 8, 128, False, False),
+    "causal-9000-gqa": (1, 9000, 9000, 4, 2, 128, True, False),   # (the causal entry past 8192 keys)
 }
 
 
@@ -111,6 +112,7 @@ D256_SHAPES = {
     "ragged-gqa-causal": (2, 1000, 1000, 4, 2, 256, True, False),
     "causal-sq<sk": (1, 300, 1000, 2, 2, 256, True, False),
     "causal-sq>sk": (1, 1000, 300, 2, 2, 256, True, False),
+    "causal-2100-gqa": (1, 2100, 2100, 4, 2, 256, True, False),   # (the persistent causal entry from 2048 keys)
     "short": (1, 77, 77, 2, 2, 256, False, False),
     "key-padding": (2, 640, 640, 2, 2, 256, False, True),
 }
@@ -119,7 +121,8 @@ D256_SHAPES = {
 @pytest.mark.parametrize("config", list(D256_CONFIGS))
 @pytest.mark.parametrize("shape", list(D256_SHAPES))
 def test_head_dim_256_against_float64_and_the_portable_lse(gpu, shape, config):
-    """head_dim 256: 64-key blocks, 192 KB of shared memory, one CTA a tile."""
+    """head_dim 256: 64-key blocks, 192 KB of shared memory; one CTA a tile, persistent with
+    one Q buffer, by ticket, overlapped."""
     _check_against_float64_and_the_portable_lse(gpu, D256_SHAPES[shape], D256_CONFIGS[config])
 
 

@@ -153,17 +153,17 @@ def test_config_table_and_rules():
     hot = gluon_attention_config(128, False, "sm90", 4096)
     assert hot.auto and hot.split_warpgroups and hot.persistent and not hot.pingpong and hot.min_seqlen_k == 256
     assert hot.overlap_tiles
-    for keys in (512, 8192):   # causal up to 8192 keys: persistent, tiles by ticket
+    for keys in (512, 8192, 8193, 65536):   # causal: persistent, tiles by ticket, at every length
         causal = gluon_attention_config(128, True, "sm90", keys)
         assert causal.auto and causal.min_seqlen_k == 512 and causal.persistent and causal.dynamic
-        assert causal.overlap_tiles
-    long = gluon_attention_config(128, True, "sm90", 8193)   # beyond: one CTA a tile, ping-pong turns
-    assert long.auto and not long.persistent and long.pingpong and not long.overlap_tiles
+        assert causal.overlap_tiles and not causal.pingpong
     wide = gluon_attention_config(256, False, "sm90", 4096)   # 64-key blocks, persistent with one Q buffer
     assert wide.auto and wide.BLOCK_N == 64 and wide.persistent and wide.dynamic and wide.q_buffers == 1
     assert wide.overlap_tiles
-    wide = gluon_attention_config(256, True, "sm90", 4096)
-    assert wide.auto and wide.BLOCK_N == 64 and not wide.persistent and wide.min_seqlen_k == 512
+    for keys in (512, 4096, 32768):   # causal: the same tile, persistent, by ticket, overlapped
+        wide = gluon_attention_config(256, True, "sm90", keys)
+        assert wide.auto and wide.BLOCK_N == 64 and wide.persistent and wide.dynamic and wide.q_buffers == 1
+        assert wide.overlap_tiles and not wide.pingpong and wide.min_seqlen_k == 512
     # head_dim 64 without a causal mask: 192 rows in three partitions from 2048 keys; causal: the
     # head_dim-128 causal tile from 2048 keys
     d64 = gluon_attention_config(64, False, "sm90", 4096)
