@@ -112,7 +112,7 @@ D256_SHAPES = {
     "ragged-gqa-causal": (2, 1000, 1000, 4, 2, 256, True, False),
     "causal-sq<sk": (1, 300, 1000, 2, 2, 256, True, False),
     "causal-sq>sk": (1, 1000, 300, 2, 2, 256, True, False),
-    "causal-2100-gqa": (1, 2100, 2100, 4, 2, 256, True, False),   # (the persistent causal entry from 2048 keys)
+    "causal-2100-gqa": (1, 2100, 2100, 4, 2, 256, True, False),
     "short": (1, 77, 77, 2, 2, 256, False, False),
     "key-padding": (2, 640, 640, 2, 2, 256, False, True),
 }
