@@ -455,8 +455,10 @@ class DecodeLayerPlan:
         checked = []
         for i in range(n):
             kc, vc = caches[i]
-            # x, out and the values (cache lengths, table entries) once; a table of its own again
-            values = i == 0 or (block_tables[i] is not None and block_tables[i] is not block_tables[0])
+            # x, out and the values (cache lengths, table entries) once; a table of its own again,
+            # and layer 0's table again against a cache of fewer blocks than layer 0's
+            fewer = not isinstance(kc, torch.Tensor) or kc.dim() != 4 or kc.shape[0] < caches[0][0].shape[0]
+            values = i == 0 or (block_tables[i] is not None and (block_tables[i] is not block_tables[0] or fewer))
             x, w, seqlens, table, out = self._check(x, layers[i], kc, vc, cache_seqlens, block_tables[i], out,
                                                     values)
             if i == 0:

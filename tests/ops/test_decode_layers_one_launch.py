@@ -216,6 +216,20 @@ def test_inputs_a_multi_layer_launch_refuses():
         plan.run_layers(x, [layers[0], {"qkv": 1}], caches, lens)
 
 
+def test_a_shared_block_table_is_checked_against_every_layers_cache():
+    """Layer 0's block table passed for every layer: a later layer whose paged cache has fewer
+    blocks than the table's entries name is refused before the launch, not read past its end."""
+    n, batch = 2, 2
+    layers, caches, lens, table = _model(n, batch, paged=True, seed=23)
+    plan = DecodeLayerPlan(C, batch, CAP, **F32, page_size=PAGE, num_layers=n)
+    small = tuple(t[:int(table.max())] for t in caches[1])   # the table's largest entry is past its end
+    x = torch.randn(batch, C.hidden)
+    with pytest.raises(ValueError, match=r"block_table entries must be in \[0, "):
+        plan.run_layers(x, layers, [caches[0], small], lens, block_tables=[table, table])
+    out = plan.run_layers(x, layers, _clone(caches), lens, block_tables=[table, table])   # the same table, room
+    assert out.isfinite().all()
+
+
 def test_stride0_x_transposed_caches_and_inf_give_the_bits_of_a_launch_per_layer():
     """x a stride-0 expansion of one row (with an inf), every layer's caches transposed views of
     (batch, kv_heads, capacity, d) buffers: one launch writes what a launch per layer writes,
