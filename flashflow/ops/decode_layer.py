@@ -479,13 +479,12 @@ class DecodeLayerPlan:
         ``_layer_ptr``), after checking that every layer's tensors of a kind take layer 0's
         strides and 16-byte-aligned addresses. Placeholders (the norms of folded weights, the
         block table of a contiguous cache) take distance 0: they are not read."""
-        rows = []
-        for i, (w, kc, vc, table) in enumerate(checked):
-            ts = tuple({"k_cache": kc, "v_cache": vc, "block_table": table}.get(kind, w.get(kind))
-                       for kind in LAYER_PTR_KINDS)
-            ref = rows[0][1] if rows else ts
-            for kind, t, t0 in zip(LAYER_PTR_KINDS, ts, ref):
-                if t is None or (self.folded_norms and kind.endswith("_norm")):
+        layers = [tuple(None if self.folded_norms and kind.endswith("_norm")   # placeholders: not read
+                        else {"k_cache": kc, "v_cache": vc, "block_table": table}.get(kind, w.get(kind))
+                        for kind in LAYER_PTR_KINDS) for w, kc, vc, table in checked]
+        for i, ts in enumerate(layers):
+            for kind, t, t0 in zip(LAYER_PTR_KINDS, ts, layers[0]):
+                if t is None:
                     continue
                 if t.stride() != t0.stride():
                     raise ValueError(f"layer {i}'s {kind} has strides {t.stride()}, layer 0's {t0.stride()}: a "
@@ -493,10 +492,8 @@ class DecodeLayerPlan:
                 if t.data_ptr() % 16:
                     raise ValueError(f"layer {i}'s {kind} is not 16-byte aligned (address mod 16 = "
                                      f"{t.data_ptr() % 16}): a multi-layer launch reads it through its address")
-            rows.append((tuple(0 if t is None or (self.folded_norms and kind.endswith("_norm"))
-                               else (t.data_ptr() - t0.data_ptr()) // 16
-                               for kind, t, t0 in zip(LAYER_PTR_KINDS, ts, ref)), ts))
-        key = tuple(r[0] for r in rows)
+        key = tuple(tuple(0 if t is None else (t.data_ptr() - t0.data_ptr()) // 16
+                          for t, t0 in zip(ts, layers[0])) for ts in layers)
         if key != self._ptrs_key:
             if capturing(self.device):
                 raise ValueError("a tensor of the layers changed address since the plan's last call: the table of "
