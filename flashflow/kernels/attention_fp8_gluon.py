@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
+from flashflow.kernels.hopper import first_turn, load_block, pass_turn, store_rows, take_turn
 from flashflow.kernels.tile_order import attention_tile
 
 LOG2_E4M3_MAX: gl.constexpr = gl.constexpr(8.807354922057604)   # log2(448)
@@ -160,7 +160,7 @@ def _producer(k_desc, v_desc, k_smem, v_smem, k_bar, v_bar, k_free, v_free, k_ro
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc, v_desc,
+def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, k_desc, v_desc,
               QS, KS, q_row, m_start, k_row0, v_row0, seqlen_k,
               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
               QK_FP8: gl.constexpr, KEYS_PERMUTED: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
@@ -194,9 +194,9 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
     if n_full > 0:
         # block 0: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
         mbarrier.wait(k_bar.index(0), 0)
-        take_turn(turn, 0, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
             mbarrier.arrive(k_free.index(0))
@@ -214,11 +214,11 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
             # S_j = Q · K_jᵀ on the tensor cores ...
             mbarrier.wait(k_bar.index(stage), phase)
             mbarrier.wait(v_bar.index(prev), prev_phase)
-            take_turn(turn, j, PINGPONG, WG)
+            take_turn(PINGPONG, WG)
             qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
             # ... then block j−1's P·V into the rescaled accumulator
             acc = _issue_pv(acc, alpha, p, v_smem.index(prev), BLOCK_N, KEYS_PERMUTED, p_layout)
-            pass_turn(turn, PINGPONG, WG)
+            pass_turn(PINGPONG, WG)
             qk = warpgroup_mma_wait(1, deps=[qk])
             if PRODUCER:
                 mbarrier.arrive(k_free.index(stage))
@@ -240,9 +240,9 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
         last = n_full - 1
         stage = last % NUM_STAGES
         mbarrier.wait(v_bar.index(stage), (last // NUM_STAGES) & 1)
-        take_turn(turn, n_full, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage), BLOCK_N, KEYS_PERMUTED, p_layout)
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
             mbarrier.arrive(v_free.index(stage))
@@ -255,19 +255,17 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
         stage = n_full % NUM_STAGES
         phase = (n_full // NUM_STAGES) & 1
         mbarrier.wait(k_bar.index(stage), phase)
-        # turns taken so far: none without a full block, else one per full block and one more
-        n_turns = gl.where(n_full > 0, n_full + 1, 0)
-        take_turn(turn, n_turns, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         row_scale, offset = _row_scale(q_scale, KS + n_full, QK_FP8)
         p, alpha, l_i, m_i = _softmax_step(_scores(qk, QK_FP8), m_i, l_i, row_scale, offset, n_full * BLOCK_N,
                                             seqlen_k, BLOCK_N, True, s_layout)
         mbarrier.wait(v_bar.index(stage), phase)
-        take_turn(turn, n_turns + 1, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage), BLOCK_N, KEYS_PERMUTED, p_layout)
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
     return acc, l_i, m_i
 
@@ -303,7 +301,7 @@ def _store_out(acc, l_i, m_i, O, LSE, VS, QC, batch, head, bhk, q_row, m_start, 
 
 
 @gluon.jit
-def _consumer_wg(wg: gl.constexpr, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc, v_desc,
+def _consumer_wg(wg: gl.constexpr, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, k_desc, v_desc,
                  QS, KS, VS, QC, O, LSE, batch, head, bhk, q_row, m_start, k_row0, v_row0, seqlen_q, seqlen_k,
                  stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                  BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, QK_FP8: gl.constexpr,
@@ -312,7 +310,8 @@ def _consumer_wg(wg: gl.constexpr, q_smem, k_smem, v_smem, k_bar, v_bar, k_free,
     ``64·wg..`` of the tile, its own output rows (from the MMA layout: the other warpgroup may
     still read the K/V ring)."""
     m_wg = m_start + 64 * wg
-    acc, l_i, m_i = _consumer(q_smem.slice(64 * wg, 64), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn,
+    first_turn(PINGPONG, wg)
+    acc, l_i, m_i = _consumer(q_smem.slice(64 * wg, 64), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar,
                               k_desc, v_desc, QS, KS, q_row, m_wg, k_row0, v_row0, seqlen_k,
                               64, BLOCK_N, HEAD_DIM, NUM_STAGES, QK_FP8, KEYS_PERMUTED, True, PINGPONG, wg, 4)
     _store_out(acc, l_i, m_i, O, LSE, VS, QC, batch, head, bhk, q_row, m_wg, seqlen_q,
@@ -336,7 +335,8 @@ def attention_fp8_fwd_gluon_kernel(
     ``SPLIT_WARPGROUPS`` (with ``WARP_SPECIALIZE``, ``BLOCK_M`` 128, ``num_warps`` 4): the two
     MMA warpgroups are two partitions (the default one and a worker given 240 registers), and
     with ``PINGPONG`` they take turns issuing their MMAs (FlashAttention-3's ping-pong: one
-    warpgroup's softmax under the other's MMAs), passing the turn through two mbarriers."""
+    warpgroup's softmax under the other's MMAs), passing the turn through two named barriers
+    (:mod:`flashflow.kernels.hopper`)."""
     if SPLIT_WARPGROUPS:
         gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 128 and num_warps == 4, "two 64-row partitions")
     else:
@@ -360,7 +360,6 @@ def attention_fp8_fwd_gluon_kernel(
     v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_bar.index(s), count=1)
@@ -369,19 +368,17 @@ def attention_fp8_fwd_gluon_kernel(
         # it has read a buffer
         mbarrier.init(k_free.index(s), count=2 if SPLIT_WARPGROUPS else 1)
         mbarrier.init(v_free.index(s), count=2 if SPLIT_WARPGROUPS else 1)
-    for s in gl.static_range(2):
-        mbarrier.init(turn.index(s), count=1)
     fence_async_shared()
 
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [q_row + m_start, 0], q_bar, q_smem)
     if SPLIT_WARPGROUPS:
         gl.warp_specialize([
-            (_consumer_wg, (0, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc, v_desc,
+            (_consumer_wg, (0, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, k_desc, v_desc,
                             QS, ks, VS, QC, O, LSE, batch, head, bhk, q_row, m_start, k_row0, v_row0, seqlen_q,
                             seqlen_k, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                             BLOCK_N, HEAD_DIM, NUM_STAGES, QK_FP8, KEYS_PERMUTED, PINGPONG, RETURN_LSE)),
-            (_consumer_wg, (1, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc, v_desc,
+            (_consumer_wg, (1, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, k_desc, v_desc,
                             QS, ks, VS, QC, O, LSE, batch, head, bhk, q_row, m_start, k_row0, v_row0, seqlen_q,
                             seqlen_k, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                             BLOCK_N, HEAD_DIM, NUM_STAGES, QK_FP8, KEYS_PERMUTED, PINGPONG, RETURN_LSE)),
@@ -391,7 +388,7 @@ def attention_fp8_fwd_gluon_kernel(
     else:
         if WARP_SPECIALIZE:
             acc, l_i, m_i = gl.warp_specialize([
-                (_consumer, (q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc, v_desc,
+                (_consumer, (q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, k_desc, v_desc,
                              QS, ks, q_row, m_start, k_row0, v_row0, seqlen_k,
                              BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, QK_FP8, KEYS_PERMUTED, True, False, 0,
                              num_warps)),
@@ -403,7 +400,7 @@ def attention_fp8_fwd_gluon_kernel(
                 if s < n_blocks:
                     load_block(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, 0, s)
                     load_block(v_desc, v_smem, v_bar, v_row0, s * BLOCK_N, s)
-            acc, l_i, m_i = _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, turn, k_desc,
+            acc, l_i, m_i = _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar, k_desc,
                                       v_desc, QS, ks, q_row, m_start, k_row0, v_row0, seqlen_k,
                                       BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, QK_FP8, KEYS_PERMUTED, False, False, 0,
                                       num_warps)
@@ -417,8 +414,6 @@ def attention_fp8_fwd_gluon_kernel(
         mbarrier.invalidate(v_bar.index(s))
         mbarrier.invalidate(k_free.index(s))
         mbarrier.invalidate(v_free.index(s))
-    for s in gl.static_range(2):
-        mbarrier.invalidate(turn.index(s))
 
 
 def _torch():

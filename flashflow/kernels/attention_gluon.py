@@ -24,7 +24,8 @@ FlashAttention-3 lays it out:
   pieces of its descriptor's rows (a TMA box is a power of two: 192 rows take three boxes of
   64, one arrival each on the Q buffer's mbarrier). With ``PINGPONG`` two partitions take
   turns issuing their MMAs (one warpgroup's softmax under the other's WGMMAs), passing the turn
-  through two mbarriers.
+  through two named barriers (:mod:`flashflow.kernels.hopper`); with ``OVERLAP`` too, a tile's
+  last P·V is issued without a turn and the next tile's first Q·Kᵀ with one.
 
 Which keys a row sees is :mod:`flashflow.kernels.mask`'s rule (bottom-right causal diagonal; a
 key-padding mask over the first ``mask_keys`` keys). Every key block of a tile runs in the one
@@ -100,7 +101,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashflow.kernels.hopper import load_block, pass_turn, store_rows, take_turn
+from flashflow.kernels.hopper import first_turn, load_block, pass_turn, store_rows, take_turn
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled, shift_of
 from flashflow.kernels.sync import acquire_at_least, release_add
@@ -269,7 +270,7 @@ def _v_ready(v_smem, v_bar, stage, phase, j, seqlen_k, BLOCK_N: gl.constexpr, HE
 
 
 @gluon.jit
-def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, turn, g, t0, k_desc,
+def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, g, k_desc,
                    v_desc, k_row0, k_col, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks,
                    kb0, full_lo, full_hi, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
@@ -286,11 +287,11 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
         # S_j = Q · K_jᵀ on the tensor cores ...
         mbarrier.wait(k_bar.index(stage), phase)
         mbarrier.wait(v_bar.index(prev), prev_phase)
-        take_turn(turn, t0 + j, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         # ... then block j−1's P·V into the rescaled accumulator
         acc = _issue_pv(acc, alpha, p, v_smem.index(prev))
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         qk = warpgroup_mma_wait(1, deps=[qk])
         if PRODUCER:
             mbarrier.arrive(k_free.index(stage))
@@ -310,7 +311,7 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_phase, turn, g, t0, k_desc, v_desc,
+def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_phase, g, k_desc, v_desc,
               m_start, k_row0, k_col, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi,
               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
@@ -340,9 +341,9 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
         # block 0: its scores and softmax; its P·V waits for the next block's Q·Kᵀ
         stage = g % NUM_STAGES
         mbarrier.wait(k_bar.index(stage), (g // NUM_STAGES) & 1)
-        take_turn(turn, t0, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         qk = warpgroup_mma_wait(0, deps=[qk])
         if PRODUCER:
             mbarrier.arrive(k_free.index(stage))
@@ -353,7 +354,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
         p = _p_operand(p, v_smem.dtype, p_layout)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free,
-                                                 v_free, turn, g, t0, k_desc, v_desc, k_row0, k_col, qk_scale_log2,
+                                                 v_free, g, k_desc, v_desc, k_row0, k_col, qk_scale_log2,
                                                  offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks, 0, full_lo,
                                                  full_hi, CAUSAL, KEY_PADDING, BLOCK_N, NUM_STAGES, PRODUCER, PINGPONG,
                                                  WG, s_layout, p_layout)
@@ -362,9 +363,9 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
         stage = (g + last) % NUM_STAGES
         _v_ready(v_smem, v_bar, stage, ((g + last) // NUM_STAGES) & 1, last, seqlen_k, BLOCK_N, HEAD_DIM,
                  num_warps)
-        take_turn(turn, t0 + n_blocks, PINGPONG, WG)
+        take_turn(PINGPONG, WG)
         acc = _issue_pv(acc, alpha, p, v_smem.index(stage))
-        pass_turn(turn, PINGPONG, WG)
+        pass_turn(PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
             mbarrier.arrive(v_free.index(stage))
@@ -472,11 +473,16 @@ def _partition_tile(unit, wg: gl.constexpr, KEY_PADDING_MASK, stride_kpm, masked
 
 
 @gluon.jit
-def _first_scores(q_buf, k_smem, k_bar, g, qk_zero, NUM_STAGES: gl.constexpr):
-    """A tile's block 0: ``S_0 = Q · K_0ᵀ`` issued (asynchronous) once K_0 (ring position ``g``) has landed."""
+def _first_scores(q_buf, k_smem, k_bar, g, qk_zero, NUM_STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+                  WG: gl.constexpr):
+    """A tile's block 0: ``S_0 = Q · K_0ᵀ`` issued (asynchronous, in a turn with ``PINGPONG``) once
+    K_0 (ring position ``g``) has landed."""
     stage = g % NUM_STAGES
     mbarrier.wait(k_bar.index(stage), (g // NUM_STAGES) & 1)
-    return warpgroup_mma(q_buf, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+    take_turn(PINGPONG, WG)
+    qk = warpgroup_mma(q_buf, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+    pass_turn(PINGPONG, WG)
+    return qk
 
 
 @gluon.jit
@@ -534,14 +540,14 @@ def _merge_pieces(acc, l_i, m_i, unit, wg: gl.constexpr, full_units, pieces, WS,
 
 @gluon.jit
 def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
-                               turn, tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER,
+                               tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER,
                                stride_kpm, mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh,
                                stride_lb, stride_lh, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr,
                                HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr,
                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                                Q_BUFS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
-                               SPLIT: gl.constexpr):
+                               SPLIT: gl.constexpr, PINGPONG: gl.constexpr = 0):
     """:func:`_consumer_tiles` with tiles overlapped (persistent, no ping-pong turns): once a
     tile's last P·V is done, the next tile's ``S_0 = Q · K_0ᵀ`` is issued and the tile's output
     normalised and stored (in 16-byte rows, through shared memory) while that WGMMA runs; the next tile's
@@ -562,6 +568,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
     l_none = gl.zeros([ROWS], gl.float32, row_s)
     g = 0
     it = 0
+    first_turn(PINGPONG, wg)
     tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
     m_rows, head, batch, n_blocks, kb0, full_lo, full_hi, kpm = _partition_tile(
         tile, wg, KEY_PADDING_MASK, stride_kpm, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
@@ -572,7 +579,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
     m_i = m_none
     if (tile < num_tiles) & (n_blocks > 0):
         qk = warpgroup_mma_wait(0, deps=[_first_scores(_q_buffer(q_smem, 0, wg, Q_BUFS, ROWS, TILE_M), k_smem, k_bar,
-                                                       0, qk_zero, NUM_STAGES)])
+                                                       0, qk_zero, NUM_STAGES, PINGPONG, wg)])
         mbarrier.arrive(k_free.index(0))
         p, alpha, l_i, m_i = _block_softmax(qk, kb0, m_i, l_i, full_lo, full_hi, qk_scale_log2, m_rows + rows,
                                             seqlen_k, diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N,
@@ -582,10 +589,10 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero,
                                                  _q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem,
-                                                 k_bar, v_bar, k_free, v_free, turn, g, 0, k_desc, v_desc, 0, 0,
+                                                 k_bar, v_bar, k_free, v_free, g, k_desc, v_desc, 0, 0,
                                                  qk_scale_log2, m_rows + rows, seqlen_k, diag_offset, kpm, mask_keys,
                                                  n_blocks, kb0, full_lo, full_hi, CAUSAL, KEY_PADDING, BLOCK_N,
-                                                 NUM_STAGES, True, False, wg, s_layout, p_layout)
+                                                 NUM_STAGES, True, PINGPONG, wg, s_layout, p_layout)
         mbarrier.arrive(q_free.index(it % Q_BUFS))   # the tile's Q·Kᵀ are done
         last = (g + n_blocks - 1) % NUM_STAGES
         if n_blocks > 0:
@@ -609,8 +616,13 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
         stage_next = g_next % NUM_STAGES
         if first:
             mbarrier.wait(k_bar.index(stage_next), (g_next // NUM_STAGES) & 1)
+        take_turn(PINGPONG, wg)
         qk_t = warpgroup_mma(_q_buffer(q_smem, it + 1, wg, Q_BUFS, ROWS, TILE_M),
                              k_smem.index(stage_next).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
+        if PINGPONG:
+            # the last turn of warpgroup 1 is handed to no one
+            if (wg == 0) | (nxt < num_tiles):
+                pass_turn(PINGPONG, wg)
         # this tile's output under the next tile's first Q·Kᵀ
         if SPLIT:
             acc, l_i, m_i, store = _merge_pieces(acc, l_i, m_i, tile, wg, full_units, pieces, WS, SPLIT_COUNTER, ROWS,
@@ -646,7 +658,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
 
 
 @gluon.jit
-def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                     tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm, mask_keys,
                     masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks, num_tiles, full_units, pieces,
                     qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
@@ -661,17 +673,17 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``.
     ``OVERLAP``: :func:`_consumer_tiles_overlapped` instead (the only form that takes ``SPLIT``)."""
     if OVERLAP:
-        _consumer_tiles_overlapped(wg, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+        _consumer_tiles_overlapped(wg, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh,
                                    stride_lb, stride_lh, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N,
-                                   HEAD_DIM, NUM_STAGES, Q_BUFS, RETURN_LSE, num_warps, SPLIT)
+                                   HEAD_DIM, NUM_STAGES, Q_BUFS, RETURN_LSE, num_warps, SPLIT, PINGPONG)
     else:
         gl.static_assert(not SPLIT, "key pieces need the overlapped tiles")
         g = 0
         it = 0
-        t = 0
+        first_turn(PINGPONG, wg)
         tile = _read_tile(tile_ids, q_bar, 0, Q_BUFS, num_warps)
         while tile < num_tiles:
             m_rows, head, batch, n_blocks, kb0, full_lo, full_hi, kpm = _partition_tile(
@@ -680,7 +692,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
             qi = it % Q_BUFS
             # (the K/V blocks' rows and column: the load warp's, unused here)
             acc, l_i, m_i = _consumer(_q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem, k_bar, v_bar,
-                                      k_free, v_free, q_bar.index(qi), (it // Q_BUFS) & 1, turn, g, t, k_desc, v_desc,
+                                      k_free, v_free, q_bar.index(qi), (it // Q_BUFS) & 1, g, k_desc, v_desc,
                                       m_rows, 0, 0, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
                                       full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
                                       PINGPONG, wg, num_warps)
@@ -689,8 +701,6 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                        stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
             g += n_blocks
             it += 1
-            if n_blocks > 0:
-                t += n_blocks + 1
             tile = _read_tile(tile_ids, q_bar, it, Q_BUFS, num_warps)
 
 
@@ -744,14 +754,12 @@ def attention_fwd_gluon_kernel(
     v_bar = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     k_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_free = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     # each consumer partition arrives once when it has read a buffer
     consumers: gl.constexpr = PARTITIONS if SPLIT_WARPGROUPS else 1
     for s in gl.static_range(2):
         mbarrier.init(q_bar.index(s), count=q_pieces)
         mbarrier.init(q_free.index(s), count=consumers)
-        mbarrier.init(turn.index(s), count=1)
     for s in gl.static_range(NUM_STAGES):
         mbarrier.init(k_bar.index(s), count=1)
         mbarrier.init(v_bar.index(s), count=1)
@@ -771,19 +779,19 @@ def attention_fwd_gluon_kernel(
         if SPLIT_WARPGROUPS and PARTITIONS == 3:
             # 160 registers a partition (the first, the default partition, gets 168: what is left)
             gl.warp_specialize([
-                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
-                (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
-                (_consumer_tiles, (2, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                (_consumer_tiles, (2, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
@@ -793,13 +801,13 @@ def attention_fwd_gluon_kernel(
             ], [4, 4, 1], [160, 160, 24])
         elif SPLIT_WARPGROUPS:
             gl.warp_specialize([
-                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
                                    Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
-                (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
@@ -809,7 +817,7 @@ def attention_fwd_gluon_kernel(
             ], [4, 1], [240, 24])
         else:
             gl.warp_specialize([
-                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free, turn,
+                (_consumer_tiles, (0, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
@@ -835,7 +843,7 @@ def attention_fwd_gluon_kernel(
                 load_block(k_desc, k_smem, k_bar, k_row0 + s * BLOCK_N, k_col, s)
                 load_block(v_desc, v_smem, v_bar, k_row0 + s * BLOCK_N, k_col, s)
         acc, l_i, m_i = _consumer(q_smem.index(0), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(0), 0,
-                                  turn, 0, 0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
+                                  0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
                                   qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING,
                                   BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, 0, num_warps)
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob, stride_os, stride_oh,
@@ -844,7 +852,6 @@ def attention_fwd_gluon_kernel(
     for s in gl.static_range(2):
         mbarrier.invalidate(q_bar.index(s))
         mbarrier.invalidate(q_free.index(s))
-        mbarrier.invalidate(turn.index(s))
     for s in gl.static_range(NUM_STAGES):
         mbarrier.invalidate(k_bar.index(s))
         mbarrier.invalidate(v_bar.index(s))

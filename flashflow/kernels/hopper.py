@@ -3,8 +3,13 @@ ring, the ping-pong turns of two MMA warpgroups, the store of an output tile.
 
 A ring is ``NUM_STAGES`` shared-memory buffers, each with a "ready" mbarrier the copy completes
 (expect-tx bytes) and, where a load warp fills it, a "free" mbarrier its consumers arrive on;
-pass ``p`` over the ring waits on phase ``p & 1``. The turns: warpgroup 0 of two issues its
-MMAs first (parity 1 of a fresh barrier passes at once), then each waits for the other's pass.
+pass ``p`` over the ring waits on phase ``p & 1``. The turns (FlashAttention-3's scheduler
+barrier): warpgroup ``w`` of two waits at named barrier ``10 + w`` (``bar.sync``, 256 threads:
+its own 128 and the other's arrivals) before issuing its MMAs and arrives at the other's
+(``bar.arrive``) once they are issued; warpgroup 1 arrives once before its first turn, so
+warpgroup 0 goes first. Named barriers 0 to 1 + partitions are Triton's own (a partition's
+``thread_barrier``); a waiting warp is descheduled, where an mbarrier's wait polls. The last
+arrival of a walk may be left pending when the CTA exits.
 Used by :mod:`flashflow.kernels.attention_gluon` and :mod:`flashflow.kernels.attention_fp8_gluon`.
 """
 from triton.experimental import gluon
@@ -21,17 +26,54 @@ def load_block(desc, smem, bar, row, col, stage):
 
 
 @gluon.jit
-def take_turn(turn, k, PINGPONG: gl.constexpr, WG: gl.constexpr):
-    """Wait for warpgroup ``WG``'s ``k``-th turn to issue MMAs (nothing without ``PINGPONG``)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), (k & 1) ^ (1 if WG == 0 else 0))
+def _bar_sync(ID: gl.constexpr):
+    """``bar.sync ID, 256``: wait until the 128 threads of this warpgroup and 128 arrivals of the
+    other have reached named barrier ``ID``."""
+    if ID == 10:
+        gl.inline_asm_elementwise("bar.sync 10, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync 11, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
 
 
 @gluon.jit
-def pass_turn(turn, PINGPONG: gl.constexpr, WG: gl.constexpr):
+def _bar_arrive(ID: gl.constexpr):
+    """``bar.arrive ID, 256``: this warpgroup's 128 arrivals at named barrier ``ID``, no wait."""
+    if ID == 10:
+        gl.inline_asm_elementwise("bar.arrive 10, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive 11, 256;\n\tmov.u32 $0, 0;", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+
+@gluon.jit
+def first_turn(PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Before the first turn: warpgroup 1 lets warpgroup 0 take it (nothing without ``PINGPONG``)."""
+    if PINGPONG:
+        if WG == 1:
+            _bar_arrive(10)
+
+
+@gluon.jit
+def take_turn(PINGPONG: gl.constexpr, WG: gl.constexpr):
+    """Wait for warpgroup ``WG``'s next turn to issue MMAs (nothing without ``PINGPONG``)."""
+    if PINGPONG:
+        if WG == 0:
+            _bar_sync(10)
+        else:
+            _bar_sync(11)
+
+
+@gluon.jit
+def pass_turn(PINGPONG: gl.constexpr, WG: gl.constexpr):
     """Hand the turn to the other warpgroup (nothing without ``PINGPONG``)."""
     if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG))
+        if WG == 0:
+            _bar_arrive(11)
+        else:
+            _bar_arrive(10)
 
 
 @gluon.jit

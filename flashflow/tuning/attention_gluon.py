@@ -19,7 +19,7 @@ class GluonAttentionConfig(Config):
     num_stages: int           # buffers of the K ring and of the V ring
     warp_specialize: bool = False    # one load warp (24 registers) issues the TMA copies
     split_warpgroups: bool = False   # 64 rows an MMA partition of one warpgroup (BLOCK_M 128: two, 192: three)
-    pingpong: bool = False           # the two partitions take turns issuing their MMAs
+    pingpong: bool = False           # the two partitions take turns issuing their MMAs (named barriers)
     persistent: bool = False         # one CTA an SM walking tiles (the load warp runs ahead)
     dynamic: bool = False            # persistent CTAs claim tiles by ticket (tile_order.next_tile)
     q_buffers: int = 2               # persistent: Q buffers (2: the next tile's Q loads under this one)
@@ -46,8 +46,8 @@ class GluonAttentionConfig(Config):
             raise ValueError(f"q_buffers must be 1 or 2, got {self.q_buffers}")
         if self.pingpong and self.partitions != 2:
             raise ValueError("pingpong needs split_warpgroups with two partitions (BLOCK_M 128)")
-        if self.overlap_tiles and (not self.split_warpgroups or self.pingpong):
-            raise ValueError("overlap_tiles needs split_warpgroups without pingpong")
+        if self.overlap_tiles and not self.split_warpgroups:
+            raise ValueError("overlap_tiles needs split_warpgroups")
         if self.split_last_wave and not self.overlap_tiles:
             raise ValueError("split_last_wave needs overlap_tiles")
         if self.min_piece_blocks < 1 or self.max_pieces < 2:

@@ -33,6 +33,8 @@ CONFIGS = {
     "dynamic-split-overlap": C(128, 128, 4, 2, True, True, False, True, dynamic=True, overlap_tiles=True),
     "dynamic-split-one-q-overlap": C(128, 128, 4, 2, True, True, False, True, dynamic=True, q_buffers=1,
                                      overlap_tiles=True),
+    "persistent-split-overlap-pp": C(128, 128, 4, 2, True, True, True, True, overlap_tiles=True),
+    "dynamic-split-overlap-pp": C(128, 128, 4, 2, True, True, True, True, dynamic=True, overlap_tiles=True),
     "m64-n64": C(64, 64, 4, 2),
     "m128-8warps": C(128, 128, 8, 2),
 }
@@ -107,7 +109,9 @@ def test_against_float64_and_the_portable_lse(gpu, shape, config):
 D256_CONFIGS = {"shipped": None, "n64-split": C(128, 64, 4, 2, True, True, False),
                 "n64-dynamic-one-q": C(128, 64, 4, 2, True, True, False, True, dynamic=True, q_buffers=1),
                 "n64-dynamic-one-q-overlap": C(128, 64, 4, 2, True, True, False, True, dynamic=True, q_buffers=1,
-                                               overlap_tiles=True)}
+                                               overlap_tiles=True),
+                "n64-dynamic-one-q-overlap-pp": C(128, 64, 4, 2, True, True, True, True, dynamic=True, q_buffers=1,
+                                                  overlap_tiles=True)}
 D256_SHAPES = {
     "ragged-gqa-causal": (2, 1000, 1000, 4, 2, 256, True, False),
     "causal-sq<sk": (1, 300, 1000, 2, 2, 256, True, False),
@@ -352,16 +356,17 @@ def test_graph_replays_and_compile(gpu):
     assert gpu.rel(compiled(q, k, v), _exact(q, k, v, True)) < gpu.tol
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlapped"])
+@pytest.mark.parametrize("overlap,turns", [(False, True), (True, False), (True, True)],
+                         ids=["turns", "overlapped", "overlapped-turns"])
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_persistent_tiles_without_an_unmasked_block(gpu, dynamic, overlap):
+def test_persistent_tiles_without_an_unmasked_block(gpu, dynamic, overlap, turns):
     """Persistent CTAs (two MMA partitions) walking more tiles than SMs, where some tiles hold only
     masked blocks (causal diagonals, a sequence shorter than a block) and some no block at all
     (rows before the first key): every tile against float64, tiles walked statically or claimed
-    by ticket, with ping-pong turns or with tiles overlapped (a tile's output stored under the
-    next tile's first Q·Kᵀ, issued also where the next tile has no block); the tile counter is
-    zero again after each launch."""
-    cfg = C(128, 128, 4, 2, True, True, not overlap, True, dynamic=dynamic, overlap_tiles=overlap)
+    by ticket, with ping-pong turns, with tiles overlapped (a tile's output stored under the
+    next tile's first Q·Kᵀ, issued also where the next tile has no block) or both; the tile
+    counter is zero again after each launch."""
+    cfg = C(128, 128, 4, 2, True, True, turns, True, dynamic=dynamic, overlap_tiles=overlap)
     for (b, sq, sk, h, causal) in ((3, 1100, 1100, 48, True), (64, 90, 90, 8, False), (2, 700, 260, 96, True),
                                    (1, 300, 300, 2, True)):   # (the last: fewer tiles than SMs)
         torch.manual_seed(b)
