@@ -318,8 +318,8 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
               WG: gl.constexpr, num_warps: gl.constexpr):
     """The MMA and softmax warps of ``BLOCK_M`` query rows: ``(acc, l, m)`` over the blocks
     ``[0, n_blocks)`` of the tile's keys, ``[full_lo, full_hi)`` of them unmasked; block j sits
-    in ring position ``g + j``, and the tile's ping-pong turns are numbered from ``t0`` (a tile
-    with blocks takes ``n_blocks + 1`` turns). Every block, masked or not, runs in one pipelined
+    in ring position ``g + j``; with ``PINGPONG`` each issue of its WGMMAs is a turn (a tile with
+    blocks takes ``n_blocks + 1``). Every block, masked or not, runs in one pipelined
     loop: S_j's WGMMA is issued before P_{j−1}·V_{j−1}'s, and the softmax of S_j runs under it.
     Without ``PRODUCER`` (one tile a CTA) the warps refill the ring themselves."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -547,14 +547,17 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
                                HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr,
                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                                Q_BUFS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
-                               SPLIT: gl.constexpr, PINGPONG: gl.constexpr = 0):
-    """:func:`_consumer_tiles` with tiles overlapped (persistent, no ping-pong turns): once a
+                               SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
+    """:func:`_consumer_tiles` with tiles overlapped (persistent): once a
     tile's last P·V is done, the next tile's ``S_0 = Q · K_0ᵀ`` is issued and the tile's output
     normalised and stored (in 16-byte rows, through shared memory) while that WGMMA runs; the next tile's
     loop then starts from block 0's softmax. Q's buffer goes back to the load warp as soon as
     the tile's last Q·Kᵀ is done (before the next tile's Q is waited on, which one Q buffer
     needs). ``SPLIT``: the walk is over work units (:func:`_unit_span`), a piece's rows merged
-    by its tile's last piece (:func:`_merge_pieces`) before the store."""
+    by its tile's last piece (:func:`_merge_pieces`) before the store. ``PINGPONG``: a tile's
+    first Q·Kᵀ and each Q·Kᵀ with the block before's P·V are issued in turns, the tile's last
+    P·V without one (FlashAttention-3's order); after the last tile, warpgroup 1 hands its
+    turn to no one."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -669,8 +672,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
     takes Q from the buffer the load warp filled, hands it back once the tile's MMAs are done
-    and stores from the MMA layout (the ring may already hold the next tile's blocks); the
-    tile's ping-pong turns (``n_blocks + 1`` of a tile with blocks) are counted in ``t``.
+    and stores from the MMA layout (the ring may already hold the next tile's blocks).
     ``OVERLAP``: :func:`_consumer_tiles_overlapped` instead (the only form that takes ``SPLIT``)."""
     if OVERLAP:
         _consumer_tiles_overlapped(wg, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
@@ -736,6 +738,7 @@ def attention_fwd_gluon_kernel(
     and any pointers."""
     if SPLIT_WARPGROUPS:
         gl.static_assert(WARP_SPECIALIZE and BLOCK_M == 64 * PARTITIONS and num_warps == 4, "64-row partitions")
+        gl.static_assert(PARTITIONS == 2 or not PINGPONG, "ping-pong turns between two partitions")
     else:
         gl.static_assert(BLOCK_M == 16 * num_warps, "one warpgroup per 64 query rows")
     if KEY_PADDING:
