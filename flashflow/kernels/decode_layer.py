@@ -357,7 +357,8 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
               QKV_SPLIT: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_K: tl.constexpr, PAGE_SIZE: tl.constexpr,
               LAYOUT: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr, THREADS: tl.constexpr,
               DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, FENCED_SYNC: tl.constexpr,
-              FOLDED: tl.constexpr, TR, TRACE: tl.constexpr, pre_idx=0, pre_target=0):
+              FOLDED: tl.constexpr, TR, TRACE: tl.constexpr, pre_idx=0, pre_epochs=0, n_cols=0,
+              X_SLICES: tl.constexpr = 0, BLOCK_N: tl.constexpr = 1):
     """``QKV_PAIRS`` rotary pairs of head ``head`` from the normalised rows XN: the pair's two
     weight rows interleaved in one tile (one dot), RoPE, then q to the workspace, k and v into
     the cache; then the task signals. The first weight chunk loads before the wait on XN.
@@ -369,9 +370,11 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
     arrives last adds the partials in slice order (the same bits whoever adds them), ropes,
     stores and signals.
 
-    ``pre_target`` > 0 (FOLDED, a layer after the first of a multi-layer launch): x is the
-    layer before's output, and the dot waits for counter ``pre_idx`` to reach it (every column
-    block of that layer's down projection) after the first weight chunk's load."""
+    ``pre_epochs`` > 0 (FOLDED, a layer after the first of a multi-layer launch: the launch's
+    epoch + 1): x is the layer before's output, and the dot waits, after the first weight
+    chunk's load, until counter ``pre_idx`` has counted every one of that layer's ``n_cols``
+    down column blocks; with ``X_SLICES`` (the K slices of x hold whole ``BLOCK_N`` column
+    blocks), only the blocks of this slice's columns, on counter ``pre_idx + split``."""
     HALF: tl.constexpr = HEAD_DIM // 2
     ROWS: tl.constexpr = 2 * QKV_PAIRS
     offs_b = tl.arange(0, BLOCK_B)
@@ -384,8 +387,13 @@ def _qkv_task(SYNC, X, stride_x, XN, RSTD, W_QKV, stride_wqkv, QWS, KC, VC, BT, 
     k_first = _k_first(k_lo, k_hi, tile * STAGGER, BLOCK_K)
     w0 = _w_rows(W_QKV, stride_wqkv, rows, r_ok, k_first, k_hi, BLOCK_K)
     if FOLDED:   # ready at once when x is the call's input
-        if pre_target > 0:
-            _wait(SYNC, pre_idx, pre_target, spin_limit, THREADS, FENCED_SYNC)
+        if pre_epochs > 0:
+            if X_SLICES:   # the down column blocks of this slice's columns
+                if k_hi > k_lo:
+                    _wait(SYNC, pre_idx + split, pre_epochs * (tl.cdiv(k_hi, BLOCK_N) - k_lo // BLOCK_N),
+                          spin_limit, THREADS, FENCED_SYNC)
+            else:
+                _wait(SYNC, pre_idx, pre_epochs * n_cols, spin_limit, THREADS, FENCED_SYNC)
         _stamp(TR, TRACE)
         acc = _gemv(X, stride_x, k_lo, k_hi, k_first, offs_b, b_ok, W_QKV, stride_wqkv, rows, r_ok, w0,
                     ROWS, BLOCK_B, BLOCK_K, GEMV_STAGES, DOT_FP32, DOT_PRECISION)
@@ -507,7 +515,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
                   THREADS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                   FENCED_SYNC: tl.constexpr, FOLD_OUT: tl.constexpr = False, FOLD_IN: tl.constexpr = False,
-                  COLS_PAD: tl.constexpr = 1, TR=None, TRACE: tl.constexpr = False):
+                  COLS_PAD: tl.constexpr = 1, TR=None, TRACE: tl.constexpr = False, signal2_idx=-1):
     """Columns ``[col·BLOCK_N, +BLOCK_N)`` of a GEMV stage: GATED (gate/up): ``silu(g) ∘ u`` of
     the normalised rows A against gate rows ``col`` of WA and the up rows N further, interleaved
     in one tile; otherwise ``RES + A · WAᵀ`` (the O and down projections with their residual).
@@ -521,7 +529,10 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
 
     Folded FFN norm: FOLD_OUT (O) also stores h in HB's dtype and its sums of squares per row
     in ``WS_SS[col]`` (:func:`_fold_out`); FOLD_IN (gate/up, A = HB, the norm weight in the
-    weights) scales the dot by ``1 / rms(h)`` from the ``n_cols`` blocks' sums."""
+    weights) scales the dot by ``1 / rms(h)`` from the ``n_cols`` blocks' sums.
+
+    ``signal2_idx`` ≥ 0 (not GATED): the stored columns are also counted there (the down
+    projection's columns by the K slice of the next layer's x that holds them)."""
     offs_b = tl.arange(0, BLOCK_B)
     b_ok = offs_b < batch
     offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -565,7 +576,7 @@ def _columns_task(SYNC, A, stride_a, WA, stride_w, RES, stride_res, DEST, stride
             tl.store(dest, h.to(DEST.dtype.element_ty), mask=mask)
             if FOLD_OUT:
                 _fold_out(h, HB, WS_SS, col, offs_b, offs_n, mask, N, BLOCK_B)
-            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC)
+            _signal(SYNC, signal_idx, THREADS, FENCED_SYNC, signal2_idx)
 
 
 # ------------------------------------------------------------------------------------------
@@ -579,7 +590,7 @@ def decode_layer_kernel(
     W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN,
     KC, VC, XN, QWS, ATT, H1, HN, ACT, WS_ACC, WS_ML, WS_PART, WS_QKV, RSTD, WS_SS, TRACE_BUF, LAYER_TABLE, XWS,
     batch, hidden, inter, num_tasks, num_programs, merge_off, h1_idx, h1_count, col_merge_off, qkv_merge_off,
-    layer_words, done_idx, spin_limit,
+    layer_words, done_idx, x_ready_idx, spin_limit,
     stride_x, stride_out, sk0, sk1, sk2, sv0, sv1, sv2, stride_bt,
     stride_wqkv, stride_wo, stride_wgu, stride_wd,
     eps, qk_scale_log2,
@@ -589,7 +600,7 @@ def decode_layer_kernel(
     PAGE_SIZE: tl.constexpr, LAYOUT: tl.constexpr, THREADS: tl.constexpr, GEMV_STAGES: tl.constexpr, STAGGER: tl.constexpr,
     NORM_BLOCK: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, TRACE: tl.constexpr = False,
     FENCED_SYNC: tl.constexpr = False, FOLDED: tl.constexpr = False, COLS_PAD: tl.constexpr = 1,
-    NUM_LAYERS: tl.constexpr = 1,
+    NUM_LAYERS: tl.constexpr = 1, X_SLICES: tl.constexpr = 0,
 ):
     """One decode step of a decoder layer: the task table's tasks by ticket (module docstring).
 
@@ -617,7 +628,9 @@ def decode_layer_kernel(
     (:data:`LAYER_PTR_KINDS`, :func:`_layer_ptr`); a layer's counters lie ``layer ·
     layer_words`` further; layer 0 reads X, the last layer writes OUT and the others write (and
     the next read) their row block of XWS (``batch · hidden`` values each, x's dtype); with
-    FOLDED, a later layer's QKV tasks wait on the layer before's down counter (``done_idx``).
+    FOLDED, a later layer's QKV tasks wait on the layer before's down counter (``done_idx``),
+    or with ``X_SLICES`` (= QKV_SPLIT) on the counter of their K slice of x (``x_ready_idx`` +
+    slice), which each down column block bumps besides ``done_idx``.
     """
     t0 = tl.atomic_add(SYNC + _TICKET, 1, sem="relaxed", scope="gpu")
     per_launch = num_tasks + num_programs
@@ -654,12 +667,12 @@ def decode_layer_kernel(
             if layer < NUM_LAYERS - 1:
                 out_l = XWS + layer * batch * hidden
             # folded QKV of a layer after the first: its dot waits on the layer before's out
-            pre_target = (epoch + 1) * h1_count * tl.minimum(layer, 1) if FOLDED else 0
+            pre_epochs = (epoch + 1) * tl.minimum(layer, 1) if FOLDED else 0
         else:
             cbase = 0
             w_qkv, w_o, w_gu, w_down, g_attn, g_ffn = W_QKV, W_O, W_GU, W_DOWN, G_ATTN, G_FFN
             kc, vc, bt, x_l, out_l = KC, VC, BT, X, OUT
-            pre_target = 0
+            pre_epochs = 0
         if TRACE:
             t_start = globaltimer()
         if stage == _QKV:
@@ -670,7 +683,8 @@ def decode_layer_kernel(
                       epoch,
                       spin_limit, HEADS, KV_HEADS, HEAD_DIM, QKV_PAIRS, QKV_SPLIT, BLOCK_B, BLOCK_K, PAGE_SIZE, LAYOUT,
                       GEMV_STAGES, STAGGER, THREADS, DOT_FP32, DOT_PRECISION, FENCED_SYNC, FOLDED, ready, TRACE,
-                      cbase - layer_words + done_idx, pre_target)
+                      cbase - layer_words + (x_ready_idx if X_SLICES else done_idx), pre_epochs, h1_count,
+                      X_SLICES, BLOCK_N)
         elif stage == _ATTN:
             _attn_task(SYNC, QWS, kc, vc, bt, CACHE_SEQLENS, ATT, WS_ACC, WS_ML, a, b, c, epoch,
                        wait_idx, wait_target, signal_idx, cbase + merge_off, spin_limit,
@@ -692,11 +706,14 @@ def decode_layer_kernel(
         elif stage == _DOWN:
             # h (the residual) is read besides act: acquire its counter too (already complete)
             _wait(SYNC, cbase + h1_idx, (epoch + 1) * h1_count, spin_limit, THREADS, FENCED_SYNC)
+            x_part = -1   # X_SLICES: the K slice of the next layer's x these columns lie in
+            if X_SLICES:
+                x_part = cbase + x_ready_idx + a * BLOCK_N // _k_slice(hidden, 1, QKV_SPLIT, BLOCK_K)[0]
             _columns_task(SYNC, ACT, inter, w_down, stride_wd, H1, hidden, out_l, stride_out,
                           a, b, inter, hidden, batch, wait_idx, wait_target, signal_idx, spin_limit,
                           WS_PART, cbase + col_merge_off + h1_count + a, epoch, HN, WS_SS, h1_count, eps,
                           False, SPLIT_K, BLOCK_B, BLOCK_N, BLOCK_K, GEMV_STAGES, STAGGER, THREADS,
-                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, False, 1, ready, TRACE)
+                          DOT_FP32, DOT_PRECISION, FENCED_SYNC, False, False, 1, ready, TRACE, x_part)
         else:   # a norm row: a = 0, x's attention norm into XN; a = 1, h's FFN norm into HN
             _wait_ready(SYNC, wait_idx, wait_target, spin_limit, THREADS, FENCED_SYNC, ready, TRACE)
             if FOLDED:   # only x's: 1 / rms per row (the QKV tasks scale by it)
@@ -727,7 +744,8 @@ class Counters:
     results per O K slice (``parts`` words from ``o_ready``), O column blocks, gate/up tiles per
     down K slice (``parts`` words from ``act_ready``), down column blocks, rows of XN, rows of
     HN, then the K slices' arrivals per O column block and per down column block (``columns``
-    each), then per QKV tile (``qkv_tiles``)."""
+    each), then per QKV tile (``qkv_tiles``), then the down column blocks per K slice of the
+    next layer's x (``x_parts``: :func:`x_slices`)."""
     attn_ready: int
     merge: int
     o_ready: int
@@ -738,21 +756,25 @@ class Counters:
     hn_ready: int
     col_merge: int
     qkv_merge: int
+    x_ready: int
     words: int
 
 
-def counters(config, batch: int, columns: int = 0, parts: int = 1, qkv_tiles: int = 0) -> Counters:
+def counters(config, batch: int, columns: int = 0, parts: int = 1, qkv_tiles: int = 0,
+             x_parts: int = 0) -> Counters:
     """The counters of a layer at ``batch`` rows; ``columns``: the O / down column blocks whose
     K slices arrive on counters of their own (0 without split-K); ``parts``: the K slices of
     the O and down projections (their inputs counted per slice); ``qkv_tiles``: the QKV tiles
-    whose K slices arrive on counters of their own (0 without)."""
+    whose K slices arrive on counters of their own (0 without); ``x_parts``: the K slices of
+    the next layer's x whose down column blocks are counted on counters of their own (0
+    without, :func:`x_slices`)."""
     hk = config.kv_heads
     o = CNT_OFF + hk + batch * hk
     act = o + parts + 1
     base = act + parts
     qkv = base + 3 + 2 * columns
     return Counters(CNT_OFF, CNT_OFF + hk, o, o + parts, act, base, base + 1, base + 2, base + 3, qkv,
-                    qkv + qkv_tiles)
+                    qkv + qkv_tiles, qkv + qkv_tiles + x_parts)
 
 
 def qkv_tiles(config, tiles) -> int:
@@ -760,15 +782,25 @@ def qkv_tiles(config, tiles) -> int:
     return (config.heads + 2 * config.kv_heads) * (config.head_dim // 2 // tiles.QKV_PAIRS)
 
 
+def x_slices(config, tiles, folded: bool, layers: int) -> int:
+    """The K slices of x on whose own down column blocks a later layer's QKV slices wait (0:
+    every slice waits on the whole down projection): ``QKV_SPLIT`` in a multi-layer launch with
+    folded norms (whose QKV dot reads x before any norm row) when each slice holds whole
+    ``BLOCK_N`` column blocks, so that a slice's dot starts once its columns are stored."""
+    qs, width = k_slices(config.hidden, tiles, qkv_split(tiles))
+    return qs if folded and layers > 1 and qs > 1 and width % tiles.BLOCK_N == 0 else 0
+
+
 def qkv_split(tiles) -> int:
     """K slices per QKV tile (``tiles.QKV_SPLIT``; 1 for tiles without the field)."""
     return getattr(tiles, "QKV_SPLIT", 1)
 
 
-def k_slices(k: int, tiles) -> tuple[int, int]:
-    """``(slices, width)``: the K slices of an O / down column block over a K of ``k`` (whole
-    ``BLOCK_K`` chunks each; the last ones may be short or empty) and their width."""
-    sk = split_k(tiles)
+def k_slices(k: int, tiles, slices: int | None = None) -> tuple[int, int]:
+    """``(slices, width)``: the K slices over a K of ``k`` (whole ``BLOCK_K`` chunks each; the
+    last ones may be short or empty, as the kernel's ``_k_slice`` cuts them) and their width;
+    ``slices``: an O / down column block's (``SPLIT_K``) unless given."""
+    sk = split_k(tiles) if slices is None else slices
     return sk, cdiv(cdiv(k, sk), tiles.BLOCK_K) * tiles.BLOCK_K
 
 
@@ -804,7 +836,8 @@ def build_tasks(config, batch: int, num_splits: int, tiles,
     column block of the layer before's down projection (its out is their x)."""
     tasks = _layer_tasks(config, batch, num_splits, tiles, folded)
     if layers > 1:
-        cnt = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), split_k(tiles), qkv_tiles(config, tiles))
+        cnt = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), split_k(tiles), qkv_tiles(config, tiles),
+                       x_slices(config, tiles, folded, layers))
         words = cnt.words - CNT_OFF
         one, tasks = tasks, []
         for layer in range(layers):

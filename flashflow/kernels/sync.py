@@ -86,11 +86,14 @@ def _thread_release(SYNC, THREADS: tl.constexpr, FENCED: tl.constexpr = False):
 
 
 @triton.jit
-def _signal(SYNC, idx, THREADS: tl.constexpr, FENCED: tl.constexpr = False):
-    """Producer side: the CTA's stores are done; publish them through counter ``SYNC[idx]``."""
+def _signal(SYNC, idx, THREADS: tl.constexpr, FENCED: tl.constexpr = False, idx2=-1):
+    """Producer side: the CTA's stores are done; publish them through counter ``SYNC[idx]``
+    (and ``SYNC[idx2]`` when ``idx2`` ≥ 0: a second consumer counting the same stores)."""
     _thread_release(SYNC, THREADS, FENCED)
     tl.debug_barrier()
     tl.atomic_add(SYNC + idx, 1, sem="release", scope="gpu")
+    if idx2 >= 0:
+        tl.atomic_add(SYNC + idx2, 1, sem="release", scope="gpu")
 
 
 @triton.jit

@@ -28,7 +28,8 @@ import torch
 
 from flashflow.device import capturing, cdiv, gpu_family, interpreting, next_pow2, num_sms as device_num_sms
 from flashflow.kernels.decode_layer import (LAYER_PTR_KINDS, STAGES, TASK_WORDS, TRACE_WORDS, build_tasks,
-                                            counters, decode_layer_kernel, dependency_violations, qkv_tiles)
+                                            counters, decode_layer_kernel, dependency_violations, qkv_tiles,
+                                            x_slices)
 # the bytes a step moves, with the task table in the kernel's module (flashflow.dataflow models it too)
 from flashflow.kernels.decode_layer import decode_layer_bytes as decode_layer_bytes
 from flashflow.kernels.sync import CNT_OFF, MAX_THREADS, SYNC_ERR
@@ -285,8 +286,10 @@ class DecodeLayerPlan:
         self.folded_norms = folded_norms
         self.num_layers = check_int("num_layers", num_layers, 1)
         # layer 0's counters; layer l's lie l · layer_words further
+        # a later layer's QKV slices wait on the down column blocks of their slice of x
+        self.x_slices = x_slices(config, tiles, folded_norms, self.num_layers)
         self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), tiles.SPLIT_K,
-                                 qkv_tiles(config, tiles))
+                                 qkv_tiles(config, tiles), self.x_slices)
         self.layer_words = self.counters.words - CNT_OFF
         self.task_list = build_tasks(config, batch, self.num_splits, tiles, shuffle, folded_norms, self.num_layers)
         bad = dependency_violations(self.task_list, self.num_splits)
@@ -514,7 +517,7 @@ class DecodeLayerPlan:
                 ptrs, xws,
                 self.batch, c.hidden, c.intermediate, self.num_tasks, self.programs, self.counters.merge,
                 self.counters.h1_ready, cdiv(c.hidden, t.BLOCK_N), self.counters.col_merge, self.counters.qkv_merge,
-                self.layer_words, self.counters.done, self.spin_limit,
+                self.layer_words, self.counters.done, self.counters.x_ready, self.spin_limit,
                 x.stride(0), out.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
                 table.stride(0) if paged else 0,
                 w["qkv"].stride(0), w["o"].stride(0), w["gate_up"].stride(0), w["down"].stride(0),
@@ -529,7 +532,7 @@ class DecodeLayerPlan:
                           FENCED_SYNC=not on_interp, FOLDED=self.folded_norms,
                           COLS_PAD=next_pow2(cdiv(c.hidden, t.BLOCK_N)),
                           DOT_FP32=self.dtype == torch.bfloat16 and on_interp,
-                          DOT_PRECISION=dot_precision(self.dtype), NUM_LAYERS=self.num_layers,
+                          DOT_PRECISION=dot_precision(self.dtype), NUM_LAYERS=self.num_layers, X_SLICES=self.x_slices,
                           num_warps=t.num_warps, num_stages=t.num_stages)
         launch_by_arguments(_LAUNCH, (self.programs, 1, 1), args, constexprs)
         self._check_error()

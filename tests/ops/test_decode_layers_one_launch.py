@@ -88,6 +88,16 @@ def test_layers_in_one_launch_give_the_bits_of_a_launch_per_layer(case):
     assert [int(many.sync[cnt.done + i * words]) for i in range(n)] == [steps * columns] * n
     assert [int(many.sync[cnt.xn_ready + i * words]) for i in range(n)] == [steps * batch] * n
     assert many.sync.numel() == CNT_OFF + n * words
+    # folded: each K slice of x counts the down column blocks of its columns, the count its
+    # QKV slices of the next layer wait for (a slice past the hidden size, none)
+    tiles = many.tiles
+    assert many.x_slices == (tiles.QKV_SPLIT if case.get("folded") else 0) and one.x_slices == 0
+    if many.x_slices:
+        width = -(-(-(-C.hidden // tiles.QKV_SPLIT)) // tiles.BLOCK_K) * tiles.BLOCK_K   # whole BLOCK_K chunks
+        blocks = [sum(1 for j in range(columns) if j * tiles.BLOCK_N // width == p) for p in range(many.x_slices)]
+        assert sum(blocks) == columns and (tiles.QKV_SPLIT < 3 or blocks[-1] == 0)
+        assert [int(many.sync[cnt.x_ready + i * words + p]) for i in range(n) for p in range(many.x_slices)] == \
+            [steps * b for _ in range(n) for b in blocks]
 
 
 def test_layers_in_one_launch_match_the_float64_layers():
