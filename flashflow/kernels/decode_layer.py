@@ -51,9 +51,11 @@ step, so the load overlaps the producers' tail.
 Several layers
 --------------
 A launch may run the N layers of a step (``NUM_LAYERS``): the table is one layer's, once per
-layer, each copy on counters of its own, and a later layer's rows of x (and, with folded
-norms, its QKV tasks, whose dot reads x before any norm row) wait on every column block of the
-layer before's down projection. Everything else a layer reads is ordered after those waits,
+layer, each copy on counters of its own, and a later layer's rows of x wait on every column
+block of the layer before's down projection. With folded norms its QKV tasks, whose dot reads
+x before any norm row, wait only on the column blocks of their own K slice of x (a counter per
+slice, :func:`x_slices`), so that the first slices' dots start while the layer before's last
+column blocks are summed. Everything else a layer reads is ordered after those waits,
 so the workspaces serve every layer. Layer 0's tensors are the arguments; the others are found
 through a table of distances from them in 16-byte units, so that the compiler knows every
 weight and cache pointer 16-byte aligned, as it knows an argument (a table of raw addresses
