@@ -285,9 +285,9 @@ class DecodeLayerPlan:
         check_flag("folded_norms", folded_norms)
         self.folded_norms = folded_norms
         self.num_layers = check_int("num_layers", num_layers, 1)
-        # layer 0's counters; layer l's lie l · layer_words further
         # a later layer's QKV slices wait on the down column blocks of their slice of x
         self.x_slices = x_slices(config, tiles, folded_norms, self.num_layers)
+        # layer 0's counters; layer l's lie l · layer_words further
         self.counters = counters(config, batch, cdiv(config.hidden, tiles.BLOCK_N), tiles.SPLIT_K,
                                  qkv_tiles(config, tiles), self.x_slices)
         self.layer_words = self.counters.words - CNT_OFF
