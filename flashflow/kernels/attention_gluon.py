@@ -11,7 +11,9 @@ FlashAttention-3 lays it out:
   reading it has finished, a V buffer as soon as its P·V has.
 * Both products are asynchronous WGMMAs overlapped within a warpgroup: block j's
   ``S_j = Q · K_jᵀ`` is issued, then block j−1's ``acc = acc · α + P_{j−1} · V_{j−1}``, and the
-  softmax of ``S_j`` runs while that P·V is still on the tensor cores.
+  softmax of ``S_j`` runs while that P·V is still on the tensor cores. ``EARLY_RESCALE``: the
+  ``acc · α`` is computed as soon as the P·V before is waited on, not in the next P·V's issue
+  (where ptxas interleaves its ``FMUL``s with ``S_j``'s HGMMAs): :func:`_after_pv`.
 * P never leaves registers: in 16 bits the accumulator's registers are already the A operand
   of the P·V WGMMA, so P's change of layout moves nothing. It is converted once the previous
   block's P·V is done and carried to the next block in 16 bits (:func:`_p_operand`).
@@ -128,11 +130,31 @@ def _masked_scores(qk, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys, C
 
 
 @gluon.jit
-def _issue_pv(acc, alpha, p, v_buf):
+def _rescaled(acc, alpha):
+    """``acc · α`` row by row: the accumulator brought to a block's new row maximum."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
+def _issue_pv(acc, alpha, p, v_buf, EARLY_RESCALE: gl.constexpr):
     """``acc · α + P · V`` as an asynchronous WGMMA (P, 16-bit, from registers as the A operand,
-    V's buffer as the B operand); the caller waits on the returned accumulator."""
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    V's buffer as the B operand); the caller waits on the returned accumulator. With
+    ``EARLY_RESCALE`` ``acc`` comes already rescaled (:func:`_after_pv`)."""
+    if not EARLY_RESCALE:
+        acc = _rescaled(acc, alpha)
     return warpgroup_mma(p, v_buf, acc, is_async=True)
+
+
+@gluon.jit
+def _after_pv(acc, alpha, EARLY_RESCALE: gl.constexpr):
+    """The accumulator once a P·V is waited on, ``alpha`` the next block's: with
+    ``EARLY_RESCALE`` rescaled here, so that the next P·V's issue has nothing to compute.
+    Inside the issue, ptxas interleaves the rescale's ``FMUL``s (64 a thread at head_dim 128,
+    128 at 256) with the next block's Q·Kᵀ HGMMAs, which then issue late; done here they
+    run before them. Which is faster depends on the tile (its config's ``early_rescale``)."""
+    if EARLY_RESCALE:
+        acc = _rescaled(acc, alpha)
+    return acc
 
 
 # ----------------------------------------------------------------------------- loads
@@ -274,11 +296,11 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
                    v_desc, k_row0, k_col, qk_scale_log2, offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks,
                    kb0, full_lo, full_hi, CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr, WG: gl.constexpr,
-                   s_layout: gl.constexpr, p_layout: gl.constexpr):
+                   s_layout: gl.constexpr, p_layout: gl.constexpr, EARLY_RESCALE: gl.constexpr):
     """Blocks ``1 .. n_blocks − 1`` of a tile (key blocks ``kb0 + j``: a unit's keys start at block
-    ``kb0``), block 0's softmax done (``p``, ``alpha``): S_j's WGMMA issued before
-    P_{j−1}·V_{j−1}'s, the softmax of S_j under it. Returns ``(acc, p, alpha, l, m)`` with the
-    last block's P·V still to issue."""
+    ``kb0``), block 0's softmax done (``p``, ``alpha``; with ``EARLY_RESCALE`` ``acc`` already
+    rescaled by that ``alpha``): S_j's WGMMA issued before P_{j−1}·V_{j−1}'s, the softmax of S_j
+    under it. Returns ``(acc, p, alpha, l, m)`` with the last block's P·V still to issue."""
     for j in range(1, n_blocks):
         stage = (g + j) % NUM_STAGES
         phase = ((g + j) // NUM_STAGES) & 1
@@ -290,7 +312,7 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
         take_turn(PINGPONG, WG)
         qk = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), qk_zero, use_acc=False, is_async=True)
         # ... then block j−1's P·V into the rescaled accumulator
-        acc = _issue_pv(acc, alpha, p, v_smem.index(prev))
+        acc = _issue_pv(acc, alpha, p, v_smem.index(prev), EARLY_RESCALE)
         pass_turn(PINGPONG, WG)
         qk = warpgroup_mma_wait(1, deps=[qk])
         if PRODUCER:
@@ -298,7 +320,7 @@ def _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_b
         # the softmax of block j under block j−1's P·V
         p, alpha, l_i, m_i = _block_softmax(qk, kb0 + j, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
-        acc = warpgroup_mma_wait(0, deps=[acc])
+        acc = _after_pv(warpgroup_mma_wait(0, deps=[acc]), alpha, EARLY_RESCALE)
         p = _p_operand(p, v_smem.dtype, p_layout)
         if PRODUCER:
             mbarrier.arrive(v_free.index(prev))
@@ -315,7 +337,7 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
               m_start, k_row0, k_col, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi,
               CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, PRODUCER: gl.constexpr, PINGPONG: gl.constexpr,
-              WG: gl.constexpr, num_warps: gl.constexpr):
+              WG: gl.constexpr, num_warps: gl.constexpr, EARLY_RESCALE: gl.constexpr):
     """The MMA and softmax warps of ``BLOCK_M`` query rows: ``(acc, l, m)`` over the blocks
     ``[0, n_blocks)`` of the tile's keys, ``[full_lo, full_hi)`` of them unmasked; block j sits
     in ring position ``g + j``; with ``PINGPONG`` each issue of its WGMMAs is a turn (a tile with
@@ -353,18 +375,19 @@ def _consumer(q_smem, k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_ready, q_p
         p, alpha, l_i, m_i = _block_softmax(qk, 0, m_i, l_i, full_lo, full_hi, qk_scale_log2, offs_m, seqlen_k,
                                             diag_offset, kpm, mask_keys, CAUSAL, KEY_PADDING, BLOCK_N, s_layout)
         p = _p_operand(p, v_smem.dtype, p_layout)
+        acc = _after_pv(acc, alpha, EARLY_RESCALE)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero, q_smem, k_smem, v_smem, k_bar, v_bar, k_free,
                                                  v_free, g, k_desc, v_desc, k_row0, k_col, qk_scale_log2,
                                                  offs_m, seqlen_k, diag_offset, kpm, mask_keys, n_blocks, 0, full_lo,
                                                  full_hi, CAUSAL, KEY_PADDING, BLOCK_N, NUM_STAGES, PRODUCER, PINGPONG,
-                                                 WG, s_layout, p_layout)
+                                                 WG, s_layout, p_layout, EARLY_RESCALE)
         # the last block's P·V (only the last block can run past the sequence's end)
         last = n_blocks - 1
         stage = (g + last) % NUM_STAGES
         _v_ready(v_smem, v_bar, stage, ((g + last) // NUM_STAGES) & 1, last, seqlen_k, BLOCK_N, HEAD_DIM,
                  num_warps)
         take_turn(PINGPONG, WG)
-        acc = _issue_pv(acc, alpha, p, v_smem.index(stage))
+        acc = _issue_pv(acc, alpha, p, v_smem.index(stage), EARLY_RESCALE)
         pass_turn(PINGPONG, WG)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if PRODUCER:
@@ -547,7 +570,7 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
                                HEAVY_FIRST: gl.constexpr, TILE_M: gl.constexpr, ROWS: gl.constexpr,
                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
                                Q_BUFS: gl.constexpr, RETURN_LSE: gl.constexpr, num_warps: gl.constexpr,
-                               SPLIT: gl.constexpr, PINGPONG: gl.constexpr):
+                               SPLIT: gl.constexpr, PINGPONG: gl.constexpr, EARLY_RESCALE: gl.constexpr):
     """:func:`_consumer_tiles` with tiles overlapped (persistent): once a
     tile's last P·V is done, the next tile's ``S_0 = Q · K_0ᵀ`` is issued and the tile's output
     normalised and stored (in 16-byte rows, through shared memory) while that WGMMA runs; the next tile's
@@ -589,19 +612,19 @@ def _consumer_tiles_overlapped(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, 
                                             s_layout)
         p = _p_operand(p, v_smem.dtype, p_layout)
     while tile < num_tiles:
-        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        acc = _after_pv(gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout), alpha, EARLY_RESCALE)
         acc, p, alpha, l_i, m_i = _middle_blocks(acc, p, alpha, l_i, m_i, qk_zero,
                                                  _q_buffer(q_smem, it, wg, Q_BUFS, ROWS, TILE_M), k_smem, v_smem,
                                                  k_bar, v_bar, k_free, v_free, g, k_desc, v_desc, 0, 0,
                                                  qk_scale_log2, m_rows + rows, seqlen_k, diag_offset, kpm, mask_keys,
                                                  n_blocks, kb0, full_lo, full_hi, CAUSAL, KEY_PADDING, BLOCK_N,
-                                                 NUM_STAGES, True, PINGPONG, wg, s_layout, p_layout)
+                                                 NUM_STAGES, True, PINGPONG, wg, s_layout, p_layout, EARLY_RESCALE)
         mbarrier.arrive(q_free.index(it % Q_BUFS))   # the tile's Q·Kᵀ are done
         last = (g + n_blocks - 1) % NUM_STAGES
         if n_blocks > 0:
             _v_ready(v_smem, v_bar, last, ((g + n_blocks - 1) // NUM_STAGES) & 1, kb0 + n_blocks - 1, seqlen_k,
                      BLOCK_N, HEAD_DIM, num_warps)
-            acc_t = _issue_pv(acc, alpha, p, v_smem.index(last))
+            acc_t = _issue_pv(acc, alpha, p, v_smem.index(last), EARLY_RESCALE)
         else:
             acc_t = warpgroup_mma_init(acc)
         acc = warpgroup_mma_wait(0, deps=[acc_t])
@@ -668,7 +691,8 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, HEAVY_FIRST: gl.constexpr,
                     TILE_M: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                     NUM_STAGES: gl.constexpr, Q_BUFS: gl.constexpr, PINGPONG: gl.constexpr,
-                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr, SPLIT: gl.constexpr):
+                    RETURN_LSE: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr, SPLIT: gl.constexpr,
+                    EARLY_RESCALE: gl.constexpr):
     """An MMA partition of the warp-specialized kernel: rows ``ROWS·wg ..`` (``ROWS`` of them)
     of each of this CTA's tiles (``TILE_M`` rows). It walks the tiles the load warp publishes,
     takes Q from the buffer the load warp filled, hands it back once the tile's MMAs are done
@@ -680,7 +704,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh,
                                    stride_lb, stride_lh, CAUSAL, KEY_PADDING, HEAVY_FIRST, TILE_M, ROWS, BLOCK_N,
-                                   HEAD_DIM, NUM_STAGES, Q_BUFS, RETURN_LSE, num_warps, SPLIT, PINGPONG)
+                                   HEAD_DIM, NUM_STAGES, Q_BUFS, RETURN_LSE, num_warps, SPLIT, PINGPONG, EARLY_RESCALE)
     else:
         gl.static_assert(not SPLIT, "key pieces need the overlapped tiles")
         g = 0
@@ -697,7 +721,7 @@ def _consumer_tiles(wg: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_bar, v_ba
                                       k_free, v_free, q_bar.index(qi), (it // Q_BUFS) & 1, g, k_desc, v_desc,
                                       m_rows, 0, 0, seqlen_q, seqlen_k, qk_scale_log2, kpm, mask_keys, n_blocks,
                                       full_lo, full_hi, CAUSAL, KEY_PADDING, ROWS, BLOCK_N, HEAD_DIM, NUM_STAGES, True,
-                                      PINGPONG, wg, num_warps)
+                                      PINGPONG, wg, num_warps, EARLY_RESCALE)
             mbarrier.arrive(q_free.index(qi))
             _store_out(acc, l_i, m_i, O, LSE, batch, head, m_rows, seqlen_q, stride_ob, stride_os, stride_oh,
                        stride_lb, stride_lh, ROWS, HEAD_DIM, RETURN_LSE, False, num_warps)
@@ -716,7 +740,7 @@ def attention_fwd_gluon_kernel(
     CAUSAL: gl.constexpr, KEY_PADDING: gl.constexpr, RETURN_LSE: gl.constexpr, HEAVY_FIRST: gl.constexpr,
     WARP_SPECIALIZE: gl.constexpr, SPLIT_WARPGROUPS: gl.constexpr, PINGPONG: gl.constexpr,
     DYNAMIC: gl.constexpr, Q_BUFS: gl.constexpr, num_warps: gl.constexpr, OVERLAP: gl.constexpr = False,
-    SPLIT: gl.constexpr = False, PARTITIONS: gl.constexpr = 1,
+    SPLIT: gl.constexpr = False, PARTITIONS: gl.constexpr = 1, EARLY_RESCALE: gl.constexpr = False,
 ):
     """Tiles of ``BLOCK_M`` query rows of one (batch, head), ``num_tiles`` of them
     (:func:`_tile_coords`'s order). Without ``WARP_SPECIALIZE`` the grid is one CTA a tile;
@@ -787,19 +811,19 @@ def attention_fwd_gluon_kernel(
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT, EARLY_RESCALE)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT, EARLY_RESCALE)),
                 (_consumer_tiles, (2, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT, EARLY_RESCALE)),
                 (_producer, producer_args),
             ], [4, 4, 1], [160, 160, 24])
         elif SPLIT_WARPGROUPS:
@@ -809,13 +833,13 @@ def attention_fwd_gluon_kernel(
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT, EARLY_RESCALE)),
                 (_consumer_tiles, (1, q_smem, k_smem, v_smem, q_bar, k_bar, v_bar, q_free, k_free, v_free,
                                    tile_ids, k_desc, v_desc, O, LSE, KEY_PADDING_MASK, WS, SPLIT_COUNTER, stride_kpm,
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, 64, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT)),
+                                   Q_BUFS, PINGPONG, RETURN_LSE, 4, OVERLAP, SPLIT, EARLY_RESCALE)),
                 (_producer, producer_args),
             ], [4, 1], [240, 24])
         else:
@@ -825,7 +849,7 @@ def attention_fwd_gluon_kernel(
                                    mask_keys, masked_keys, seqlen_q, seqlen_k, heads, kv_group, num_m_blocks,
                                    num_tiles, full_units, pieces, qk_scale_log2, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                    CAUSAL, KEY_PADDING, HEAVY_FIRST, BLOCK_M, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
-                                   Q_BUFS, False, RETURN_LSE, num_warps, False, False)),
+                                   Q_BUFS, False, RETURN_LSE, num_warps, False, False, EARLY_RESCALE)),
                 (_producer, producer_args),
             ], [1], [24])
     else:
@@ -848,7 +872,7 @@ def attention_fwd_gluon_kernel(
         acc, l_i, m_i = _consumer(q_smem.index(0), k_smem, v_smem, k_bar, v_bar, k_free, v_free, q_bar.index(0), 0,
                                   0, k_desc, v_desc, m_start, k_row0, k_col, seqlen_q, seqlen_k,
                                   qk_scale_log2, kpm, mask_keys, n_blocks, full_lo, full_hi, CAUSAL, KEY_PADDING,
-                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, 0, num_warps)
+                                  BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, False, False, 0, num_warps, EARLY_RESCALE)
         _store_out(acc, l_i, m_i, O, LSE, batch, head, m_start, seqlen_q, stride_ob, stride_os, stride_oh,
                    stride_lb, stride_lh, BLOCK_M, HEAD_DIM, RETURN_LSE, True, num_warps)
 

@@ -188,7 +188,7 @@ class GluonPlan:
             # key pieces wait on each other: only CTAs already running take a unit (by ticket)
             DYNAMIC=cfg.dynamic or pieces > 1, SPLIT=pieces > 1,
             Q_BUFS=cfg.q_buffers if cfg.persistent else 1, OVERLAP=cfg.overlap_tiles, num_warps=cfg.num_warps,
-            PARTITIONS=cfg.partitions)
+            PARTITIONS=cfg.partitions, EARLY_RESCALE=cfg.early_rescale)
 
     def launch(self, launch_key, q, k, v, out, kpm, softmax_scale: float):
         """Allocate the call's outputs and launch; returns ``(out, lse)``."""

@@ -27,6 +27,7 @@ class GluonAttentionConfig(Config):
     split_last_wave: bool = False    # no causal mask: the tiles past the last full wave in key pieces
     min_piece_blocks: int = 4        # split_last_wave: key blocks a piece at least
     max_pieces: int = 8              # split_last_wave: pieces a tile at most (the last one merges them all)
+    early_rescale: bool = False      # the accumulator rescaled once the previous P·V is waited on, not in the next one's issue
     auto: bool = True                # the dispatcher takes it unasked (else only when forced)
     min_seqlen_k: int = 0            # unasked, only from this many keys (shorter: portable)
 

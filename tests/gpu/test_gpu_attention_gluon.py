@@ -37,6 +37,12 @@ CONFIGS = {
     "dynamic-split-overlap-pp": C(128, 128, 4, 2, True, True, True, True, dynamic=True, overlap_tiles=True),
     "m64-n64": C(64, 64, 4, 2),
     "m128-8warps": C(128, 128, 8, 2),
+    # the accumulator rescaled once the previous P·V is waited on, in each form of the consumer
+    "m64-n64-early": C(64, 64, 4, 2, early_rescale=True),
+    "split-early": C(128, 128, 4, 2, True, True, False, early_rescale=True),
+    "persistent-split-early": C(128, 128, 4, 2, True, True, False, True, early_rescale=True),
+    "dynamic-split-overlap-pp-early": C(128, 128, 4, 2, True, True, True, True, dynamic=True, overlap_tiles=True,
+                                        early_rescale=True),
 }
 # b, sq, sk, h, hk, d, causal, key padding
 SHAPES = {
@@ -111,7 +117,8 @@ D256_CONFIGS = {"shipped": None, "n64-split": C(128, 64, 4, 2, True, True, False
                 "n64-dynamic-one-q-overlap": C(128, 64, 4, 2, True, True, False, True, dynamic=True, q_buffers=1,
                                                overlap_tiles=True),
                 "n64-dynamic-one-q-overlap-pp": C(128, 64, 4, 2, True, True, True, True, dynamic=True, q_buffers=1,
-                                                  overlap_tiles=True)}
+                                                  overlap_tiles=True),
+                "n64-split-early": C(128, 64, 4, 2, True, True, False, early_rescale=True)}
 D256_SHAPES = {
     "ragged-gqa-causal": (2, 1000, 1000, 4, 2, 256, True, False),
     "causal-sq<sk": (1, 300, 1000, 2, 2, 256, True, False),
