@@ -56,7 +56,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashflow.kernels.hopper import first_turn, load_block, pass_turn, store_rows, take_turn
+from flashflow.kernels.hopper import first_turn, load_block, pass_turn, rescaled, store_rows, take_turn
 from flashflow.kernels.tile_order import attention_tile
 
 LOG2_E4M3_MAX: gl.constexpr = gl.constexpr(8.807354922057604)   # log2(448)
@@ -138,7 +138,7 @@ def _p_operand(p, BLOCK_N: gl.constexpr, KEYS_PERMUTED: gl.constexpr, p_layout: 
 def _issue_pv(acc, alpha, p, vt_buf, BLOCK_N: gl.constexpr, KEYS_PERMUTED: gl.constexpr, p_layout: gl.constexpr):
     """``acc · α + P8 · V8`` as an asynchronous WGMMA (P from registers, Vᵀ's buffer read as
     the K-major B operand); the caller waits on the returned accumulator."""
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+    acc = rescaled(acc, alpha)
     return warpgroup_mma(_p_operand(p, BLOCK_N, KEYS_PERMUTED, p_layout), vt_buf.permute((1, 0)), acc,
                          is_async=True)
 

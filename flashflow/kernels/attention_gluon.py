@@ -103,7 +103,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from flashflow.kernels.hopper import first_turn, load_block, pass_turn, store_rows, take_turn
+from flashflow.kernels.hopper import first_turn, load_block, pass_turn, rescaled, store_rows, take_turn
 from flashflow.kernels.mask import key_allowed
 from flashflow.kernels.softmax import log_sum_exp, normalize, online_softmax_scaled, shift_of
 from flashflow.kernels.sync import acquire_at_least, release_add
@@ -130,18 +130,12 @@ def _masked_scores(qk, offs_m, start_n, seqlen_k, diag_offset, kpm, mask_keys, C
 
 
 @gluon.jit
-def _rescaled(acc, alpha):
-    """``acc · α`` row by row: the accumulator brought to a block's new row maximum."""
-    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
-
-
-@gluon.jit
 def _issue_pv(acc, alpha, p, v_buf, EARLY_RESCALE: gl.constexpr):
     """``acc · α + P · V`` as an asynchronous WGMMA (P, 16-bit, from registers as the A operand,
     V's buffer as the B operand); the caller waits on the returned accumulator. With
     ``EARLY_RESCALE`` ``acc`` comes already rescaled (:func:`_after_pv`)."""
     if not EARLY_RESCALE:
-        acc = _rescaled(acc, alpha)
+        acc = rescaled(acc, alpha)
     return warpgroup_mma(p, v_buf, acc, is_async=True)
 
 
@@ -153,7 +147,7 @@ def _after_pv(acc, alpha, EARLY_RESCALE: gl.constexpr):
     128 at 256) with the next block's Q·Kᵀ HGMMAs, which then issue late; done here they
     run before them. Which is faster depends on the tile (its config's ``early_rescale``)."""
     if EARLY_RESCALE:
-        acc = _rescaled(acc, alpha)
+        acc = rescaled(acc, alpha)
     return acc
 
 

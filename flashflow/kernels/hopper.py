@@ -1,5 +1,6 @@
 """The Gluon pieces the Hopper (sm90) attention kernels share: a TMA copy into one buffer of a
-ring, the ping-pong turns of two MMA warpgroups, the store of an output tile.
+ring, the ping-pong turns of two MMA warpgroups, the accumulator's rescale, the store of an
+output tile.
 
 A ring is ``NUM_STAGES`` shared-memory buffers, each with a "ready" mbarrier the copy completes
 (expect-tx bytes) and, where a load warp fills it, a "free" mbarrier its consumers arrive on;
@@ -74,6 +75,13 @@ def pass_turn(PINGPONG: gl.constexpr, WG: gl.constexpr):
             _bar_arrive(11)
         else:
             _bar_arrive(10)
+
+
+@gluon.jit
+def rescaled(acc, alpha):
+    """``acc · α`` row by row (``alpha`` one value a row, in any row layout): the online
+    softmax's accumulator brought to a block's new row maximum."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
 
 
 @gluon.jit
